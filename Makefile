@@ -1,0 +1,44 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   run the arithmetic example on this machine (private etcd, all daemons, live view)
+#   make test   run the whole test suite (unit + integration with real etcd and real processes)
+# Both create .venv if missing, install the pinned dependencies and etcd.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+DEMO_SPEC ?= examples/arithmetic.toml
+PYTEST_ARGS ?=
+
+.PHONY: setup etcd test demo clean
+
+setup: $(STAMP) etcd
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch==2.13.0 must resolve to the CPU wheel: installed on its own first so
+	# nothing else can pull a CUDA build (see shared/FINDINGS.md).
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test,ml]'
+	@touch $(STAMP)
+
+etcd:
+	@if command -v etcd >/dev/null 2>&1 && command -v etcdctl >/dev/null 2>&1; then \
+	  :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing etcd (apt-get install etcd-server etcd-client)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client >/dev/null; \
+	else \
+	  echo "etcd 3.4+ is required: as root on Debian/Ubuntu run 'apt-get install -y etcd-server etcd-client'," \
+	       "or put the etcd and etcdctl binaries on PATH" >&2; exit 1; \
+	fi
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/rlfleet run $(DEMO_SPEC)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,190 @@
+"""The one base every rlfleet daemon runs on.
+
+Lifecycle: load the spec (from etcd, or a file) → register under
+/rlfleet/<job>/members/<role>/<id> with a lease → loop over `run_cycle()` →
+on SIGTERM: drain, deregister, exit 0; on SIGHUP: reload the spec.
+
+Signals only set flags; the loop does the work, so every transition happens
+at one well-defined place and is logged as one sentence (STYLE §3).
+Subclasses fill in `setup()`, `cycle()`, `drain()` and `member_info()`;
+long-running data-plane work belongs in their own threads, never in `cycle()`,
+which must stay short so the lease is refreshed in time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from rlfleet.common import metrics
+from rlfleet.common.keys import JobKeys
+from rlfleet.common.session import Session
+from rlfleet.common.spec import SINGLETON_ROLES, JobSpec, SpecError, load_spec, parse_spec
+from rlfleet.common.store import Store, StoreUnavailable
+
+log = logging.getLogger("rlfleet.daemon")
+
+
+@dataclass(frozen=True)
+class DaemonOptions:
+    job: str
+    member_id: str
+    host: str = socket.gethostname()
+    spec_file: str | None = None  # else the spec is read from /rlfleet/<job>/spec
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
+
+
+class Daemon:
+    role: ClassVar[str] = ""
+
+    def __init__(self, options: DaemonOptions, store: Store) -> None:
+        self.options = options
+        self.store = store
+        self.keys = JobKeys(options.job)
+        self.spec: JobSpec | None = None
+        self.session: Session | None = None
+        self.state = "starting"
+        self.addresses: dict[str, str] = {}  # data-plane endpoints this daemon serves
+        self.metrics_url = ""
+        self.started_at = time.time()
+        self.cycles = 0
+        self._stop = threading.Event()
+        self._reload = threading.Event()
+        self._wake = threading.Event()
+        self._labels = {"role": self.role, "id": options.member_id}
+
+    # -- hooks for subclasses ------------------------------------------------
+    def setup(self) -> None:
+        """Bind sockets (fill self.addresses), start worker threads."""
+
+    def cycle(self) -> str | None:
+        """The role's periodic control work; return a sentence if something happened."""
+        return None
+
+    def drain(self) -> str | None:
+        """Finish or hand back in-flight work before deregistering."""
+        return None
+
+    def reload(self, spec: JobSpec) -> str:
+        self.spec = spec
+        return "reloaded spec"
+
+    def member_info(self) -> dict[str, Any]:
+        """Extra role-specific fields for the member registration (keep them slow-changing)."""
+        return {}
+
+    # -- the loop -------------------------------------------------------------
+    def request_stop(self, *_: object) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def request_reload(self, *_: object) -> None:
+        self._reload.set()
+        self._wake.set()
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGHUP, self.request_reload)
+
+    def run(self) -> int:
+        self.spec = self._load_spec_until_available()
+        if self.spec is None:
+            return 0  # stopped while waiting for the spec
+        self.session = Session(self.store, self.keys, self.role, self.options.member_id,
+                               ttl_s=self.spec.etcd.lease_ttl_s, elect=self.role in SINGLETON_ROLES)
+        self.metrics_url = metrics.serve_metrics(self.options.metrics_host, self.options.metrics_port)
+        self.setup()
+        self.state = "running"
+        metrics.UP.labels(**self._labels).set(1)
+        interval = self.spec.etcd.refresh_interval_s
+        while not self._stop.is_set():
+            started = time.monotonic()
+            said = self.run_cycle()
+            if said:
+                log.info(said, extra={"event": "cycle"})
+            metrics.CYCLE_SECONDS.labels(**self._labels).observe(time.monotonic() - started)
+            self._wake.wait(max(0.0, interval - (time.monotonic() - started)))
+            self._wake.clear()
+        return self.shutdown()
+
+    def run_cycle(self) -> str:
+        """One pass: reload if asked, keep the registration alive, run the role's work."""
+        assert self.session is not None and self.spec is not None
+        said: list[str] = []
+        if self._reload.is_set():
+            self._reload.clear()
+            said.append(self._reload_spec())
+        said += self.session.step(self.member_value())
+        role_said = self.cycle()
+        if role_said:
+            said.append(role_said)
+        self.cycles += 1
+        metrics.CYCLES.labels(**self._labels).inc()
+        metrics.DEGRADED.labels(**self._labels).set(int(self.session.degraded))
+        metrics.IS_LEADER.labels(**self._labels).set(int(self.session.is_leader))
+        metrics.LEASE_GRANTS.labels(**self._labels)._value.set(self.session.lease_grants)
+        return "; ".join(said)
+
+    def shutdown(self) -> int:
+        self.state = "draining"
+        said = [s for s in (self.drain(),) if s]
+        if self.session is not None:
+            said.append(self.session.close())
+        metrics.UP.labels(**self._labels).set(0)
+        log.info("; ".join(said + ["exiting"]), extra={"event": "exit"})
+        return 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.session is not None and self.session.is_leader
+
+    def member_value(self) -> dict[str, Any]:
+        return {
+            "id": self.options.member_id,
+            "role": self.role,
+            "host": self.options.host,
+            "pid": os.getpid(),
+            "state": self.state,
+            "addresses": self.addresses,
+            "metrics": self.metrics_url,
+            "started": round(self.started_at, 3),
+            **self.member_info(),
+        }
+
+    # -- spec ----------------------------------------------------------------
+    def _fetch_spec(self) -> JobSpec:
+        if self.options.spec_file:
+            return load_spec(self.options.spec_file)
+        kv = self.store.get(self.keys.spec)
+        if kv is None:
+            raise LookupError(f"no spec at {self.keys.spec} yet (submit one with `rlfleet job submit`)")
+        return parse_spec(kv.value, source=f"etcd:{self.keys.spec}")
+
+    def _load_spec_until_available(self) -> JobSpec | None:
+        backoff = 0.1
+        last_reason = ""
+        while not self._stop.is_set():
+            try:
+                return self._fetch_spec()
+            except (StoreUnavailable, LookupError) as exc:
+                if str(exc) != last_reason:
+                    log.warning("waiting for the job spec: %s", exc, extra={"event": "wait_spec"})
+                    last_reason = str(exc)
+            self._wake.wait(backoff)
+            self._wake.clear()
+            backoff = min(backoff * 2, 2.0)
+        return None
+
+    def _reload_spec(self) -> str:
+        try:
+            return self.reload(self._fetch_spec())
+        except (StoreUnavailable, LookupError, SpecError) as exc:
+            return f"kept the current spec, reload failed: {exc}"

@@ -1,0 +1,277 @@
+"""`Store` over a real etcd cluster, through etcd-sdk-python (`pyetcd`).
+
+Why this client: etcd3 0.12 breaks on modern protobuf; pyetcd is its maintained
+fork with a multi-endpoint client (see shared/FINDINGS.md). It does not retry a
+failed call itself, it only marks the endpoint failed, so every call here goes
+through `_call`, which tries each endpoint once before giving up with
+`StoreUnavailable`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+import grpc
+import pyetcd
+from pyetcd import exceptions as etcd_exc
+
+from rlfleet.common.store import (
+    KeyValue,
+    Lease,
+    LeaseExpired,
+    Store,
+    StoreUnavailable,
+    Watch,
+    WatchEvent,
+)
+
+log = logging.getLogger("rlfleet.store")
+
+T = TypeVar("T")
+
+# Errors that mean "this endpoint did not answer", as opposed to a logic error.
+_UNREACHABLE = (
+    etcd_exc.ConnectionFailedError,
+    etcd_exc.ConnectionTimeoutError,
+    etcd_exc.NoServerAvailableError,
+    etcd_exc.InternalServerError,
+    etcd_exc.WatchTimedOut,
+    grpc.RpcError,
+    ValueError,  # pyetcd raises ValueError when the endpoint in use was marked failed
+)
+
+# A failed endpoint is skipped for this long. pyetcd's default is 300 s, which
+# would keep a single-endpoint client offline for 5 minutes after one blip.
+ENDPOINT_RETRY_S = 1.0
+
+
+def parse_endpoints(endpoints: str | list[str]) -> list[tuple[str, int]]:
+    """'h1:2379,h2:2379' or ['h1:2379', ...] -> [(host, port), ...]."""
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    parsed = []
+    for item in items:
+        item = item.strip().removeprefix("http://")
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"etcd endpoint must be host:port, got {item!r}")
+        parsed.append((host, int(port)))
+    if not parsed:
+        raise ValueError("no etcd endpoints given")
+    return parsed
+
+
+def _encode(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def _decode(raw: bytes | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        # Someone wrote a non-JSON value by hand; show it rather than crash.
+        return raw.decode("utf-8", "replace")
+
+
+class EtcdStore(Store):
+    def __init__(self, endpoints: str | list[str], timeout_s: float = 1.0) -> None:
+        self.endpoints = parse_endpoints(endpoints)
+        self.timeout_s = timeout_s
+        self._client = self._new_client()
+        # pyetcd's multi-endpoint client keeps unsynchronised stub caches.
+        self._lock = threading.RLock()
+
+    def _new_client(self) -> pyetcd.MultiEndpointEtcd3Client:
+        eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=ENDPOINT_RETRY_S) for h, p in self.endpoints]
+        client = pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=self.timeout_s, failover=True)
+        # Use endpoints in the order given (pyetcd picks one at random), so an
+        # operator's list order means "preferred first" and tests are repeatable.
+        client._current_endpoint_label = eps[0].netloc
+        return client
+
+    def _call(self, what: str, fn: Callable[[pyetcd.MultiEndpointEtcd3Client], T]) -> T:
+        last: BaseException | None = None
+        # One try per endpoint, plus one: the first failure only marks the endpoint.
+        for _ in range(len(self.endpoints) + 1):
+            try:
+                with self._lock:
+                    return fn(self._client)
+            except _UNREACHABLE as exc:
+                last = exc
+        raise StoreUnavailable(f"etcd {what}: no endpoint answered ({self.describe()}): {last!r}")
+
+    def describe(self) -> str:
+        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+    # -- plain keys -------------------------------------------------------
+    def get(self, key: str) -> KeyValue | None:
+        value, meta = self._call("get", lambda c: c.get(key))
+        if meta is None:
+            return None
+        return KeyValue(key, _decode(value), meta.create_revision, meta.mod_revision, meta.lease_id)
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        items = self._call("get_prefix", lambda c: list(c.get_prefix(prefix, sort_order="ascend")))
+        return [KeyValue(m.key.decode(), _decode(v), m.create_revision, m.mod_revision, m.lease_id)
+                for v, m in items]
+
+    def put(self, key: str, value: Any, lease: Lease | None = None) -> int:
+        resp = self._call("put", lambda c: c.put(key, _encode(value), lease=lease.id if lease else None))
+        return resp.header.revision
+
+    def delete(self, key: str) -> bool:
+        return bool(self._call("delete", lambda c: c.delete(key)))
+
+    def delete_prefix(self, prefix: str) -> int:
+        return self._call("delete_prefix", lambda c: c.delete_prefix(prefix)).deleted
+
+    def compare_and_swap(self, key: str, expected_mod_revision: int, value: Any,
+                         lease: Lease | None = None) -> bool:
+        def txn(c: pyetcd.MultiEndpointEtcd3Client) -> bool:
+            t = c.transactions
+            ok, _ = c.transaction(
+                compare=[t.mod(key) == expected_mod_revision],
+                success=[t.put(key, _encode(value), lease=lease.id if lease else None)],
+                failure=[],
+            )
+            return ok
+        return self._call("compare_and_swap", txn)
+
+    def compare_and_swap_delete(self, key: str, expected_mod_revision: int) -> bool:
+        def txn(c: pyetcd.MultiEndpointEtcd3Client) -> bool:
+            t = c.transactions
+            ok, _ = c.transaction(compare=[t.mod(key) == expected_mod_revision],
+                                  success=[t.delete(key)], failure=[])
+            return ok
+        return self._call("compare_and_swap_delete", txn)
+
+    def revision(self) -> int:
+        return self._call("revision", lambda c: c.get_response(b"\0").header.revision)
+
+    # -- leases -----------------------------------------------------------
+    def grant_lease(self, ttl_s: int | float) -> Lease:
+        ttl = max(2, math.ceil(ttl_s))  # etcd leases are whole seconds; etcd's floor is ~1.5 s
+        lease = self._call("grant_lease", lambda c: c.lease(ttl))
+        return Lease(lease.id, ttl)
+
+    def refresh_lease(self, lease: Lease) -> int:
+        responses = self._call("refresh_lease", lambda c: list(c.refresh_lease(lease.id)))
+        ttl = responses[0].TTL if responses else 0
+        if ttl <= 0:
+            raise LeaseExpired(f"lease {lease.id:x} expired")
+        return ttl
+
+    def revoke_lease(self, lease: Lease) -> None:
+        try:
+            self._call("revoke_lease", lambda c: c.revoke_lease(lease.id))
+        except etcd_exc.Etcd3Exception:
+            pass  # already gone: revoking is idempotent for us
+
+    def lease_remaining(self, lease_id: int) -> int:
+        return self._call("lease_remaining", lambda c: c.get_lease_info(lease_id)).TTL
+
+    # -- watches ----------------------------------------------------------
+    def watch_prefix(self, prefix: str, start_revision: int | None = None) -> Watch:
+        # Each watch gets its own client: pyetcd closes a client's watcher
+        # whenever a unary call fails over, which would silently end the watch.
+        if start_revision is None:
+            # Pin "now" to a revision so a break before the first event loses nothing.
+            start_revision = self.revision() + 1
+        return _EtcdWatch(self._new_client, prefix, start_revision)
+
+    def close(self) -> None:
+        with self._lock:
+            self._client.close()
+
+
+class _EtcdWatch(Watch):
+    """A watch thread that re-subscribes from `last_revision + 1` after any break."""
+
+    def __init__(self, make_client: Callable[[], pyetcd.MultiEndpointEtcd3Client], prefix: str,
+                 start_revision: int) -> None:
+        self._make_client = make_client
+        self._prefix = prefix
+        self._next_revision = start_revision
+        self._last_revision = start_revision - 1
+        self._events: queue.Queue[WatchEvent | None] = queue.Queue()
+        self._stop = threading.Event()
+        self.reconnects = 0
+        self._thread = threading.Thread(target=self._run, name=f"watch:{prefix}", daemon=True)
+        self._thread.start()
+
+    @property
+    def last_revision(self) -> int:
+        return self._last_revision
+
+    def get(self, timeout: float | None = None) -> WatchEvent | None:
+        try:
+            event = self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if event is None:  # cancelled
+            self._events.put(None)
+        return event
+
+    def cancel(self) -> None:
+        self._stop.set()
+        self._events.put(None)
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._stop.is_set():
+            client = self._make_client()
+            responses: queue.Queue[Any] = queue.Queue()
+            try:
+                # One failover per try: the first failure marks the endpoint.
+                watch_id = None
+                for _ in range(len(client.endpoints) + 1):
+                    try:
+                        watch_id = client.add_watch_prefix_callback(
+                            self._prefix, responses.put, start_revision=self._next_revision)
+                        break
+                    except _UNREACHABLE:
+                        continue
+                if watch_id is None:
+                    raise StoreUnavailable("no endpoint accepted the watch")
+                backoff = 0.05
+                while not self._stop.is_set():
+                    try:
+                        item = responses.get(timeout=0.2)
+                    except queue.Empty:
+                        continue
+                    if isinstance(item, etcd_exc.RevisionCompactedError):
+                        # Events we had not seen are gone for good; resume from the
+                        # oldest revision still kept and say so loudly.
+                        log.error("watch %s: revisions before %d were compacted; events lost",
+                                  self._prefix, item.compacted_revision)
+                        self._next_revision = item.compacted_revision
+                        raise item
+                    if isinstance(item, BaseException):
+                        raise item
+                    for ev in item.events:
+                        kind = "delete" if isinstance(ev, pyetcd.events.DeleteEvent) else "put"
+                        self._last_revision = ev.mod_revision
+                        self._next_revision = ev.mod_revision + 1
+                        self._events.put(WatchEvent(kind, ev.key.decode(),
+                                                    None if kind == "delete" else _decode(ev.value),
+                                                    ev.mod_revision))
+            except Exception as exc:  # noqa: BLE001 — any break means: re-subscribe
+                if self._stop.is_set():
+                    break
+                self.reconnects += 1
+                log.warning("watch %s broke (%r); re-watching from revision %s in %.2fs",
+                            self._prefix, exc, self._next_revision, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+            finally:
+                try:
+                    client.close()
+                except Exception:  # noqa: BLE001
+                    pass

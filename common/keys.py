@@ -1,0 +1,113 @@
+"""The etcd key layout (ARCHITECTURE §6) — the one place key names are spelled.
+
+Every value under these keys is JSON, so `etcdctl get --prefix /rlfleet/<job>/`
+is readable by an operator without Python. Keys are part of the operator
+interface: change them only with a migration note in docs/etcd-keys.md.
+
+    /rlfleet/<job>/spec                            the job spec, as submitted
+    /rlfleet/<job>/nodes/<host>                    machine inventory (lease)
+    /rlfleet/<job>/members/<role>/<id>             live daemons: addresses, host, pid, state (lease)
+    /rlfleet/<job>/leader/<role>                   elections: {"id": ..., "since": ...} (lease)
+    /rlfleet/<job>/placement/<host>/<role>/<id>    desired daemons per machine
+    /rlfleet/<job>/weights/latest                  {version, bytes, checksum, master}
+    /rlfleet/<job>/relay/chain                     ordered relay ids
+    /rlfleet/<job>/prompts/cursor                  claimed prompt ranges
+    /rlfleet/<job>/trainer/checkpoint              last checkpoint: version, path
+"""
+
+from __future__ import annotations
+
+import re
+
+ROOT = "/rlfleet"
+
+_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def _check(component: str, what: str) -> str:
+    # A '/' or empty component would silently alias another key; refuse it early.
+    if not _COMPONENT.match(component):
+        raise ValueError(f"invalid {what} for an etcd key component: {component!r}")
+    return component
+
+
+class JobKeys:
+    """Key names for one job. Build once per daemon: `keys = JobKeys("demo")`."""
+
+    def __init__(self, job: str) -> None:
+        self.job = _check(job, "job name")
+        self.prefix = f"{ROOT}/{job}/"
+
+    # -- whole-job -------------------------------------------------------
+    @property
+    def spec(self) -> str:
+        return f"{self.prefix}spec"
+
+    # -- liveness (lease-bound) -----------------------------------------
+    @property
+    def nodes_prefix(self) -> str:
+        return f"{self.prefix}nodes/"
+
+    def node(self, host: str) -> str:
+        return f"{self.nodes_prefix}{_check(host, 'host')}"
+
+    @property
+    def members_prefix(self) -> str:
+        return f"{self.prefix}members/"
+
+    def role_members_prefix(self, role: str) -> str:
+        return f"{self.members_prefix}{_check(role, 'role')}/"
+
+    def member(self, role: str, member_id: str) -> str:
+        return f"{self.role_members_prefix(role)}{_check(member_id, 'member id')}"
+
+    @property
+    def leaders_prefix(self) -> str:
+        return f"{self.prefix}leader/"
+
+    def leader(self, role: str) -> str:
+        return f"{self.leaders_prefix}{_check(role, 'role')}"
+
+    # -- desired state ---------------------------------------------------
+    @property
+    def placement_prefix(self) -> str:
+        return f"{self.prefix}placement/"
+
+    def host_placement_prefix(self, host: str) -> str:
+        return f"{self.placement_prefix}{_check(host, 'host')}/"
+
+    def placement(self, host: str, role: str, member_id: str) -> str:
+        return f"{self.host_placement_prefix(host)}{_check(role, 'role')}/{_check(member_id, 'member id')}"
+
+    # -- weights, prompts, checkpoints -----------------------------------
+    @property
+    def weights_latest(self) -> str:
+        return f"{self.prefix}weights/latest"
+
+    @property
+    def relay_chain(self) -> str:
+        return f"{self.prefix}relay/chain"
+
+    @property
+    def prompts_cursor(self) -> str:
+        return f"{self.prefix}prompts/cursor"
+
+    @property
+    def trainer_checkpoint(self) -> str:
+        return f"{self.prefix}trainer/checkpoint"
+
+    # -- parsing ---------------------------------------------------------
+    def parse_member(self, key: str) -> tuple[str, str]:
+        """'/rlfleet/j/members/<role>/<id>' -> (role, id)."""
+        rest = key.removeprefix(self.members_prefix)
+        role, _, member_id = rest.partition("/")
+        if rest == key or not role or not member_id or "/" in member_id:
+            raise ValueError(f"not a member key of job {self.job!r}: {key!r}")
+        return role, member_id
+
+    def parse_placement(self, key: str) -> tuple[str, str, str]:
+        """'/rlfleet/j/placement/<host>/<role>/<id>' -> (host, role, id)."""
+        parts = key.removeprefix(self.placement_prefix).split("/")
+        if not key.startswith(self.placement_prefix) or len(parts) != 3 or not all(parts):
+            raise ValueError(f"not a placement key of job {self.job!r}: {key!r}")
+        return parts[0], parts[1], parts[2]

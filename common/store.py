@@ -1,0 +1,154 @@
+"""The control-plane store interface: what daemons may ask of etcd.
+
+Daemon code talks to `Store`, never to an etcd client: values are JSON-able
+Python objects, results are immutable snapshots, and every failure to reach the
+store is one exception type, `StoreUnavailable`, so losing etcd is an ordinary
+branch in a daemon's cycle rather than a crash. The implementation over a real
+etcd cluster is `rlfleet.common.etcd_store.EtcdStore`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Iterator, Literal
+
+
+class StoreUnavailable(Exception):
+    """No endpoint of the store answered in time. Callers retry on their next cycle."""
+
+
+class LeaseExpired(Exception):
+    """The lease is gone (expired or revoked); keys bound to it are deleted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: Any  # decoded JSON
+    create_revision: int
+    mod_revision: int
+    lease_id: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchEvent:
+    kind: Literal["put", "delete"]
+    key: str
+    value: Any  # decoded JSON, None for deletes
+    revision: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    id: int
+    ttl_s: int
+
+
+class Watch(abc.ABC):
+    """An event stream over a key prefix that survives store restarts.
+
+    Iterating yields events in revision order with no gaps: after a broken
+    stream the watch re-subscribes from the revision after the last one it
+    delivered.
+    """
+
+    @abc.abstractmethod
+    def get(self, timeout: float | None = None) -> WatchEvent | None:
+        """Next event, or None after `timeout` seconds without one."""
+
+    @abc.abstractmethod
+    def cancel(self) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def last_revision(self) -> int: ...
+
+    def __iter__(self) -> Iterator[WatchEvent]:
+        while True:
+            event = self.get(timeout=None)
+            if event is None:
+                return
+            yield event
+
+
+class Store(abc.ABC):
+    """Key-value store with leases, watches, CAS and elections (etcd v3 semantics)."""
+
+    # -- plain keys -------------------------------------------------------
+    @abc.abstractmethod
+    def get(self, key: str) -> KeyValue | None: ...
+
+    @abc.abstractmethod
+    def get_prefix(self, prefix: str) -> list[KeyValue]: ...
+
+    @abc.abstractmethod
+    def put(self, key: str, value: Any, lease: Lease | None = None) -> int:
+        """Write `value` as JSON; returns the new revision."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def delete_prefix(self, prefix: str) -> int: ...
+
+    @abc.abstractmethod
+    def compare_and_swap(self, key: str, expected_mod_revision: int, value: Any,
+                         lease: Lease | None = None) -> bool:
+        """Write only if the key's mod revision is still `expected_mod_revision`
+        (0: only if the key does not exist). False means someone else wrote first."""
+
+    @abc.abstractmethod
+    def revision(self) -> int:
+        """The store's current revision."""
+
+    # -- leases -------------------------------------------------------------
+    @abc.abstractmethod
+    def grant_lease(self, ttl_s: int) -> Lease: ...
+
+    @abc.abstractmethod
+    def refresh_lease(self, lease: Lease) -> int:
+        """Keep the lease alive; returns its remaining TTL. Raises LeaseExpired."""
+
+    @abc.abstractmethod
+    def revoke_lease(self, lease: Lease) -> None: ...
+
+    @abc.abstractmethod
+    def lease_remaining(self, lease_id: int) -> int:
+        """Seconds left on a lease without refreshing it; -1 once it is gone."""
+
+    # -- watches ------------------------------------------------------------
+    @abc.abstractmethod
+    def watch_prefix(self, prefix: str, start_revision: int | None = None) -> Watch: ...
+
+    # -- elections ------------------------------------------------------------
+    def campaign(self, key: str, value: Any, lease: Lease) -> bool:
+        """Try to become leader: a create-only put of `key` bound to `lease`.
+
+        True if we hold it now (just created, or already ours from an earlier
+        cycle). The key disappears with the lease, which is what hands
+        leadership to a standby when a leader dies.
+        """
+        if self.compare_and_swap(key, 0, value, lease=lease):
+            return True
+        current = self.get(key)
+        return current is not None and current.lease_id == lease.id
+
+    def resign(self, key: str, lease: Lease) -> bool:
+        """Give up leadership if we hold it (delete only our own key)."""
+        current = self.get(key)
+        if current is None or current.lease_id != lease.id:
+            return False
+        return self.compare_and_swap_delete(key, current.mod_revision)
+
+    @abc.abstractmethod
+    def compare_and_swap_delete(self, key: str, expected_mod_revision: int) -> bool: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

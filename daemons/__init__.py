@@ -1,0 +1,27 @@
+"""rlfleet.daemons: one sub-package per daemon role.
+
+`daemon_class(role)` imports lazily so that `rlfleet daemon --help` and spec
+errors are instant and no role pays for another role's imports (torch, …).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+DAEMON_CLASSES = {
+    "resource-manager": "rlfleet.daemons.resource_manager.daemon:ResourceManager",
+    "trainer": "rlfleet.daemons.trainer.daemon:Trainer",
+    "relay": "rlfleet.daemons.relay.daemon:Relay",
+    "rollout": "rlfleet.daemons.rollout.daemon:Rollout",
+    "env-host": "rlfleet.daemons.env_host.daemon:EnvHost",
+    "reward-host": "rlfleet.daemons.reward_host.daemon:RewardHost",
+    "repack-manager": "rlfleet.daemons.repack_manager.daemon:RepackManager",
+}
+
+
+def daemon_class(role: str) -> type:
+    try:
+        module_name, _, cls = DAEMON_CLASSES[role].partition(":")
+    except KeyError:
+        raise ValueError(f"unknown role {role!r}; roles: {', '.join(DAEMON_CLASSES)}") from None
+    return getattr(importlib.import_module(module_name), cls)

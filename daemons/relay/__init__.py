@@ -1,0 +1,1 @@
+"""relay: CPU copies of the latest weight versions in shared memory; forwards chunks down the relay chain."""

@@ -1,0 +1,1 @@
+"""repack-manager: rollout stats, long-tail detection, repack plans (leader-elected)."""

@@ -1,0 +1,1 @@
+"""resource-manager: node inventory, placement (leader-elected; standbys wait)."""

@@ -1,0 +1,1 @@
+"""reward-host: stateless reward workers; scored trajectories go to the trainer until acknowledged."""

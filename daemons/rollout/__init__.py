@@ -1,0 +1,1 @@
+"""rollout: an inference engine with continuous batching; stateless server of generation requests."""

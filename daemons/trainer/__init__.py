@@ -1,0 +1,1 @@
+"""trainer: policy weights, optimizer, journaled experience buffer, checkpoints, weight versions (leader-elected)."""

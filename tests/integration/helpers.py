@@ -1,0 +1,70 @@
+"""Helpers for integration tests: spec files, waiting on etcd state, processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+FAST_SPEC = """\
+[job]
+name = "{job}"
+runs_dir = "{runs}"
+
+[etcd]
+lease_ttl_s = 2.0
+retry_timeout_s = 0.5
+
+[model]
+path = "models/fake"
+
+[task]
+name = "arithmetic"
+"""
+
+
+def write_spec(tmp_path: Path, job: str = "itest", text: str = FAST_SPEC) -> Path:
+    """A valid spec with a short lease TTL; the model dir is a stand-in (no model is loaded yet)."""
+    (tmp_path / "models" / "fake").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "models" / "fake" / "config.json").write_text("{}")
+    path = tmp_path / f"{job}.toml"
+    path.write_text(text.format(job=job, runs=tmp_path / "runs"))
+    return path
+
+
+def wait_for(what: str, fn: Callable[[], T], timeout_s: float = 30.0, every_s: float = 0.05) -> T:
+    """Poll fn until it returns something truthy; fail with `what` on timeout."""
+    deadline = time.monotonic() + timeout_s
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = fn()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 — keep polling through transient errors
+            last_exc = exc
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}" + (f" (last error {last_exc!r})" if last_exc else ""))
+
+
+def rlfleet(*args: str, log: Path | None = None) -> subprocess.Popen:
+    out = open(log, "ab") if log else subprocess.DEVNULL
+    return subprocess.Popen([sys.executable, "-m", "rlfleet.tools.cli", *args], stdout=out, stderr=out,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 20.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode

@@ -1,0 +1,127 @@
+"""EtcdStore against real etcd processes: leases, watches across restarts, CAS, failover."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rlfleet.common.etcd_store import EtcdStore, parse_endpoints
+from rlfleet.common.store import LeaseExpired, StoreUnavailable
+
+
+def test_put_get_prefix_delete_are_json(etcd):
+    store = EtcdStore(etcd.endpoints)
+    store.put("/t/a", {"x": 1})
+    store.put("/t/b", [1, 2])
+    assert store.get("/t/a").value == {"x": 1}
+    assert [kv.key for kv in store.get_prefix("/t/")] == ["/t/a", "/t/b"]
+    assert store.delete("/t/a") is True
+    assert store.get("/t/a") is None
+    assert store.delete_prefix("/t/") == 1
+
+
+def test_lease_expiry_removes_registration(etcd):
+    store = EtcdStore(etcd.endpoints)
+    lease = store.grant_lease(2)
+    store.put("/t/member", {"id": "x"}, lease=lease)
+    assert store.refresh_lease(lease) > 0
+    assert store.get("/t/member").lease_id == lease.id
+    deadline = time.monotonic() + 6
+    while store.get("/t/member") is not None:
+        assert time.monotonic() < deadline, "lease-bound key outlived its lease"
+        time.sleep(0.1)
+    with pytest.raises(LeaseExpired):
+        store.refresh_lease(lease)
+
+
+def test_cas_rejects_stale_write(etcd):
+    store = EtcdStore(etcd.endpoints)
+    assert store.compare_and_swap("/t/cursor", 0, {"next": 0})      # create-only
+    assert not store.compare_and_swap("/t/cursor", 0, {"next": 99})  # exists already
+    seen = store.get("/t/cursor")
+    assert store.compare_and_swap("/t/cursor", seen.mod_revision, {"next": 8})
+    # A writer still holding the old revision loses.
+    assert not store.compare_and_swap("/t/cursor", seen.mod_revision, {"next": 16})
+    assert store.get("/t/cursor").value == {"next": 8}
+
+
+def test_campaign_is_exclusive_and_follows_lease(etcd):
+    a, b = EtcdStore(etcd.endpoints), EtcdStore(etcd.endpoints)
+    la, lb = a.grant_lease(2), b.grant_lease(2)
+    assert a.campaign("/t/leader", {"id": "a"}, la)
+    assert a.campaign("/t/leader", {"id": "a"}, la)  # idempotent for the holder
+    assert not b.campaign("/t/leader", {"id": "b"}, lb)
+    a.revoke_lease(la)
+    assert b.campaign("/t/leader", {"id": "b"}, lb)
+    assert b.resign("/t/leader", lb)
+    assert a.get("/t/leader") is None
+
+
+def test_watch_survives_etcd_restart_without_losing_events(etcd):
+    store = EtcdStore(etcd.endpoints)
+    watch = store.watch_prefix("/w/")
+    store.put("/w/1", 1)
+    first = watch.get(timeout=5)
+    assert (first.kind, first.key, first.value) == ("put", "/w/1", 1)
+
+    member = etcd.members[0]
+    etcd.kill_member(member)
+    etcd.start_member(member)  # same data dir: revisions survive
+    # Written while the watch is (re)connecting: must still arrive, in order.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            store.put("/w/2", 2)
+            break
+        except StoreUnavailable:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    store.put("/w/3", 3)
+    store.delete("/w/1")
+    got = [watch.get(timeout=10) for _ in range(3)]
+    assert [(e.kind, e.key) for e in got] == [("put", "/w/2"), ("put", "/w/3"), ("delete", "/w/1")]
+    assert watch.last_revision == got[-1].revision
+    assert watch.reconnects >= 1
+    watch.cancel()
+
+
+def test_unreachable_store_raises_store_unavailable_quickly():
+    store = EtcdStore(["127.0.0.1:1"], timeout_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        store.get("/x")
+    assert time.monotonic() - t0 < 3
+
+
+def test_failover_when_the_used_member_is_killed(etcd3):
+    store = EtcdStore(etcd3.endpoints, timeout_s=0.5)
+    store.put("/f/a", 1)
+    # Kill whichever member the client is talking to right now.
+    in_use = store._client.endpoint_in_use.netloc
+    victim = next(m for m in etcd3.members if m.endpoint == in_use)
+    etcd3.kill_member(victim)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            store.put("/f/b", 2)
+            break
+        except StoreUnavailable:
+            assert time.monotonic() < deadline, "no failover to a live member"
+            time.sleep(0.1)
+    assert store.get("/f/b").value == 2
+    assert store._client.endpoint_in_use.netloc != in_use
+
+
+def test_parse_endpoints_errors():
+    assert parse_endpoints("a:1,b:2") == [("a", 1), ("b", 2)]
+    with pytest.raises(ValueError, match="host:port"):
+        parse_endpoints("nohost")
+
+
+def test_lease_remaining_does_not_refresh(etcd):
+    store = EtcdStore(etcd.endpoints)
+    lease = store.grant_lease(2)
+    assert 0 < store.lease_remaining(lease.id) <= 2
+    store.revoke_lease(lease)
+    assert store.lease_remaining(lease.id) == -1

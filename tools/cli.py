@@ -1,0 +1,210 @@
+"""The `rlfleet` command: daemons, the embedded fleet, and operator tools.
+
+Thin on purpose (STYLE §9): nothing heavy is imported before the arguments
+and the spec are validated, so `--help` and config errors are instant.
+
+Exit codes: 0 ok, 1 failure, 2 bad usage / bad spec (click's own), 3 etcd unreachable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from rlfleet.common.spec import ROLES, SpecError, load_spec
+
+EXIT_SPEC = 2
+EXIT_ETCD = 3
+DEFAULT_ETCD = os.environ.get("RLFLEET_ETCD", "127.0.0.1:2379")
+
+etcd_option = click.option("--etcd", "etcd", default=DEFAULT_ETCD, show_default=True, metavar="HOST:PORT[,...]",
+                           help="etcd endpoints (also $RLFLEET_ETCD).")
+
+
+def _store(endpoints: str):
+    from rlfleet.common.etcd_store import EtcdStore
+    try:
+        return EtcdStore(endpoints)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--etcd") from None
+
+
+def _fail_unreachable(exc: Exception, endpoints: str) -> None:
+    click.echo(f"error: etcd at {endpoints} is unreachable: {exc}", err=True)
+    sys.exit(EXIT_ETCD)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """rlfleet: asynchronous RL post-training on a fleet of machines."""
+
+
+# -- daemons ------------------------------------------------------------------------
+@main.command()
+@click.argument("role", type=click.Choice(ROLES))
+@click.option("--job", required=True, help="Job name (the /rlfleet/<job>/ prefix in etcd).")
+@etcd_option
+@click.option("--id", "member_id", default=None, help="Member id; default <host>-<role>-<pid>.")
+@click.option("--host", default=socket.gethostname(), show_default=True, help="Host name this daemon reports.")
+@click.option("--spec", "spec_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Read the spec from this file instead of etcd.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True)
+@click.option("--metrics-port", default=0, show_default=True, help="0 picks a free port.")
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+def daemon(role: str, job: str, etcd: str, member_id: str | None, host: str, spec_file: str | None,
+           metrics_host: str, metrics_port: int, log_level: str) -> None:
+    """Run one daemon of ROLE until SIGTERM."""
+    from rlfleet.common.daemon import DaemonOptions
+    from rlfleet.common.keys import JobKeys
+    from rlfleet.common.logs import setup_json_logging
+    from rlfleet.daemons import daemon_class
+
+    if spec_file:
+        try:
+            load_spec(spec_file)
+        except SpecError as exc:
+            click.echo(str(exc), err=True)
+            sys.exit(EXIT_SPEC)
+    try:
+        JobKeys(job)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--job") from None
+    member_id = member_id or f"{host}-{role}-{os.getpid()}"
+    setup_json_logging(log_level, job=job, role=role, id=member_id)
+    options = DaemonOptions(job=job, member_id=member_id, host=host, spec_file=spec_file,
+                            metrics_host=metrics_host, metrics_port=metrics_port)
+    instance = daemon_class(role)(options, _store(etcd))
+    instance.install_signal_handlers()
+    sys.exit(instance.run())
+
+
+# -- the embedded fleet ---------------------------------------------------------------
+@main.command()
+@click.argument("spec_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--etcd", default=None, metavar="HOST:PORT[,...]",
+              help="Use this etcd instead of starting a private one.")
+@click.option("--duration", type=float, default=None, help="Stop by itself after this many seconds.")
+@click.option("--no-view", is_flag=True, help="Plain event lines instead of the live table.")
+def run(spec_file: str, etcd: str | None, duration: float | None, no_view: bool) -> None:
+    """Run a whole job on this machine: etcd (private unless --etcd), every daemon, a live view."""
+    from rlfleet.tools.supervisor import Supervisor
+    try:
+        spec = load_spec(spec_file)
+    except SpecError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(EXIT_SPEC)
+    run_dir = Path(spec.job.runs_dir) / spec.job.name / time.strftime("%Y%m%d-%H%M%S")
+    click.echo(f"run dir: {run_dir}")
+    sys.exit(Supervisor(spec, spec_file, etcd, run_dir, view=not no_view).run(duration))
+
+
+# -- operator views ----------------------------------------------------------------------
+def _pick_job(store, job: str | None) -> str:
+    if job:
+        return job
+    jobs = sorted({kv.key.split("/")[2] for kv in store.get_prefix("/rlfleet/") if kv.key.count("/") >= 3})
+    if len(jobs) != 1:
+        raise click.UsageError(f"--job is required: etcd holds {len(jobs)} jobs ({', '.join(jobs) or 'none'})")
+    return jobs[0]
+
+
+@main.command()
+@click.option("--job", default=None, help="Job name; optional when etcd holds only one.")
+@etcd_option
+@click.option("--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def status(job: str | None, etcd: str, output: str) -> None:
+    """Members, leaders, nodes and problems of a job (per role)."""
+    from rich.console import Console
+
+    from rlfleet.common.keys import JobKeys
+    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.tools.fleet_view import etcdctl_equivalent, members_table, nodes_table, take_snapshot
+
+    store = _store(etcd)
+    try:
+        job = _pick_job(store, job)
+        snap = take_snapshot(store, job)
+    except StoreUnavailable as exc:
+        _fail_unreachable(exc, etcd)
+    if output == "json":
+        click.echo(json.dumps(snap.to_json(), indent=2, default=str))
+        return
+    console = Console()
+    console.print(members_table(snap))
+    console.print(nodes_table(snap))
+    for problem in snap.problems:
+        console.print(f"[yellow]problem:[/yellow] {problem}")
+    console.print(f"[dim]same data: {etcdctl_equivalent(etcd, JobKeys(job).prefix)}[/dim]")
+    if snap.problems:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("prefix", default="/rlfleet/")
+@etcd_option
+@click.option("--keys-only", is_flag=True)
+def keys(prefix: str, etcd: str, keys_only: bool) -> None:
+    """The raw key tree under PREFIX, values as JSON."""
+    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.tools.fleet_view import etcdctl_equivalent
+
+    try:
+        items = _store(etcd).get_prefix(prefix)
+    except StoreUnavailable as exc:
+        _fail_unreachable(exc, etcd)
+    for kv in items:
+        click.echo(kv.key if keys_only else f"{kv.key}\t{json.dumps(kv.value, sort_keys=True)}")
+    click.echo(f"# same data: {etcdctl_equivalent(etcd, prefix, keys_only)}", err=True)
+
+
+# -- job specs ----------------------------------------------------------------------------
+@main.group()
+def job() -> None:
+    """Validate and submit job specs."""
+
+
+@job.command()
+@click.argument("spec_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+def validate(spec_files: tuple[str, ...]) -> None:
+    """Check spec files; print every error with its key path."""
+    bad = 0
+    for path in spec_files:
+        try:
+            spec = load_spec(path)
+            click.echo(f"{path}: ok (job {spec.job.name}, task {spec.task.name}, "
+                       f"{sum(spec.all_roles().values())} daemons)")
+        except SpecError as exc:
+            bad += 1
+            click.echo(str(exc), err=True)
+    if bad:
+        sys.exit(EXIT_SPEC)
+
+
+@job.command()
+@click.argument("spec_file", type=click.Path(exists=True, dir_okay=False))
+@etcd_option
+def submit(spec_file: str, etcd: str) -> None:
+    """Write a validated spec to /rlfleet/<job>/spec (daemons pick it up)."""
+    from rlfleet.common.keys import JobKeys
+    from rlfleet.common.store import StoreUnavailable
+    try:
+        spec = load_spec(spec_file)
+    except SpecError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(EXIT_SPEC)
+    key = JobKeys(spec.job.name).spec
+    try:
+        _store(etcd).put(key, spec.to_dict())
+    except StoreUnavailable as exc:
+        _fail_unreachable(exc, etcd)
+    click.echo(f"submitted {spec_file} to {key}")
+
+
+if __name__ == "__main__":
+    main()

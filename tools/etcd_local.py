@@ -1,0 +1,160 @@
+"""Private etcd processes on loopback: the embedded fleet's etcd, and test clusters.
+
+Real etcd binaries (Debian's etcd-server), free ports, a temporary data dir.
+Members that lost quorum may ignore SIGTERM (FINDINGS), so `stop()` escalates
+to SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+INSTALL_HINT = ("etcd is not installed. On Debian/Ubuntu as root: "
+                "apt-get install -y etcd-server etcd-client (or put an etcd 3.4+ binary on PATH)")
+
+
+def etcd_binary() -> str:
+    path = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
+    if path is None:
+        raise FileNotFoundError(INSTALL_HINT)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class EtcdMember:
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class EtcdCluster:
+    """n etcd members on loopback. `EtcdCluster(1)` is the embedded single node."""
+
+    size: int = 1
+    base_dir: Path | None = None
+    # Fast elections: a loopback cluster needs no WAN-grade timeouts, and tests
+    # of leader loss finish in a fraction of a second instead of several.
+    heartbeat_ms: int = 10
+    election_ms: int = 100
+    members: list[EtcdMember] = field(default_factory=list)
+    _own_dir: bool = False
+
+    def __post_init__(self) -> None:
+        if self.base_dir is None:
+            self.base_dir = Path(tempfile.mkdtemp(prefix="rlfleet-etcd-"))
+            self._own_dir = True
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        for i in range(self.size):
+            name = f"m{i}"
+            self.members.append(EtcdMember(name, free_port(), free_port(),
+                                           self.base_dir / f"{name}.etcd", self.base_dir / f"{name}.log"))
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    @property
+    def endpoints_arg(self) -> str:
+        return ",".join(self.endpoints)
+
+    def _cmd(self, m: EtcdMember, state: str) -> list[str]:
+        initial = ",".join(f"{x.name}={x.peer_url}" for x in self.members)
+        return [etcd_binary(), "--name", m.name, "--data-dir", str(m.data_dir),
+                "--listen-client-urls", f"http://{m.endpoint}",
+                "--advertise-client-urls", f"http://{m.endpoint}",
+                "--listen-peer-urls", m.peer_url, "--initial-advertise-peer-urls", m.peer_url,
+                "--initial-cluster", initial, "--initial-cluster-state", state,
+                "--initial-cluster-token", f"rlfleet-{id(self):x}",
+                "--heartbeat-interval", str(self.heartbeat_ms),
+                "--election-timeout", str(self.election_ms),
+                "--log-level", "warn"]
+
+    def start(self, timeout_s: float = 20.0) -> "EtcdCluster":
+        for m in self.members:
+            self.start_member(m, wait=False)
+        self.wait_healthy(timeout_s)
+        return self
+
+    def start_member(self, m: EtcdMember, wait: bool = True, timeout_s: float = 20.0) -> None:
+        state = "existing" if m.data_dir.exists() else "new"
+        log = open(m.log_path, "ab")
+        m.proc = subprocess.Popen(self._cmd(m, state), stdout=log, stderr=log,
+                                  stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        if wait:
+            self.wait_healthy(timeout_s, members=[m])
+
+    def wait_healthy(self, timeout_s: float = 20.0, members: list[EtcdMember] | None = None) -> None:
+        """Until every given member answers a linearizable read (so quorum exists)."""
+        import urllib.request
+        deadline = time.monotonic() + timeout_s
+        for m in members or self.members:
+            while True:
+                if m.proc is not None and m.proc.poll() is not None:
+                    raise RuntimeError(f"etcd member {m.name} exited with {m.proc.returncode}; "
+                                       f"log: {m.log_path}\n{m.log_path.read_text()[-2000:]}")
+                try:
+                    with urllib.request.urlopen(f"http://{m.endpoint}/health", timeout=1) as r:
+                        if b'"true"' in r.read():
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"etcd member {m.name} not healthy after {timeout_s}s; log: {m.log_path}")
+                time.sleep(0.05)
+
+    def kill_member(self, m: EtcdMember) -> None:
+        if m.alive():
+            m.proc.kill()
+            m.proc.wait()
+
+    def stop_member(self, m: EtcdMember, grace_s: float = 3.0) -> None:
+        if not m.alive():
+            return
+        m.proc.send_signal(signal.SIGTERM)
+        try:
+            m.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            m.proc.kill()
+            m.proc.wait()
+
+    def stop(self) -> None:
+        for m in self.members:
+            self.stop_member(m)
+        if self._own_dir and self.base_dir is not None:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def __enter__(self) -> "EtcdCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

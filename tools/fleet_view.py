@@ -1,0 +1,131 @@
+"""A snapshot of one job as etcd sees it, and its rendering (table or JSON).
+
+Shared by `rlfleet status` and the live view of `rlfleet run`: both show the
+same facts the same way. Reads only; every read here has an `etcdctl`
+equivalent (see `etcdctl_equivalent`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.table import Table
+
+from rlfleet.common.keys import JobKeys
+from rlfleet.common.spec import ROLES, SINGLETON_ROLES
+from rlfleet.common.store import Store
+
+
+@dataclass(frozen=True)
+class Member:
+    role: str
+    member_id: str
+    host: str
+    pid: int
+    state: str
+    leader: bool
+    addresses: dict[str, str]
+    metrics: str
+    started: float
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    job: str
+    taken_at: float
+    members: list[Member]
+    leaders: dict[str, str]                 # role -> member id
+    nodes: dict[str, dict[str, Any]]        # host -> inventory
+    placed: list[tuple[str, str, str]]      # (host, role, id)
+    problems: list[str] = field(default_factory=list)
+
+    def by_role(self) -> dict[str, list[Member]]:
+        out: dict[str, list[Member]] = {r: [] for r in ROLES}
+        for m in self.members:
+            out.setdefault(m.role, []).append(m)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "taken_at": self.taken_at,
+            "members": [vars(m) for m in self.members],
+            "leaders": self.leaders,
+            "nodes": self.nodes,
+            "placement": [{"host": h, "role": r, "id": i} for h, r, i in self.placed],
+            "problems": self.problems,
+        }
+
+
+def take_snapshot(store: Store, job: str) -> FleetSnapshot:
+    keys = JobKeys(job)
+    members = []
+    for kv in store.get_prefix(keys.members_prefix):
+        role, member_id = keys.parse_member(kv.key)
+        v = kv.value if isinstance(kv.value, dict) else {}
+        members.append(Member(role, member_id, str(v.get("host", "?")), int(v.get("pid", 0) or 0),
+                              str(v.get("state", "?")), bool(v.get("leader", False)),
+                              dict(v.get("addresses") or {}), str(v.get("metrics", "")),
+                              float(v.get("started", 0) or 0)))
+    leaders = {kv.key.rsplit("/", 1)[-1]: (kv.value or {}).get("id", "?")
+               for kv in store.get_prefix(keys.leaders_prefix)}
+    nodes = {kv.key.rsplit("/", 1)[-1]: kv.value for kv in store.get_prefix(keys.nodes_prefix)}
+    placed = sorted(keys.parse_placement(kv.key) for kv in store.get_prefix(keys.placement_prefix))
+    return FleetSnapshot(job, time.time(), members, leaders, nodes, placed,
+                         _problems(members, leaders, placed))
+
+
+def _problems(members: list[Member], leaders: dict[str, str], placed: list[tuple[str, str, str]]) -> list[str]:
+    """What an operator should look at: missing daemons, missing leaders, odd states."""
+    live = {(m.role, m.member_id) for m in members}
+    problems = [f"{role}/{mid} placed on {host} but not registered"
+                for host, role, mid in placed if (role, mid) not in live]
+    roles_live = {m.role for m in members}
+    problems += [f"{role}: no leader" for role in SINGLETON_ROLES if role in roles_live and role not in leaders]
+    problems += [f"{m.role}/{m.member_id}: state {m.state}" for m in members if m.state not in ("running",)]
+    return problems
+
+
+def members_table(snap: FleetSnapshot, restarts: dict[str, int] | None = None) -> Table:
+    table = Table(title=f"job {snap.job}", expand=False)
+    for col in ("role", "id", "host", "pid", "state", "leader", "up", "addresses"):
+        table.add_column(col)
+    if restarts is not None:
+        table.add_column("restarts", justify="right")
+    by_role = snap.by_role()
+    for role in by_role:
+        members = sorted(by_role[role], key=lambda m: m.member_id)
+        if not members:
+            row = [role, "—", "", "", "[red]none live[/red]", "", "", ""]
+            table.add_row(*row, *([""] if restarts is not None else []))
+            continue
+        for m in members:
+            leader = "★" if snap.leaders.get(role) == m.member_id else ("standby" if role in SINGLETON_ROLES else "")
+            state = m.state if m.state == "running" else f"[yellow]{m.state}[/yellow]"
+            up = f"{snap.taken_at - m.started:.0f}s" if m.started else ""
+            addrs = " ".join(f"{k}={v}" for k, v in sorted(m.addresses.items()))
+            row = [role, m.member_id, m.host, str(m.pid), state, leader, up, addrs]
+            if restarts is not None:
+                row.append(str(restarts.get(m.member_id, 0)))
+            table.add_row(*row)
+    return table
+
+
+def nodes_table(snap: FleetSnapshot) -> Table:
+    table = Table(title="nodes")
+    for col in ("host", "cpus", "memory", "gpus"):
+        table.add_column(col)
+    for host, inv in sorted(snap.nodes.items()):
+        inv = inv or {}
+        mem = inv.get("memory_bytes", 0) / 2**30
+        gpus = ", ".join(g.get("name", "?") for g in inv.get("gpus", [])) or "—"
+        table.add_row(host, str(inv.get("cpus_logical", "?")), f"{mem:.1f} GiB", gpus)
+    return table
+
+
+def etcdctl_equivalent(endpoints: str, prefix: str, keys_only: bool = False) -> str:
+    """The plain etcdctl command that shows the same data (no Python needed)."""
+    extra = " --keys-only" if keys_only else ""
+    return f"ETCDCTL_API=3 etcdctl --endpoints={endpoints} get --prefix {prefix}{extra}"
