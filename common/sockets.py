@@ -1,0 +1,551 @@
+"""The ZeroMQ socket patterns of the data plane, with the wire codec built in.
+
+- RequestServer / RequestClient (ROUTER / DEALER): request-reply matched by a
+  per-request id, so one client can pipeline many requests; a silent peer becomes a
+  PeerTimeout, never a hang. AsyncRequestClient is the asyncio twin (env-host tasks).
+- ReliableSender / ReliableReceiver: at-least-once delivery keyed by an id (e.g. a
+  trajectory id) for data that must not be lost. Built on DEALER / ROUTER, not
+  PUSH / PULL, because PUSH / PULL cannot carry the Ack back to the sender.
+
+Framing on the socket (ROUTER adds/strips the peer identity in front)::
+
+    request / reliable message:  [id, header, body, *buffers]
+    reply:                       [id, header, body, *buffers]
+    ack (receiver -> sender):    [header, body]            (an Ack message)
+
+Every receiving object rejects bad frames (counted in ``rejected`` by reason, in the
+``rlfleet_wire_rejected_frames_total`` Counter and the log) and keeps serving. A
+frame above ``max_bytes`` is refused by libzmq itself (MAXMSGSIZE): it drops that
+peer's connection before we see the frame, so such peers are not counted here.
+
+A socket belongs to one thread (ZeroMQ sockets are not thread-safe). To serve several
+sockets from one loop, register each object's ``.sock`` in a zmq.Poller and call its
+``recv(0)`` when readable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import heapq
+import itertools
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+import zmq
+import zmq.asyncio
+
+from .wire import (MAX_FRAME_BYTES, REJECT_REASONS, Ack, Message, WireError, decode, encode,
+                   record_rejection)
+
+log = logging.getLogger("rlfleet.wire")
+
+Expect = type | tuple[type, ...] | None  # message type(s) a socket accepts; others rejected
+DEFAULT_HWM = 1000  # messages queued per peer before send blocks / fails
+_MAX_ID_BYTES = 256
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """CURVE keys (Z85 bytes, from zmq.curve_keypair()).
+
+    A server needs public + secret; a client needs its own pair and server_public.
+    Without a ZAP authenticator any client that knows server_public may connect:
+    this encrypts traffic, it does not yet authenticate clients.
+    """
+
+    public: bytes
+    secret: bytes
+    server_public: bytes | None = None
+
+    @classmethod
+    def generate(cls, server_public: bytes | None = None) -> CurveKeys:
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret, server_public)
+
+
+class PeerTimeout(TimeoutError):
+    """The peer did not answer (or could not be reached) within timeout_s."""
+
+    def __init__(self, address: str, timeout_s: float, what: str = "reply") -> None:
+        super().__init__(f"no {what} from {address} within {timeout_s:.3g} s")
+        self.address = address
+        self.timeout_s = timeout_s
+
+
+def bind(sock: zmq.Socket, address: str) -> str:
+    """Bind and return the actual endpoint ("tcp://10.0.0.5:0" -> "tcp://10.0.0.5:41231").
+
+    Bind to the host's routable address when the endpoint is to be published in etcd;
+    a wildcard bind ("tcp://0.0.0.0:0") returns the wildcard, which peers can't use.
+    """
+    sock.bind(address)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def make_socket(kind: int, *, server: bool, ctx: zmq.Context | None = None,
+                curve: CurveKeys | None = None, hwm: int = DEFAULT_HWM,
+                max_bytes: int = MAX_FRAME_BYTES) -> zmq.Socket:
+    """A socket with the fleet's options; ``server`` is the binding side."""
+    sock = (ctx or zmq.Context.instance()).socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)  # close() never blocks on unsent data; senders resend
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)  # per frame; bigger -> peer disconnected
+    # ZMTP heartbeats notice a dead peer (kill -9, cable) and drop its pipe, so queued
+    # messages stop going into a connection that will never deliver them.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 6000)
+    if server:
+        if kind == zmq.ROUTER:  # unroutable reply -> error we can see, not a silent drop
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    else:
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+    if curve is not None:
+        sock.curve_publickey = curve.public
+        sock.curve_secretkey = curve.secret
+        if server:
+            sock.curve_server = True
+        else:
+            if curve.server_public is None:
+                raise ValueError("a CURVE client needs CurveKeys.server_public")
+            sock.curve_serverkey = curve.server_public
+    return sock
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _ms_left(deadline: float | None) -> int | None:
+    if deadline is None:
+        return None
+    return max(0, math.ceil((deadline - time.monotonic()) * 1000))
+
+
+def _id_from(frame: Any) -> str:
+    raw = frame.bytes if isinstance(frame, zmq.Frame) else bytes(frame)
+    if not raw or len(raw) > _MAX_ID_BYTES:
+        raise WireError("malformed", f"id frame of {len(raw)} bytes")
+    try:
+        return raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise WireError("malformed", "id frame is not ascii") from None
+
+
+class _Endpoint:
+    """What every wrapper shares: the socket, the rejection counters, closing.
+
+    The binding side (``server``) publishes ``endpoint``; the connecting side may name
+    several addresses, over which a DEALER spreads its messages round-robin.
+    """
+
+    def __init__(self, kind: int, address: str | Sequence[str], server: bool,
+                 opts: dict[str, Any]) -> None:
+        self.name: str = opts.pop("name")
+        self.expect = opts.pop("expect", None)
+        self.max_bytes: int = opts["max_bytes"]
+        self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
+        self.sock = make_socket(kind, server=server, **opts)
+        try:
+            if server:
+                assert isinstance(address, str)
+                self.endpoint = self.address = bind(self.sock, address)
+            else:
+                addresses = [address] if isinstance(address, str) else list(address)
+                for a in addresses:
+                    self.sock.connect(a)
+                self.address = ",".join(addresses)
+        except BaseException:
+            self.sock.close(linger=0)
+            raise
+
+    def _decode(self, frames: list[Any], with_id: bool = True) -> tuple[str, Message] | None:
+        """Decode ``[id, header, body, *buffers]`` (``[header, ...]`` without id).
+
+        None if rejected: counted, logged, and the caller moves on to the next message.
+        """
+        try:
+            n_ids = 1 if with_id else 0
+            if len(frames) < 2 + n_ids:
+                raise WireError("truncated", f"{len(frames)} frames")
+            rid = _id_from(frames[0]) if n_ids else ""
+            return rid, decode(frames[n_ids:], self.expect, max_bytes=self.max_bytes)
+        except WireError as e:
+            record_rejection(e, self.name, self.rejected)
+            return None
+
+    def _recv_frames(self, deadline: float | None) -> list[Any] | None:
+        """Next multipart message, or None once the deadline passes."""
+        while self.sock.poll(_ms_left(deadline), zmq.POLLIN):
+            try:
+                return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                continue
+        return None
+
+    def _send_routed(self, frames: list[Any]) -> bool:
+        """Send from a ROUTER; False when the peer is gone or not keeping up."""
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno == errno.EHOSTUNREACH:
+                return False
+            raise
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- request / reply
+
+
+class RequestServer(_Endpoint):
+    """ROUTER side of request-reply. ``endpoint`` is the bound address to publish."""
+
+    def __init__(self, address: str, *, expect: Expect = None, ctx: zmq.Context | None = None,
+                 curve: CurveKeys | None = None, hwm: int = DEFAULT_HWM,
+                 max_bytes: int = MAX_FRAME_BYTES, name: str = "request-server") -> None:
+        opts = dict(expect=expect, ctx=ctx, curve=curve, hwm=hwm, max_bytes=max_bytes, name=name)
+        super().__init__(zmq.ROUTER, address, True, opts)
+
+    def recv(self, timeout: float | None = None) -> tuple[bytes, str, Message] | None:
+        """Next valid request as (client_identity, request_id, msg); None on timeout.
+
+        Rejected frames are skipped (and counted) within the same timeout.
+        """
+        deadline = _deadline(timeout)
+        while (frames := self._recv_frames(deadline)) is not None:
+            got = self._decode(frames[1:])
+            if got is not None:
+                return frames[0].bytes, got[0], got[1]
+        return None
+
+    def reply(self, client_identity: bytes, request_id: str, msg: Message) -> bool:
+        """Send the reply; False (logged) if that client is gone or not reading."""
+        if self._send_routed([client_identity, request_id.encode(), *encode(msg)]):
+            return True
+        log.info("%s: reply %s dropped: client gone or not reading", self.name, request_id)
+        return False
+
+
+class RequestClient(_Endpoint):
+    """DEALER side of request-reply, with request ids and timeouts.
+
+    With several addresses, requests are spread round-robin over connected servers.
+    Replies to requests that timed out or were cancelled are discarded (``stale``).
+    """
+
+    def __init__(self, address: str | Sequence[str], *, expect: Expect = None,
+                 ctx: zmq.Context | None = None, curve: CurveKeys | None = None,
+                 hwm: int = DEFAULT_HWM, max_bytes: int = MAX_FRAME_BYTES,
+                 name: str = "request-client") -> None:
+        opts = dict(expect=expect, ctx=ctx, curve=curve, hwm=hwm, max_bytes=max_bytes, name=name)
+        super().__init__(zmq.DEALER, address, False, opts)
+        self._prefix = os.urandom(4).hex()  # ids unique fleet-wide: greppable across logs
+        self._seq = itertools.count()
+        self._outstanding: set[str] = set()
+        self._ready: dict[str, Message] = {}  # replies that arrived while request() waited
+        self.stale = 0
+
+    def send(self, msg: Message, timeout_s: float = 10.0) -> str:
+        """Send without waiting for the reply; returns the request id.
+
+        Raises PeerTimeout if no server is connected (or all are full) for timeout_s.
+        """
+        rid = f"{self._prefix}-{next(self._seq)}"
+        frames = [rid.encode(), *encode(msg)]
+        deadline = _deadline(timeout_s)
+        while self.sock.poll(_ms_left(deadline), zmq.POLLOUT):
+            try:  # NOBLOCK: the peer may vanish between poll and send
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                continue
+            self._outstanding.add(rid)
+            return rid
+        raise PeerTimeout(self.address, timeout_s, "connected server")
+
+    def cancel(self, request_id: str) -> None:
+        """Stop waiting for this request; a late reply will be discarded."""
+        self._outstanding.discard(request_id)
+        self._ready.pop(request_id, None)
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._outstanding) + len(self._ready)
+
+    def _next_reply(self, deadline: float | None) -> tuple[str, Message] | None:
+        while (frames := self._recv_frames(deadline)) is not None:
+            got = self._decode(frames)
+            if got is None:
+                continue
+            if got[0] in self._outstanding:
+                self._outstanding.discard(got[0])
+                return got
+            self.stale += 1
+            log.debug("%s: discarding stale reply %s", self.name, got[0])
+        return None
+
+    def poll_replies(self, timeout: float = 0.0) -> list[tuple[str, Message]]:
+        """Replies that have arrived, waiting up to timeout for the first one."""
+        out = list(self._ready.items())
+        self._ready.clear()
+        deadline = _deadline(0.0 if out else timeout)
+        while (got := self._next_reply(deadline)) is not None:
+            out.append(got)
+            deadline = _deadline(0.0)
+        return out
+
+    def request(self, msg: Message, timeout_s: float) -> Message:
+        """Send and wait for the matching reply; PeerTimeout after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        rid = self.send(msg, timeout_s)
+        while (got := self._next_reply(deadline)) is not None:
+            if got[0] == rid:
+                return got[1]
+            self._ready[got[0]] = got[1]  # a pipelined request's reply: keep for poll_replies
+        self._outstanding.discard(rid)
+        raise PeerTimeout(self.address, timeout_s)
+
+
+class AsyncRequestClient(_Endpoint):
+    """asyncio RequestClient: many concurrent ``await request(...)`` from one loop.
+
+    A background task reads replies and resolves the waiting request by id.
+    """
+
+    def __init__(self, address: str | Sequence[str], *, expect: Expect = None,
+                 ctx: zmq.asyncio.Context | None = None, curve: CurveKeys | None = None,
+                 hwm: int = DEFAULT_HWM, max_bytes: int = MAX_FRAME_BYTES,
+                 name: str = "async-request-client") -> None:
+        ctx = ctx or zmq.asyncio.Context.instance()
+        opts = dict(expect=expect, ctx=ctx, curve=curve, hwm=hwm, max_bytes=max_bytes, name=name)
+        super().__init__(zmq.DEALER, address, False, opts)
+        self._prefix = os.urandom(4).hex()
+        self._seq = itertools.count()
+        self._waiting: dict[str, asyncio.Future[Message]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self.stale = 0
+
+    async def request(self, msg: Message, timeout_s: float) -> Message:
+        rid = f"{self._prefix}-{next(self._seq)}"
+        frames = [rid.encode(), *encode(msg)]
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.create_task(self._read_loop())
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.sock.send_multipart(frames, copy=False)
+                return await fut
+        except TimeoutError:
+            raise PeerTimeout(self.address, timeout_s) from None
+        finally:
+            self._waiting.pop(rid, None)
+
+    async def _read_loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            got = self._decode(frames)
+            if got is None:
+                continue
+            fut = self._waiting.get(got[0])
+            if fut is None or fut.done():
+                self.stale += 1
+            else:
+                fut.set_result(got[1])
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        super().close()
+
+
+# ----------------------------------------------------------------------------- reliable delivery
+
+
+@dataclass
+class _Pending:
+    frames: list[Any]
+    attempts: int = 0
+    due: float = 0.0
+
+
+class ReliableSender(_Endpoint):
+    """At-least-once sender: every message stays in an in-memory outbox until acked.
+
+    Call ``poll()`` regularly (it reads acks and resends what is due); resends back
+    off from resend_after_s doubling up to max_backoff_s. The outbox dies with the
+    process: the caller's own journal covers sender restarts.
+    """
+
+    def __init__(self, address: str | Sequence[str], *, ctx: zmq.Context | None = None,
+                 curve: CurveKeys | None = None, resend_after_s: float = 2.0,
+                 max_backoff_s: float = 30.0, max_pending: int = 10_000, hwm: int = DEFAULT_HWM,
+                 max_bytes: int = MAX_FRAME_BYTES, name: str = "reliable-sender") -> None:
+        opts = dict(expect=Ack, ctx=ctx, curve=curve, hwm=hwm, max_bytes=max_bytes, name=name)
+        super().__init__(zmq.DEALER, address, False, opts)
+        self.resend_after_s = resend_after_s
+        self.max_backoff_s = max_backoff_s
+        self.max_pending = max_pending
+        self._outbox: dict[str, _Pending] = {}
+        self._due: list[tuple[float, int, str]] = []  # heap; stale entries skipped lazily
+        self._tiebreak = itertools.count()
+        self._blocked_until = 0.0  # socket not writable: don't spin retrying until then
+        self.failed: list[tuple[str, str]] = []  # (id, error) the receiver refused for good
+        self.resends = 0
+
+    def send(self, key: str, msg: Message, timeout_s: float = 10.0) -> None:
+        """Queue msg under key and try to send it now. Re-sending a pending key replaces it.
+
+        Blocks (processing acks) while the outbox is full; PeerTimeout after timeout_s.
+        """
+        deadline = time.monotonic() + timeout_s
+        while key not in self._outbox and len(self._outbox) >= self.max_pending:
+            if time.monotonic() >= deadline:
+                raise PeerTimeout(self.address, timeout_s, "acknowledgements")
+            self.poll(min(0.05, max(0.0, deadline - time.monotonic())))
+        self._outbox[key] = _Pending([key.encode(), *encode(msg)])
+        self._schedule(key, time.monotonic())
+        self._send_due()
+
+    def pending(self) -> int:
+        return len(self._outbox)
+
+    def poll(self, timeout: float = 0.0) -> int:
+        """Read acks (waiting up to timeout for the first), resend what is due.
+
+        Returns how many ids were acknowledged.
+        """
+        self._send_due()
+        acked = 0
+        deadline = _deadline(min(timeout, self._next_due_in()))
+        while (frames := self._recv_frames(deadline)) is not None:
+            got = self._decode(frames, with_id=False)
+            if got is not None:
+                acked += self._on_ack(got[1])  # type: ignore[arg-type]
+            deadline = _deadline(0.0)
+        self._send_due()
+        return acked
+
+    def flush(self, timeout_s: float) -> bool:
+        """Poll until every pending message is acked; False if some remain at timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._outbox and (left := deadline - time.monotonic()) > 0:
+            self.poll(min(left, 0.1))
+        return not self._outbox
+
+    def _on_ack(self, ack: Ack) -> int:
+        n = 0
+        for key in ack.ids:
+            if self._outbox.pop(key, None) is None:
+                continue  # duplicate ack, or for a message we already gave up on
+            n += 1
+            if not ack.ok:
+                self.failed.append((key, ack.error))
+                log.warning("%s: %s refused by receiver: %s", self.name, key, ack.error)
+        return n
+
+    def _schedule(self, key: str, due: float) -> None:
+        self._outbox[key].due = due
+        heapq.heappush(self._due, (due, next(self._tiebreak), key))
+
+    def _next_due_in(self) -> float:
+        while self._due and self._is_stale(self._due[0]):
+            heapq.heappop(self._due)
+        if not self._due:
+            return math.inf
+        return max(0.0, self._due[0][0] - time.monotonic(), self._blocked_until - time.monotonic())
+
+    def _is_stale(self, item: tuple[float, int, str]) -> bool:
+        p = self._outbox.get(item[2])
+        return p is None or p.due != item[0]
+
+    def _send_due(self) -> None:
+        now = time.monotonic()
+        if now < self._blocked_until:
+            return
+        while self._due and self._due[0][0] <= now:
+            item = self._due[0]
+            if self._is_stale(item):
+                heapq.heappop(self._due)
+                continue
+            p = self._outbox[item[2]]
+            try:
+                self.sock.send_multipart(p.frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # no receiver connected, or it is full: retry a bit later
+                self._blocked_until = now + min(0.05, self.resend_after_s)
+                return
+            heapq.heappop(self._due)
+            if p.attempts:
+                self.resends += 1
+            p.attempts += 1
+            backoff = min(self.max_backoff_s, self.resend_after_s * 2 ** (p.attempts - 1))
+            self._schedule(item[2], now + backoff * random.uniform(0.9, 1.1))
+
+
+class ReliableReceiver(_Endpoint):
+    """Receiving side of ReliableSender. Duplicates happen: handle messages
+    idempotently by id, and ``ack`` only once the message is safe (e.g. journaled).
+    An id that is never acked is resent forever: refuse bad ones with ok=False.
+    """
+
+    def __init__(self, address: str, *, expect: Expect = None, ctx: zmq.Context | None = None,
+                 curve: CurveKeys | None = None, hwm: int = DEFAULT_HWM,
+                 max_bytes: int = MAX_FRAME_BYTES, name: str = "reliable-receiver") -> None:
+        opts = dict(expect=expect, ctx=ctx, curve=curve, hwm=hwm, max_bytes=max_bytes, name=name)
+        super().__init__(zmq.ROUTER, address, True, opts)
+        self._senders: dict[str, bytes] = {}  # id -> identity of the sender to ack
+
+    def recv(self, timeout: float | None = None) -> tuple[str, Message] | None:
+        """Next valid (id, msg); None on timeout."""
+        deadline = _deadline(timeout)
+        while (frames := self._recv_frames(deadline)) is not None:
+            got = self._decode(frames[1:])
+            if got is not None:
+                self._senders[got[0]] = frames[0].bytes
+                return got
+        return None
+
+    def drain(self, timeout: float = 0.0,
+              max_n: int | None = None) -> Iterator[tuple[str, Message]]:
+        """Yield messages: waits up to timeout for the first, then takes what is queued."""
+        n = 0
+        while max_n is None or n < max_n:
+            got = self.recv(timeout if n == 0 else 0.0)
+            if got is None:
+                return
+            n += 1
+            yield got
+
+    def ack(self, ids: Iterable[str], ok: bool = True, error: str = "") -> None:
+        """Acknowledge ids to whichever sender delivered them. A lost ack is harmless:
+        the sender resends, and the id is acked again."""
+        by_sender: dict[bytes, list[str]] = {}
+        for key in ids:
+            identity = self._senders.pop(key, None)
+            if identity is not None:
+                by_sender.setdefault(identity, []).append(key)
+        for identity, keys in by_sender.items():
+            if not self._send_routed([identity, *encode(Ack(ids=keys, ok=ok, error=error))]):
+                log.info("%s: ack of %d id(s) dropped: sender gone", self.name, len(keys))
