@@ -7,6 +7,7 @@ SIGKILL after a grace period) and etcd last.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ from rlfleet.common.spec import JobSpec
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.tools.etcd_local import EtcdCluster
 from rlfleet.tools.fleet_view import members_table, nodes_table, take_snapshot
+from rlfleet.tools.report import plot, read_metrics, summary
 
 log = logging.getLogger("rlfleet.supervisor")
 
@@ -38,6 +40,13 @@ HEALTHY_AFTER_S = 30.0      # a child that lived this long gets its backoff rese
 CRASH_LOOP_RESTARTS = 5     # this many restarts within CRASH_LOOP_WINDOW_S is reported loudly
 CRASH_LOOP_WINDOW_S = 60.0
 STOP_GRACE_S = 10.0
+TORCH_ROLES = ("trainer", "rollout")  # the processes that compute; they share the cores
+
+
+def torch_threads(placed: list[Placed], host: str) -> int:
+    """Threads per torch process so the processes on one machine do not oversubscribe its cores."""
+    n = sum(1 for p in placed if p.host == host and p.role in TORCH_ROLES)
+    return max(1, (os.cpu_count() or 1) // max(1, n))
 
 
 @dataclass
@@ -51,12 +60,14 @@ class Child:
     backoff_s: float = BACKOFF_START_S
     next_start_at: float = 0.0
     recent_deaths: deque = field(default_factory=lambda: deque(maxlen=CRASH_LOOP_RESTARTS))
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.placed.member_id
 
     def start(self, env: dict[str, str]) -> None:
+        env = {**env, **self.env}
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True)
@@ -97,12 +108,15 @@ class Supervisor:
     def make_children(self, endpoints: str) -> None:
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        for p in placement_from_spec(self.spec):
+        placed = placement_from_spec(self.spec)
+        for p in placed:
             if self.host is not None and p.host != self.host:
                 continue
             cmd = [sys.executable, "-m", "rlfleet.tools.cli", "daemon", p.role,
                    "--job", self.spec.job.name, "--etcd", endpoints, "--id", p.member_id, "--host", p.host]
-            self.children.append(Child(p, cmd, logs / f"{p.member_id}.log"))
+            env = {"RLFLEET_RUN_DIR": str(self.run_dir.resolve()),
+                   "RLFLEET_TORCH_THREADS": str(torch_threads(placed, p.host))}
+            self.children.append(Child(p, cmd, logs / f"{p.member_id}.log", env=env))
 
     # -- supervision ------------------------------------------------------------
     def note(self, message: str) -> None:
@@ -145,11 +159,41 @@ class Supervisor:
             snap = take_snapshot(store, self.spec.job.name)
         except StoreUnavailable as exc:
             return Group(Text(f"etcd {endpoints} unreachable: {exc}", style="red"), *self._events_text())
-        parts = [members_table(snap, restarts), nodes_table(snap)]
+        parts = [self._progress_text(), members_table(snap, restarts), nodes_table(snap)]
         if snap.problems:
             parts.append(Text("problems: " + "; ".join(snap.problems), style="yellow"))
         parts.append(Text(f"etcd {endpoints}   run dir {self.run_dir}   Ctrl-C stops everything", style="dim"))
         return Group(*parts, *self._events_text())
+
+    def _progress_text(self) -> Text:
+        m = read_metrics(self.run_dir / "metrics.jsonl")
+        if not m.train and not m.evals:
+            return Text("training: waiting for the first step", style="bold")
+        last = m.train[-1] if m.train else {}
+        ev = m.evals[-1]["eval_success"] if m.evals else None
+        stale = m.staleness()
+        hist = "  ".join(f"{k}:{v}" for k, v in sorted(stale.items())) or "—"
+        return Text(f"step {last.get('step', 0)}/{self.spec.trainer.max_steps}   "
+                    f"reward {last.get('reward_mean', 0.0):.3f}   "
+                    f"eval success {'—' if ev is None else f'{ev:.3f}'}   "
+                    f"{last.get('tokens_per_s', 0.0):.0f} tok/s   staleness {hist}", style="bold")
+
+    def trainer_done(self, store: EtcdStore) -> bool:
+        try:
+            kvs = store.get_prefix(JobKeys(self.spec.job.name).role_members_prefix("trainer"))
+        except StoreUnavailable:
+            return False
+        return any(isinstance(kv.value, dict) and kv.value.get("done") for kv in kvs)
+
+    def finish_report(self) -> None:
+        m = read_metrics(self.run_dir / "metrics.jsonl")
+        if not m.train and not m.evals:
+            return
+        result = summary(m)
+        (self.run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+        for path in plot(m, self.run_dir, title=f"{self.spec.job.name} ({self.spec.task.name})"):
+            self.note(f"wrote {path}")
+        self.note("summary: " + json.dumps(result))
 
     def _events_text(self) -> list[Text]:
         return [Text(e, style="cyan") for e in self.events]
@@ -191,8 +235,14 @@ class Supervisor:
                 live.start()
             try:
                 last_render = 0.0
+                last_done_check = 0.0
                 while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
                     self.supervise_once(env)
+                    if time.monotonic() - last_done_check > 2.0:
+                        last_done_check = time.monotonic()
+                        if self.trainer_done(store):
+                            self.note(f"trainer finished {self.spec.trainer.max_steps} steps")
+                            break
                     if live and time.monotonic() - last_render > 0.5:
                         live.update(self.render(store, endpoints))
                         last_render = time.monotonic()
@@ -209,5 +259,6 @@ class Supervisor:
             if self.cluster is not None:
                 self.cluster.stop()
                 self.note("etcd stopped")
-        self.note(f"stopped; logs in {self.run_dir / 'logs'}")
+        self.finish_report()
+        self.note(f"stopped; logs in {self.run_dir / 'logs'}, results in {self.run_dir}")
         return 0

@@ -1,0 +1,118 @@
+"""A run's results from its metrics.jsonl: a summary and PNG plots.
+
+metrics.jsonl holds one JSON object per line, each with `time` (unix seconds)
+and `step`; training lines carry `reward_mean`, `tokens_per_s`, `staleness`
+({staleness: count}), evaluation lines carry `eval_success` in [0, 1].
+
+    python -m rlfleet.tools.report runs/<job>/<timestamp>
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class RunMetrics:
+    train: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    bad_lines: int = 0
+
+    @property
+    def t0(self) -> float:
+        times = [r["time"] for r in self.train + self.evals]
+        return min(times) if times else 0.0
+
+    def staleness(self) -> Counter:
+        total: Counter = Counter()
+        for r in self.train:
+            total.update({int(k): int(v) for k, v in (r.get("staleness") or {}).items()})
+        return total
+
+
+def read_metrics(path: Path) -> RunMetrics:
+    """Tolerant reader: a torn last line (the trainer was killed mid-write) is skipped, counted."""
+    out = RunMetrics()
+    if not path.exists():
+        return out
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            out.bad_lines += 1
+            continue
+        if not isinstance(rec, dict) or "time" not in rec or "step" not in rec:
+            out.bad_lines += 1
+            continue
+        (out.evals if "eval_success" in rec else out.train).append(rec)
+    return out
+
+
+def summary(m: RunMetrics) -> dict[str, Any]:
+    s: dict[str, Any] = {"steps": max((r["step"] for r in m.train), default=0),
+                         "wall_s": round(max((r["time"] for r in m.train + m.evals), default=m.t0) - m.t0, 1)}
+    if m.evals:
+        s["eval_success_first"] = m.evals[0]["eval_success"]
+        s["eval_success_last"] = m.evals[-1]["eval_success"]
+        s["eval_success_best"] = max(r["eval_success"] for r in m.evals)
+    if m.train:
+        last = m.train[-5:]
+        s["reward_mean_last5"] = round(sum(r.get("reward_mean", 0.0) for r in last) / len(last), 4)
+        s["tokens_per_s_mean"] = round(sum(r.get("tokens_per_s", 0.0) for r in m.train) / len(m.train), 1)
+    s["staleness"] = dict(sorted(m.staleness().items()))
+    return s
+
+
+def plot(m: RunMetrics, out_dir: Path, title: str = "") -> list[Path]:
+    """reward and eval success against wall-clock and against step (two PNGs)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for axis, xlabel, fname in (("time", "wall-clock (s)", "learning_vs_time.png"),
+                                ("step", "trainer step", "learning_vs_step.png")):
+        fig, ax = plt.subplots(figsize=(7, 4))
+
+        def xs(rows: list[dict[str, Any]]) -> list[float]:
+            return [r["time"] - m.t0 if axis == "time" else r["step"] for r in rows]
+        if m.train:
+            ax.plot(xs(m.train), [r.get("reward_mean", 0.0) for r in m.train], label="train reward (batch mean)",
+                    color="tab:blue", alpha=0.7)
+        if m.evals:
+            ax.plot(xs(m.evals), [r["eval_success"] for r in m.evals], "o-", label="eval success (held out)",
+                    color="tab:red")
+        ax.set_xlabel(xlabel)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_ylabel("fraction")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        ax.set_title(title)
+        fig.tight_layout()
+        path = out_dir / fname
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv if argv is not None else sys.argv[1:]
+    if len(args) != 1:
+        print("usage: python -m rlfleet.tools.report RUN_DIR", file=sys.stderr)
+        return 2
+    run_dir = Path(args[0])
+    m = read_metrics(run_dir / "metrics.jsonl")
+    print(json.dumps(summary(m), indent=2))
+    for path in plot(m, run_dir, title=run_dir.name):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
