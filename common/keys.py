@@ -10,7 +10,9 @@ interface: change them only with a migration note in docs/etcd-keys.md.
     /rlfleet/<job>/leader/<role>                   elections: {"id": ..., "since": ...} (lease)
     /rlfleet/<job>/placement/<host>/<role>/<id>    desired daemons per machine
     /rlfleet/<job>/weights/latest                  {version, bytes, checksum, master}
-    /rlfleet/<job>/relay/chain                     ordered relay ids
+    /rlfleet/<job>/relay/chain                     {master, order: [relay ids], layouts, updated}
+    /rlfleet/<job>/relay/master                    the master relay: {id, since, newest} (lease)
+    /rlfleet/<job>/relay/layouts/tp<k>             shard layouts readers asked for
     /rlfleet/<job>/prompts/cursor                  claimed prompt ranges
     /rlfleet/<job>/trainer/checkpoint              last checkpoint: version, path
 """
@@ -87,6 +89,14 @@ class JobKeys:
     @property
     def relay_chain(self) -> str:
         return f"{self.prefix}relay/chain"
+
+    @property
+    def relay_master(self) -> str:
+        return f"{self.prefix}relay/master"
+
+    @property
+    def relay_layouts_prefix(self) -> str:
+        return f"{self.prefix}relay/layouts/"
 
     @property
     def prompts_cursor(self) -> str:

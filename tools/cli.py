@@ -132,16 +132,24 @@ def status(job: str | None, etcd: str, output: str) -> None:
         snap = take_snapshot(store, job)
     except StoreUnavailable as exc:
         _fail_unreachable(exc, etcd)
+    from rlfleet.relay.status import chain_status, chain_table, versions_table
+    try:
+        relay = chain_status(store, job)
+    except StoreUnavailable as exc:
+        _fail_unreachable(exc, etcd)
+    problems = snap.problems + list(relay.get("problems", []))
     if output == "json":
-        click.echo(json.dumps(snap.to_json(), indent=2, default=str))
-        return
+        click.echo(json.dumps({**snap.to_json(), "relay": relay, "problems": problems}, indent=2, default=str))
+        sys.exit(1 if problems else 0)
     console = Console()
     console.print(members_table(snap))
     console.print(nodes_table(snap))
-    for problem in snap.problems:
+    console.print(chain_table(relay))
+    console.print(versions_table(relay))
+    for problem in problems:
         console.print(f"[yellow]problem:[/yellow] {problem}")
     console.print(f"[dim]same data: {etcdctl_equivalent(etcd, JobKeys(job).prefix)}[/dim]")
-    if snap.problems:
+    if problems:
         sys.exit(1)
 
 

@@ -1,0 +1,180 @@
+"""Trainer side of the weight plane: push a version to the master relay.
+
+`publish()` returns as soon as the master holds the whole version, verified:
+the trainer's stall is one transfer to one relay, whatever the chain's length
+(the master forwards while the trainer trains). It finds the master through
+etcd (`relay/master` -> the master's member registration -> its `chunks`
+address); if the master dies mid-push, it waits for the next master to be
+elected and resumes there (the handshake says which chunks that relay already
+has, e.g. everything the old master had forwarded to it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy
+
+from rlfleet.common.keys import JobKeys
+from rlfleet.common.store import Store, StoreUnavailable
+from rlfleet.relay.link import Link, Rejected
+from rlfleet.relay.manifest import FlatSource, Manifest, build_manifest
+from rlfleet.relay.protocol import ProtocolError
+from rlfleet.relay.topology import relay_master_key
+from rlfleet.relay.transport import get_transport, transport_for
+
+log = logging.getLogger("rlfleet.relay")
+
+
+class PublishError(Exception):
+    """Base of the publisher's named errors."""
+
+
+class PublishTimeout(PublishError):
+    """No master relay took the whole version within timeout_s."""
+
+
+class PublishRejected(PublishError):
+    """The master refused the version (e.g. the same version number with other contents)."""
+
+
+@dataclass(frozen=True)
+class PublishReport:
+    version: int
+    bytes: int
+    checksum: str
+    master: str
+    seconds: float           # the trainer's stall: manifest + transfer to the master
+    manifest_s: float        # of which: layout and checksums
+    chunks: int
+    chunks_sent: int         # fewer than `chunks` when a retry resumed on a master that had some
+    attempts: int
+
+
+class _FullSource:
+    def __init__(self, manifest: Manifest, src: FlatSource) -> None:
+        self.manifest, self.src = manifest, src
+
+    def wait(self, index: int, timeout: float) -> bool:
+        return True
+
+    def pieces(self, index: int) -> Any:
+        return self.src.pieces(*self.manifest.chunk_range(index))
+
+
+class WeightPublisher:
+    def __init__(self, store: Store, job: str, *, transport: str = "tcp", chunk_bytes: int = 32 << 20,
+                 timeout_s: float = 60.0, window_chunks: int = 4, name: str = "trainer") -> None:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        get_transport(transport)  # fail now on an unknown or unavailable transport
+        self.store, self.keys = store, JobKeys(job)
+        self.transport, self.chunk_bytes, self.timeout_s = transport, chunk_bytes, timeout_s
+        self.window, self.name = window_chunks, name
+        self._link: Link | None = None
+        self._link_to: tuple[str, str] | None = None  # (master id, address)
+
+    def _find_master(self) -> tuple[str, str] | None:
+        kv = self.store.get(relay_master_key(self.keys))
+        if kv is None or not isinstance(kv.value, dict) or not kv.value.get("id"):
+            return None
+        mid = str(kv.value["id"])
+        member = self.store.get(self.keys.member("relay", mid))
+        if member is None or not isinstance(member.value, dict):
+            return None
+        addr = (member.value.get("addresses") or {}).get("chunks")
+        if not addr:
+            return None
+        if not addr.startswith(self.transport + "://"):
+            log.warning("master relay %s serves %s, not %s; using its transport", mid, addr, self.transport)
+        return mid, str(addr)
+
+    def _connect(self, target: tuple[str, str]) -> Link:
+        if self._link is not None and self._link_to == target:
+            return self._link
+        self._drop_link()
+        conn = transport_for(target[1]).connect(target[1], timeout=5.0)
+        self._link = Link(conn, self.name, role="publisher", window=self.window)
+        self._link_to = target
+        return self._link
+
+    def _drop_link(self) -> None:
+        if self._link is not None:
+            self._link.close()
+        self._link, self._link_to = None, None
+
+    def publish(self, version: int, tensors: Mapping[str, numpy.ndarray]) -> PublishReport:
+        started = time.monotonic()
+        manifest, src = build_manifest(version, tensors, chunk_bytes=self.chunk_bytes)
+        manifest_s = time.monotonic() - started
+        source = _FullSource(manifest, src)
+        deadline = started + self.timeout_s
+        attempts, sent, last_error = 0, 0, "no master relay registered"
+        while time.monotonic() < deadline:
+            try:
+                target = self._find_master()
+            except StoreUnavailable as exc:
+                target, last_error = None, f"etcd unreachable: {exc}"
+            if target is None:
+                time.sleep(0.05)
+                continue
+            attempts += 1
+            try:
+                link = self._connect(target)
+                result = link.push(manifest, source)
+                sent += result.chunks_sent
+            except Rejected as exc:
+                raise PublishRejected(str(exc)) from None
+            except (ConnectionError, ProtocolError, TimeoutError) as exc:
+                last_error = f"master {target[0]} at {target[1]}: {exc}"
+                log.warning("publish of version %d: %s; retrying with the current master", version, last_error)
+                self._drop_link()
+                self._wait_for_new_master(target, deadline)
+                continue
+            self._record_latest(manifest, target[0])
+            return PublishReport(version, manifest.total_bytes, manifest.checksum, target[0],
+                                 time.monotonic() - started, manifest_s, manifest.n_chunks, sent, attempts)
+        raise PublishTimeout(f"version {version} ({manifest.total_bytes} bytes) not held by a master relay "
+                             f"within {self.timeout_s:g}s after {attempts} attempts; last error: {last_error}")
+
+    def _wait_for_new_master(self, dead: tuple[str, str], deadline: float) -> None:
+        # The dead master's key lingers until its lease expires; meanwhile, asking it again is pointless.
+        while time.monotonic() < deadline:
+            try:
+                target = self._find_master()
+            except StoreUnavailable:
+                target = None
+            if target is not None and target != dead:
+                return
+            if target == dead:
+                try:  # still registered: maybe it was a transient error
+                    transport_for(dead[1]).connect(dead[1], timeout=0.5).close()
+                    return
+                except ConnectionError:
+                    pass
+            time.sleep(0.1)
+
+    def _record_latest(self, manifest: Manifest, master: str) -> None:
+        """weights/latest = {version, bytes, checksum, master}; never moves backwards."""
+        key = self.keys.weights_latest
+        value = {"version": manifest.version, "bytes": manifest.total_bytes,
+                 "checksum": manifest.checksum, "master": master}
+        for _ in range(5):
+            try:
+                kv = self.store.get(key)
+                if kv is not None and isinstance(kv.value, dict) and kv.value.get("version", -1) > manifest.version:
+                    return
+                if self.store.compare_and_swap(key, kv.mod_revision if kv else 0, value):
+                    return
+            except StoreUnavailable as exc:
+                log.warning("could not record %s (etcd unreachable: %s); the relays hold the version anyway", key, exc)
+                return
+
+    def close(self) -> None:
+        self._drop_link()

@@ -1,0 +1,79 @@
+"""Both transports behind one interface: framing, scatter-gather payloads, dead peers; a UCX chain."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rlfleet.relay.protocol import Ack, Chunk, Hello
+from rlfleet.relay.publisher import WeightPublisher
+from rlfleet.relay.reader import WeightReader
+from rlfleet.relay.transport import get_transport, ucx_available
+from tests.integration.helpers import wait_for
+from tests.relay.fleet import RelayFleet, model_tensors
+
+needs_ucx = pytest.mark.skipif(not ucx_available(), reason="ucxx not importable (pip install ucxx-cu12==0.52.0)")
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=needs_ucx)]
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_headers_and_payloads_round_trip(name):
+    t = get_transport(name)
+    listener = t.listen("127.0.0.1")
+    client = t.connect(listener.address, timeout=5)
+    server = listener.accept(timeout=5)
+    assert server is not None
+    try:
+        a, b = np.arange(1000, dtype=np.float32), np.arange(77, dtype=np.uint8)
+        client.send(Hello("x"))
+        client.send(Chunk(1, 1, 0, a.nbytes + b.nbytes), [a, b])  # two pieces, one payload
+        assert server.recv(5) == Hello("x")
+        head = server.recv(5)
+        assert head == Chunk(1, 1, 0, a.nbytes + b.nbytes)
+        buf = bytearray(head.nbytes)
+        server.recv_payload_into(memoryview(buf), 5)
+        assert bytes(buf) == a.tobytes() + b.tobytes()
+        server.send(Ack(1, 1, 0))
+        assert client.recv(5) == Ack(1, 1, 0)
+        with pytest.raises(TimeoutError):
+            client.recv(0.2)
+        server.close()
+        with pytest.raises(ConnectionError):
+            client.recv(5)
+    finally:
+        client.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_connecting_to_nobody_is_a_connection_error(name):
+    t = get_transport(name)
+    listener = t.listen("127.0.0.1")
+    address = listener.address
+    listener.close()
+    with pytest.raises(ConnectionError):
+        t.connect(address, timeout=2).send(Hello("x"))
+
+
+def test_unknown_transport_is_named():
+    with pytest.raises(ValueError, match="unknown relay transport 'rdma'"):
+        get_transport("rdma")
+
+
+@needs_ucx
+def test_chain_over_ucx(etcd, tmp_path):
+    fleet = RelayFleet(etcd.members[0].endpoint, tmp_path, job="ucx", transport="ucx")
+    try:
+        ids = fleet.start_chain(2)
+        assert all(fleet.address(r).startswith("ucx://") for r in ids)
+        tensors = model_tensors(3)
+        pub = WeightPublisher(fleet.store, fleet.job, transport="ucx", chunk_bytes=256 << 10, timeout_s=30)
+        pub.publish(1, tensors)
+        for rid in ids:
+            reader = WeightReader(fleet.store, fleet.job, f"host-{rid}")
+            wait_for(f"{rid} to hold version 1 over UCX", lambda: reader.newest() == 1, 30)
+            with reader.open() as view:
+                assert all(np.array_equal(view.tensors[k], v) for k, v in tensors.items())
+        pub.close()
+    finally:
+        fleet.close()

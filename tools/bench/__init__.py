@@ -1,0 +1,1 @@
+"""Benchmarks (python -m rlfleet.tools.bench.<name>)."""
