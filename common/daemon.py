@@ -153,7 +153,7 @@ class Daemon:
             "host": self.options.host,
             "pid": os.getpid(),
             "state": self.state,
-            "addresses": self.addresses,
+            "addresses": dict(self.addresses),  # a copy: the session compares against what it published
             "metrics": self.metrics_url,
             "started": round(self.started_at, 3),
             **self.member_info(),

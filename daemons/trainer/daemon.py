@@ -1,14 +1,141 @@
-"""The trainer daemon: policy weights, optimizer, journaled experience buffer, checkpoints, weight versions (leader-elected).
+"""The trainer daemon: policy weights, optimizer, journaled experience buffer,
+checkpoints, weight versions (leader-elected).
 
-Foundation stage: registers, heartbeats, elects where it is a singleton role,
-serves metrics and shuts down cleanly; the role's data-plane work lands with
-the end-to-end issue.
+Only the elected leader trains. A standby keeps its trajectories socket
+*closed* (no "trajectories" address in its member record) rather than
+answering with ack(ok=False): an ok=False ack tells the sender to give up on
+a trajectory for good, which would lose data, while a closed socket only makes
+the reward-host hold on to it until it finds the leader's address. When a
+standby becomes leader, its TrainingWorker resumes from the last checkpoint and
+the journal (both under the run directory, which must therefore be on storage
+every trainer candidate can reach). A leader that loses leadership stops its
+worker (socket and journal closed) without checkpointing: the new leader may
+already be writing.
+
+Member record fields: ``training`` (standby, starting, resuming, waiting,
+training, done, stopped, error: <why>), and while leading ``version`` and
+``checkpoint_version``. A failed start (bad model folder, journal held by
+another process) is retried with back-off; the daemon itself stays up.
+
+The work itself is in worker.py (threads) on top of journal.py, learner.py,
+grpo.py and batching.py; this class only follows leadership, and keeps
+``cycle()`` short as the Daemon base requires.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from typing import Any
+
 from rlfleet.common.daemon import Daemon
+from rlfleet.common.spec import JobSpec
+
+from .worker import TrainingWorker
+
+log = logging.getLogger("rlfleet.trainer")
+
+RETRY_AFTER_S = (2.0, 30.0)  # back-off after a failed start: first, most
+DRAIN_TIMEOUT_S = 120.0  # finish the step in progress and write the last checkpoint
 
 
 class Trainer(Daemon):
     role = "trainer"
+
+    def setup(self) -> None:
+        self._worker: TrainingWorker | None = None
+        self._stopping: TrainingWorker | None = None  # lost leadership, still finishing a step
+        self._retry_at = 0.0
+        self._failures = 0
+        self._last_error = ""
+        # Leader or standby, import torch and the model's code now: a standby that
+        # takes over then starts training seconds sooner.
+        threading.Thread(target=_prewarm, args=(str(self.spec.model.path),),
+                         name="trainer-prewarm", daemon=True).start()
+
+    def cycle(self) -> str | None:
+        assert self.spec is not None
+        said: list[str] = []
+        w = self._worker
+        if self._stopping is not None and not self._stopping.alive:
+            self._stopping = None
+        if w is not None and not w.alive:
+            self._worker = None
+            self._set_address(None)
+            if w.error:
+                self._failures += 1
+                self._last_error = w.error
+                delay = min(RETRY_AFTER_S[1], RETRY_AFTER_S[0] * 2 ** (self._failures - 1))
+                self._retry_at = time.monotonic() + delay
+                said.append(f"training failed ({w.error}); retrying in {delay:.0f} s")
+            w = None
+        if not self.is_leader:
+            if w is not None:
+                w.stop()
+                self._stopping, self._worker = w, None
+                self._set_address(None)
+                said.append("not the leader any more: stopped training, socket closed")
+            return "; ".join(said) or None
+        if w is None and self._stopping is None and time.monotonic() >= self._retry_at:
+            self._worker = TrainingWorker(self.spec, self.store, self.keys,
+                                          is_leader=lambda: self.is_leader)
+            self._worker.start()
+            said.append("leader: resuming training from the last checkpoint and journal")
+        elif w is not None:
+            if w.endpoint and self.addresses.get("trajectories") != w.endpoint:
+                self._set_address(w.endpoint)
+                self._failures, self._last_error = 0, ""
+                said.append(f"receiving trajectories on {w.endpoint} at version {w.version}")
+        return "; ".join(said) or None
+
+    def _set_address(self, endpoint: str | None) -> None:
+        # A new dict, never an in-place change: the session compares the member value
+        # with the one it last published, which holds a reference to this dict.
+        rest = {k: v for k, v in self.addresses.items() if k != "trajectories"}
+        self.addresses = {**rest, "trajectories": endpoint} if endpoint else rest
+
+    def drain(self) -> str | None:
+        w = self._worker or self._stopping
+        if w is None:
+            return None
+        # Still the leader while draining (the session closes after): save the work.
+        w.stop(checkpoint=self._worker is not None and self.is_leader)
+        self._set_address(None)
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while not w.join(self.spec.etcd.refresh_interval_s if self.spec else 1.0):
+            if time.monotonic() >= deadline:
+                return f"training thread did not stop in {DRAIN_TIMEOUT_S:g} s (version {w.version})"
+            # The step in progress and the last checkpoint may outlast the lease:
+            # keep it (and leadership) alive meanwhile, or a standby takes over mid-write.
+            if self.session is not None:
+                self.session.step(self.member_value())
+        return f"training stopped at version {w.version}"
+
+    def reload(self, spec: JobSpec) -> str:
+        self.spec = spec
+        for w in (self._worker, self._stopping):
+            if w is not None:
+                w.spec = spec
+        return "reloaded spec (trainer limits apply from the next step)"
+
+    def member_info(self) -> dict[str, Any]:
+        w = self._worker
+        if w is None:
+            status = "standby" if not self.is_leader else (
+                f"error: {self._last_error}"[:200] if self._last_error else "starting")
+            return {"training": status}
+        return {"training": w.status, "version": w.version,
+                "checkpoint_version": w.checkpoint_version}
+
+
+def _prewarm(model_dir: str) -> None:
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        from . import learner  # noqa: F401 — torch
+
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_dir))]  # imports it
+    except Exception as exc:  # noqa: BLE001 — only an optimisation; the worker reports errors
+        log.debug("prewarm skipped: %s", exc)

@@ -1,0 +1,94 @@
+"""Which trajectories may be trained, and which complete groups make the next batch.
+
+Pure functions over wire messages (no I/O), shared by the intake thread and the
+training loop of the daemon.
+
+Staleness of a trajectory = trainer version at consumption − the weight version
+that generated it. A multi-turn trajectory may span versions; its staleness is
+that of its *oldest* turn (the most off-policy part decides).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from rlfleet.common.wire import ScoredTrajectory
+
+# Reasons a group is dropped by the trainer itself (others come from upstream
+# in Trajectory.dropped_reason, or "reward_error" from ScoredTrajectory.reward_error).
+STALENESS = "staleness"
+INVALID = "invalid"
+REWARD_ERROR = "reward_error"
+
+# A log-prob a little above 0 is float noise from the engine; more is a bug.
+_LOGPROB_SLACK = 1e-3
+
+
+def drop_reason(st: ScoredTrajectory) -> tuple[str, str]:
+    """(reason, detail) if upstream marked this trajectory dropped, else ("", "")."""
+    t = st.trajectory
+    if t.dropped_reason:
+        return t.dropped_reason, f"{t.trajectory_id}: dropped upstream"
+    if st.reward_error:
+        return REWARD_ERROR, f"{t.trajectory_id}: {st.reward_error}"
+    return "", ""
+
+
+def check_trajectory(st: ScoredTrajectory, vocab_size: int | None) -> str:
+    """Why this trajectory cannot be trained on ("" if it can). Precise, with the numbers."""
+    t = st.trajectory
+    if not math.isfinite(st.reward):
+        return f"{t.trajectory_id}: reward is {st.reward}"
+    if not t.turns:
+        return f"{t.trajectory_id}: no turns"
+    for k, turn in enumerate(t.turns):
+        where = f"{t.trajectory_id} turn {k}"
+        if len(turn.prompt_token_ids) == 0 or turn.prompt_token_ids.size != len(turn.prompt_token_ids):
+            return f"{where}: prompt_token_ids must be a non-empty 1-d array"
+        if turn.token_ids.size != turn.logprobs.size or len(turn.token_ids.shape) != 1:
+            return (f"{where}: {turn.token_ids.size} token ids but {turn.logprobs.size} log-probs "
+                    f"(both must be 1-d and of equal length)")
+        if vocab_size is not None:
+            ids = turn.prompt_token_ids.tolist() + turn.token_ids.tolist()
+            bad = [i for i in ids if not 0 <= i < vocab_size]
+            if bad:
+                return f"{where}: token id {bad[0]} outside the vocabulary (size {vocab_size})"
+        for lp in turn.logprobs.tolist():
+            if not math.isfinite(lp) or lp > _LOGPROB_SLACK:
+                return f"{where}: log-prob {lp} is not a finite value <= 0"
+    return ""
+
+
+def staleness(st: ScoredTrajectory, trainer_version: int) -> int:
+    turns = st.trajectory.turns
+    return trainer_version - min(t.weight_version for t in turns) if turns else 0
+
+
+@dataclass
+class Selection:
+    groups: list[str] = field(default_factory=list)  # to train, in order
+    drops: list[tuple[str, str, str]] = field(default_factory=list)  # (group, reason, detail)
+    staleness: Counter[int] = field(default_factory=Counter)  # over the selected trajectories
+
+
+def select_groups(complete: Sequence[tuple[str, Sequence[ScoredTrajectory]]], n_groups: int,
+                  trainer_version: int, max_staleness: int | None) -> Selection:
+    """Take up to n_groups complete groups, oldest first; a group holding any
+    trajectory staler than max_staleness is dropped as a whole instead."""
+    sel = Selection()
+    for group_id, trajectories in complete:
+        if len(sel.groups) >= n_groups:
+            break
+        ages = [staleness(st, trainer_version) for st in trajectories]
+        if max_staleness is not None and max(ages, default=0) > max_staleness:
+            worst = max(range(len(ages)), key=ages.__getitem__)
+            sel.drops.append((group_id, STALENESS,
+                              f"{trajectories[worst].trajectory.trajectory_id}: staleness "
+                              f"{ages[worst]} > max_staleness {max_staleness}"))
+            continue
+        sel.groups.append(group_id)
+        sel.staleness.update(ages)
+    return sel

@@ -1,0 +1,231 @@
+"""The torch learner: the policy, its optimizer, one GRPO step, checkpoints.
+
+Socket-free and etcd-free (the daemon feeds it groups and publishes what it
+returns), so it runs in a test exactly as in the daemon.
+
+Versions: the initial model is version 0; each ``train_step`` makes the next
+version. A checkpoint is a folder ``step-<version:08d>/`` holding an HF model
+(config.json + model.safetensors, loadable by every backend), the tokenizer
+files of the original model, ``optimizer.pt``, ``rng.pt`` and, written last,
+``trainer_state.json``. It is written under a temporary name and renamed, so a
+folder named ``step-*`` is always complete; the newest ``keep`` are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlfleet.common.wire import ScoredTrajectory
+
+from . import grpo
+
+log = logging.getLogger("rlfleet.trainer")
+
+STATE_FILE = "trainer_state.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "vocab.json", "merges.txt", "chat_template.jinja", "warmstart.json")
+
+
+class CheckpointError(Exception):
+    """A checkpoint folder that cannot be restored; the message names the file."""
+
+
+class Learner:
+    def __init__(self, model_dir: str | os.PathLike[str], lr: float = 1e-4, clip_eps: float = 0.2,
+                 seed: int = 0, threads: int = 1, *, temperature: float = 1.0,
+                 aggregate: grpo.Aggregate = "token", max_grad_norm: float = 1.0,
+                 weight_decay: float = 0.0, micro_batch_tokens: int = 16384) -> None:
+        self.model_dir = Path(model_dir)
+        self.lr, self.clip_eps, self.seed = lr, clip_eps, seed
+        self.temperature, self.aggregate = temperature, aggregate
+        self.max_grad_norm, self.weight_decay = max_grad_norm, weight_decay
+        self.micro_batch_tokens = micro_batch_tokens  # padded tokens per forward pass
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        self.version = 0
+        self._load_model(self.model_dir)
+
+    def _load_model(self, path: Path) -> None:
+        self.model, self.optimizer = self._build(path)
+        config = self.model.config
+        self.vocab_size: int = int(config.vocab_size)
+        pad = getattr(config, "pad_token_id", None)
+        self.pad_id: int = int(pad) if pad is not None else 0
+
+    def _build(self, path: Path) -> tuple[Any, torch.optim.Optimizer]:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # stderr is the daemon's JSON log
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        return model, optimizer
+
+    # -- training -------------------------------------------------------------------
+    def train_step(self, groups: Sequence[Sequence[ScoredTrajectory]]) -> dict[str, float]:
+        """One optimizer step on whole GRPO groups; returns stats, version advanced by one."""
+        started = time.perf_counter()
+        if not groups or any(len(g) == 0 for g in groups):
+            raise ValueError("train_step needs at least one group and no empty group")
+        sizes = {len(g) for g in groups}
+        if len(sizes) != 1:
+            raise ValueError(f"groups of different sizes {sorted(sizes)}: advantages need equal G")
+        rewards = torch.tensor([[st.reward for st in g] for g in groups], dtype=torch.float32)
+        advantages = grpo.group_advantages(rewards)
+        flat = [st for g in groups for st in g]
+        batch = grpo.build_batch(flat, advantages.flatten().tolist(), pad_id=self.pad_id)
+        too_big = int(batch.input_ids.max())
+        if too_big >= self.vocab_size or int(batch.input_ids.min()) < 0:
+            raise ValueError(f"token id {too_big} outside the model's vocabulary ({self.vocab_size})")
+
+        self.optimizer.zero_grad(set_to_none=True)
+        denominator = batch.n_tokens if self.aggregate == "token" else float(len(batch.row_trajectory))
+        parts = []
+        loss_total = 0.0
+        for rows in self._micro_batches(batch):
+            width = int(batch.attention_mask[rows].sum(dim=1).max())
+            ids = batch.input_ids[rows, :width]
+            logits = self.model(input_ids=ids, attention_mask=batch.attention_mask[rows, :width]).logits
+            logp, entropy = grpo.token_logprobs(logits, ids, self.temperature)
+            loss, stats = grpo.clipped_loss(
+                logp, batch.behaviour_logprobs[rows, :width - 1], batch.advantages[rows],
+                batch.loss_mask[rows, :width - 1], self.clip_eps, self.aggregate,
+                denominator=denominator, entropy=entropy)
+            loss.backward()
+            loss_total += loss.item()
+            parts.append(stats)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.version += 1
+        return {
+            **grpo.merge_stats(parts),
+            "loss": loss_total,
+            "grad_norm": float(grad_norm),
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std(unbiased=False)),
+            "trajectories": len(flat),
+            "groups": len(groups),
+            "rows": len(batch.row_trajectory),
+            "step_s": time.perf_counter() - started,
+            "version": self.version,
+        }
+
+    def _micro_batches(self, batch: grpo.TokenBatch) -> list[list[int]]:
+        """Consecutive row slices whose padded size stays under micro_batch_tokens."""
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        out: list[list[int]] = [[]]
+        width = 0
+        for r, n in enumerate(lengths):
+            w = max(width, n)
+            if out[-1] and w * (len(out[-1]) + 1) > self.micro_batch_tokens:
+                out.append([])
+                w = n
+            out[-1].append(r)
+            width = w
+        return out
+
+    @torch.no_grad()
+    def sequence_logprob(self, prompt: Sequence[int], completion: Sequence[int]) -> float:
+        """log p(completion | prompt) under the current policy (for tests and evals)."""
+        ids = torch.tensor([list(prompt) + list(completion)], dtype=torch.long)
+        logp, _ = grpo.token_logprobs(self.model(input_ids=ids).logits, ids, self.temperature)
+        return float(logp[0, len(prompt) - 1:].sum())
+
+    # -- publishing -------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, np.ndarray]:
+        """HF state_dict names -> float32 numpy copies (training may go on meanwhile).
+
+        Tied weights (e.g. lm_head.weight = embed_tokens.weight) appear under both
+        names as the same array object, so they are copied once.
+        """
+        out: dict[str, np.ndarray] = {}
+        copies: dict[int, np.ndarray] = {}
+        for name, t in self.model.state_dict().items():
+            key = t.data_ptr()
+            if key not in copies:
+                copies[key] = t.detach().to(torch.float32).cpu().numpy().copy()
+            out[name] = copies[key]
+        return out
+
+    # -- checkpoints ------------------------------------------------------------------
+    def save_checkpoint(self, root: str | os.PathLike[str], version: int | None = None,
+                        keep: int = 2, extra: dict[str, Any] | None = None) -> Path:
+        """Write ``root/step-<version>/`` atomically; keep the newest ``keep``; returns it."""
+        version = self.version if version is None else version
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"step-{version:08d}"
+        tmp = root / f".tmp-{final.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        self.model.save_pretrained(str(tmp), safe_serialization=True)
+        for name in _TOKENIZER_FILES:
+            if (self.model_dir / name).is_file():
+                shutil.copy2(self.model_dir / name, tmp / name)
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+        state = {"version": version, "time": time.time(), "lr": self.lr, "clip_eps": self.clip_eps,
+                 "seed": self.seed, "base_model": str(self.model_dir), **(extra or {})}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        for f in tmp.iterdir():
+            _fsync_path(f)
+        _fsync_path(tmp)
+        if final.exists():  # the same version saved again (e.g. on drain): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_path(root)
+        for old in checkpoints(root)[keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint %s written (version %d)", final, version, extra={"event": "checkpoint"})
+        return final
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> int:
+        """Restore model, optimizer, RNG and version from a checkpoint folder; returns the version."""
+        path = Path(path)
+        # Everything is read before anything is replaced: a checkpoint that fails to
+        # load leaves this learner as it was (the caller may try an older one).
+        part = STATE_FILE
+        try:
+            state = json.loads((path / STATE_FILE).read_text())
+            part = "model"
+            model, optimizer = self._build(path)
+            part = "optimizer.pt"
+            optimizer.load_state_dict(torch.load(path / part, weights_only=True))
+            part = "rng.pt"
+            rng = torch.load(path / part, weights_only=True)
+        except Exception as exc:  # torch.load raises anything from IndexError to UnpicklingError
+            raise CheckpointError(f"{path}: cannot load {part}: {type(exc).__name__}: {exc}") from exc
+        if int(model.config.vocab_size) != self.vocab_size:
+            raise CheckpointError(f"{path}: vocabulary {model.config.vocab_size}, "
+                                  f"base model {self.vocab_size}")
+        self.model, self.optimizer, self.version = model, optimizer, int(state["version"])
+        torch.set_rng_state(rng["torch"])
+        return self.version
+
+
+def checkpoints(root: str | os.PathLike[str]) -> list[Path]:
+    """Complete checkpoint folders under root, newest version first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if p.is_dir() and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,46 @@
+"""Fixtures for the trainer tests: a tiny random Qwen2 model and trajectory builders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlfleet.common.wire import Float32Array, Int32Array, ScoredTrajectory, Trajectory, Turn
+
+VOCAB = 38  # the character tokenizer of tools/build_model.py: 4 specials + 34 characters
+
+
+def build_tiny_model(out: Path, seed: int = 0) -> Path:
+    """A random Qwen2 (hidden 32, 2 layers) with the character tokenizer's vocabulary.
+
+    Random on purpose, not a copy of models/tiny-qwen2: the tests' numbers must not
+    move when the shipped model is rebuilt.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    Qwen2ForCausalLM(config).save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def scored(prompt_id: int, k: int, reward: float, *, prompt=(1, 5, 6), tokens=(7, 8),
+           logprobs=None, version: int = 0, dropped_reason: str = "", reward_error: str = "",
+           turns: int = 1) -> ScoredTrajectory:
+    """A ScoredTrajectory with ids following docs/dataflow.md (p<prompt>-g<k>)."""
+    lp = logprobs if logprobs is not None else [-1.0] * len(tokens)
+    turn = Turn(prompt_token_ids=Int32Array(list(prompt)), token_ids=Int32Array(list(tokens)),
+                logprobs=Float32Array(list(lp)), weight_version=version, observation="obs", action="act")
+    traj = Trajectory(trajectory_id=f"p{prompt_id}-g{k}", prompt_id=prompt_id, group_id=f"p{prompt_id}",
+                      task="arithmetic", turns=[turn] * turns, env_reward=reward,
+                      dropped_reason=dropped_reason)
+    return ScoredTrajectory(trajectory=traj, reward=reward, reward_error=reward_error)

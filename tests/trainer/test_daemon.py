@@ -1,0 +1,183 @@
+"""The real trainer daemon process against a real etcd: acks, steps, kill -9, resume.
+
+Trajectories go in through a ReliableSender exactly as the reward-host sends
+them; the test reads what the trainer wrote (metrics.jsonl, the journal, the
+checkpoint record in etcd) and what it registered (its member record).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlfleet.common.etcd_store import EtcdStore
+from rlfleet.common.keys import JobKeys
+from rlfleet.common.sockets import ReliableSender
+from rlfleet.daemons.trainer.journal import Journal
+from rlfleet.daemons.trainer.worker import FAILPOINT_ENV
+
+from ..integration.helpers import stop, wait_for
+from .conftest import scored
+
+JOB = "tt"
+SPEC = """\
+[job]
+name = "{job}"
+runs_dir = "{runs}"
+
+[etcd]
+lease_ttl_s = 1.5
+retry_timeout_s = 0.4
+
+[model]
+path = "{model}"
+
+[task]
+name = "arithmetic"
+group_size = 2
+
+[trainer]
+batch_size = 4
+learning_rate = 0.001
+checkpoint_every = 2
+max_steps = 100
+"""
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def setup(tmp_path, etcd, tiny_model):
+    model = tiny_model
+    spec = tmp_path / "tt.toml"
+    spec.write_text(SPEC.format(job=JOB, runs=tmp_path / "runs", model=model))
+    store = EtcdStore(etcd.endpoints)
+    procs: list[subprocess.Popen] = []
+
+    def start(member_id: str, **env: str) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlfleet.tools.cli", "daemon", "trainer", "--job", JOB,
+             "--etcd", etcd.endpoints_arg, "--spec", str(spec), "--id", member_id],
+            stdout=open(tmp_path / f"{member_id}.log", "ab"), stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO,
+            env={**os.environ, "RLFLEET_RUN_DIR": str(tmp_path / "run"), **env})
+        procs.append(proc)
+        return proc
+
+    yield start, store, tmp_path
+    for proc in procs:
+        stop(proc)
+    store.close()
+
+
+def member(store: EtcdStore, member_id: str) -> dict:
+    kv = store.get(JobKeys(JOB).member("trainer", member_id))
+    return kv.value if kv else {}
+
+
+def address(store: EtcdStore, member_id: str, log: Path) -> str:
+    return wait_for(f"{member_id} serving trajectories (log: {log})",
+                    lambda: member(store, member_id).get("addresses", {}).get("trajectories"),
+                    timeout_s=60)
+
+
+def metrics(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "run" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def send_all(sender: ReliableSender, items) -> None:
+    for st in items:
+        sender.send(st.trajectory.trajectory_id, st)
+    assert sender.flush(30), f"{sender.pending()} trajectories not acked"
+    assert sender.failed == []
+
+
+def group(p: int, version: int = 0) -> list:
+    return [scored(p, 0, 1.0, tokens=(7, 8), version=version),
+            scored(p, 1, 0.0, tokens=(9, 10, 2), version=version)]
+
+
+def test_journal_before_ack_training_and_resume_after_kill_9(setup):
+    """Three trainer processes in turn (one test: each start costs seconds of imports).
+
+    x: dies between journaling a trajectory and acking it (a failpoint);
+    a: receives the resend, trains 3 steps (checkpoint at 2), is SIGKILLed;
+    b: a standby meanwhile (socket closed); takes over and resumes from checkpoint 2
+       + the journal, versions going on from 3.
+    """
+    start, store, tmp = setup
+    journal_path = tmp / "run" / "checkpoints" / "journal.bin"
+
+    # -- x: the ack is sent only after the fsync ------------------------------------
+    x = start("trainer-x", **{FAILPOINT_ENV: "exit_after_journal"})
+    sender = ReliableSender(address(store, "trainer-x", tmp / "trainer-x.log"), resend_after_s=0.5)
+    first = group(0)[0]
+    sender.send(first.trajectory.trajectory_id, first)
+    wait_for("the failpoint exit", lambda: sender.poll(0.1) is not None and x.poll() is not None)
+    assert x.returncode == 17  # died between the journal's fsync and the ack ...
+    assert sender.pending() == 1  # ... so no ack left
+    with Journal(journal_path) as j:
+        assert {g: list(ts) for g, ts in j.state.pending.items()} == {"p0": ["p0-g0"]}  # on disk
+    sender.close()
+
+    # -- a: trains, checkpoints, publishes metrics; then kill -9 ----------------------
+    a = start("trainer-a")
+    sender = ReliableSender(address(store, "trainer-a", tmp / "trainer-a.log"), resend_after_s=0.5)
+    # Six complete groups = 3 steps (B=4, G=2); p0-g0 is the upstream's resend.
+    send_all(sender, [st for p in range(6) for st in group(p)])
+    wait_for("3 steps in metrics.jsonl", lambda: len(metrics(tmp)) == 3, timeout_s=60)
+    m = metrics(tmp)
+    assert [x["version"] for x in m] == [1, 2, 3]
+    assert m[0]["trajectories"] == 4 and m[0]["tokens"] == 10 and m[0]["reward_mean"] == 0.5
+    assert m[0]["staleness"] == {"0": 4} and m[2]["staleness"] == {"2": 4}
+    assert m[2]["trained_groups"] == 6 and m[1]["checkpoint"]
+    ckpt = wait_for("checkpoint record", lambda: store.get(JobKeys(JOB).trainer_checkpoint))
+    assert ckpt.value["version"] == 2 and Path(ckpt.value["path"]).is_dir()
+    # A standby: registered, socket closed (nothing to send to), waiting for leadership.
+    b = start("trainer-b")
+    wait_for("trainer-b registered", lambda: member(store, "trainer-b").get("training") == "standby")
+    assert "trajectories" not in member(store, "trainer-b")["addresses"]
+    # Acked but not yet trainable: p6 complete (one group short of a batch), p7 half,
+    # p8 dropped upstream (its whole group is accounted as dropped).
+    send_all(sender, [*group(6, 3), group(7, 3)[0],
+                      scored(8, 0, 0.0, dropped_reason="env_error"), scored(8, 1, 1.0)])
+    wait_for("version 3 in the member record", lambda: member(store, "trainer-a").get("version") == 3)
+    a.send_signal(signal.SIGKILL)
+    a.wait(10)
+    sender.close()
+
+    # -- b: the standby takes over, resuming from the checkpoint and the journal -------
+    sender = ReliableSender(address(store, "trainer-b", tmp / "trainer-b.log"), resend_after_s=0.5)
+    # Versions never go backwards; the two groups of step 3 lost their training with
+    # the kill (the checkpoint is at 2) and are trained again.
+    assert "resumed at version 3 (checkpoint version 2, 2 groups to re-train, 4 pending groups" in (
+        tmp / "trainer-b.log").read_text()
+    assert member(store, "trainer-b")["version"] >= 3
+    # With p7 completed, 4 complete groups: two steps. p6 again: duplicates, acked, ignored.
+    send_all(sender, [group(7, 3)[1], *group(6, 3)])
+    wait_for("2 more steps", lambda: len(metrics(tmp)) == 5, timeout_s=60)
+    m = metrics(tmp)
+    assert [x["version"] for x in m] == [1, 2, 3, 4, 5]
+    # Step 4 re-trained step 3's groups from the restored version-2 weights (every group
+    # here holds the same data): the same loss, to the last bit.
+    assert m[3]["loss"] == m[2]["loss"] and m[3]["staleness"] == {"3": 4}
+    assert m[-1]["trained_groups"] == 8 and m[-1]["dropped"] == {"env_error": 1}
+    assert m[-1]["pending_groups"] == 0
+    sender.close()
+    assert stop(b) == 0
+
+    # Accounting: every acked group is trained or dropped with a reason, none lost,
+    # and the resent p0-g0 was journaled once.
+    with Journal(journal_path) as j:
+        assert set(j.state.trained) == {f"p{p}" for p in range(8)}
+        assert j.state.dropped["p8"][0] == "env_error"
+        assert j.state.pending == {}
+        assert max(j.state.trained.values()) == 5
+    # The clean stop checkpointed the last version.
+    assert store.get(JobKeys(JOB).trainer_checkpoint).value["version"] == 5

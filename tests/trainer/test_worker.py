@@ -1,0 +1,113 @@
+"""The training worker in-process, over real sockets and a real etcd: the
+accounting invariant (every group trained, dropped with a reason, or pending),
+the staleness bound, refusals, max_steps, publishing order and metrics."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from rlfleet.common.etcd_store import EtcdStore
+from rlfleet.common.keys import JobKeys
+from rlfleet.common.sockets import ReliableSender
+from rlfleet.common.spec import parse_spec
+from rlfleet.daemons.trainer.worker import TrainingWorker
+
+from ..integration.helpers import wait_for
+from .conftest import scored
+
+
+class Recorder:
+    """Stands in for the relay: keeps what would have been pushed."""
+
+    def __init__(self) -> None:
+        self.versions: list[int] = []
+        self.names: set[str] = set()
+        self.lock = threading.Lock()
+
+    def publish(self, version: int, tensors: dict[str, np.ndarray]) -> None:
+        with self.lock:
+            self.versions.append(version)
+            self.names = set(tensors)
+
+
+@pytest.fixture
+def worker(tmp_path, etcd, tiny_model, monkeypatch):
+    monkeypatch.delenv("RLFLEET_RUN_DIR", raising=False)
+    spec = parse_spec({
+        "job": {"name": "tw", "runs_dir": str(tmp_path / "runs")},
+        "model": {"path": str(tiny_model)},
+        "task": {"name": "arithmetic", "group_size": 2},
+        "trainer": {"batch_size": 4, "max_steps": 3, "checkpoint_every": 2, "max_staleness": 1,
+                    "learning_rate": 1e-3},
+    })
+    store = EtcdStore(etcd.endpoints)
+    recorder = Recorder()
+    w = TrainingWorker(spec, store, JobKeys("tw"), publisher=recorder)
+    w.start()
+    endpoint = wait_for("the worker's socket", lambda: w.endpoint, timeout_s=60)
+    sender = ReliableSender(endpoint, resend_after_s=0.5)
+    yield w, sender, recorder, store, tmp_path / "runs" / "tw"
+    sender.close()
+    w.stop()
+    assert w.join(30)
+    store.close()
+
+
+def send(sender: ReliableSender, items) -> None:
+    for st in items:
+        sender.send(st.trajectory.trajectory_id, st)
+    assert sender.flush(30), f"{sender.pending()} not acked"
+
+
+def pair(p: int, version: int) -> list:
+    return [scored(p, 0, 1.0, version=version), scored(p, 1, 0.0, tokens=(9, 10, 2), version=version)]
+
+
+def test_every_group_is_trained_dropped_with_a_reason_or_pending(worker):
+    w, sender, recorder, store, run_dir = worker
+    send(sender, pair(0, 0) + pair(1, 0))
+    wait_for("version 1", lambda: w.version == 1)
+    send(sender, pair(2, 1) + pair(3, 0))  # p3: staleness 1 at version 1 = the bound, kept
+    wait_for("version 2", lambda: w.version == 2)
+    send(sender, [
+        *pair(4, 0),  # staleness 2 > 1: dropped whole
+        *pair(5, 2), *pair(6, 1),
+        scored(7, 0, 0.0, dropped_reason="env_error"), scored(7, 1, 1.0),  # dropped upstream
+        scored(8, 0, 1.0, tokens=(7, 999)),  # token outside the vocabulary: dropped as invalid
+        scored(9, 0, 0.0, reward_error="reward worker died"),
+    ])
+    wait_for("done at max_steps", lambda: w.status == "done")
+    assert w.version == 3
+    # After max_steps the worker stays up, still journaling and acking (nothing lost).
+    send(sender, pair(10, 3))
+    extra = scored(10, 2, 1.0)  # a third trajectory for a group of two: refused for good
+    sender.send(extra.trajectory.trajectory_id, extra)
+    assert sender.flush(30)
+    assert sender.failed == [("p10-g2", "group p10 already holds 2 trajectories")]
+    send(sender, pair(0, 0))  # late duplicates of a trained group: acked, ignored
+
+    state = w._journal.state
+    assert set(state.trained) == {"p0", "p1", "p2", "p3", "p5", "p6"}
+    assert {g: r for g, (r, _) in state.dropped.items()} == {
+        "p4": "staleness", "p7": "env_error", "p8": "invalid", "p9": "reward_error"}
+    assert state.dropped["p4"][1] == "p4-g0: staleness 2 > max_staleness 1"
+    assert state.dropped["p8"][1] == "p8-g0 turn 0: token id 999 outside the vocabulary (size 38)"
+    assert set(state.pending) == {"p10"}
+    assert w.counts["duplicate"] >= 2 and w.counts["refused"] == 1  # (>=: resends under load)
+
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    assert lines[1]["staleness"] == {"0": 2, "1": 2}
+    assert lines[2]["staleness"] == {"0": 2, "1": 2} and lines[2]["trained_groups"] == 6
+    assert lines[2]["dropped"]["staleness"] == 1
+    for key in ("time", "reward_mean", "loss", "trajectories", "tokens", "tokens_per_s"):
+        assert key in lines[0]
+    # Published in order, every version, with HF names.
+    wait_for("version 3 published", lambda: recorder.versions[-1:] == [3])
+    assert recorder.versions == [1, 2, 3] and "model.embed_tokens.weight" in recorder.names
+    ckpt = store.get(JobKeys("tw").trainer_checkpoint).value
+    assert ckpt["version"] == 2 and ckpt["step"] == 2 and ckpt["path"].endswith("step-00000002")
