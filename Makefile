@@ -14,11 +14,11 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP) etcd
 
+# torch==2.13.0 must resolve to the machine's CPU wheel: it is installed on its
+# own first so that nothing else can pull a CUDA build (see shared/FINDINGS.md).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch==2.13.0 must resolve to the CPU wheel: installed on its own first so
-	# nothing else can pull a CUDA build (see shared/FINDINGS.md).
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,ml]'
 	@touch $(STAMP)

@@ -171,6 +171,32 @@ def keys(prefix: str, etcd: str, keys_only: bool) -> None:
     click.echo(f"# same data: {etcdctl_equivalent(etcd, prefix, keys_only)}", err=True)
 
 
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--job", required=True)
+@etcd_option
+@click.option("--group-size", type=int, default=None, help="Default: the spec's task.group_size from etcd.")
+def accounting(run_dir: str, job: str, etcd: str, group_size: int | None) -> None:
+    """Check that every claimed prompt is trained, dropped with a reason, or in flight."""
+    from rlfleet.common.keys import JobKeys
+    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.tools.accounting import check
+
+    store = _store(etcd)
+    try:
+        if group_size is None:
+            kv = store.get(JobKeys(job).spec)
+            if kv is None:
+                raise click.UsageError(f"no spec for job {job!r} in etcd; pass --group-size")
+            group_size = int(kv.value["task"]["group_size"])
+        result = check(store, job, Path(run_dir), group_size)
+    except StoreUnavailable as exc:
+        _fail_unreachable(exc, etcd)
+    click.echo(json.dumps(result.to_json(), indent=2))
+    click.echo(result.sentence(), err=True)
+    sys.exit(0 if result.ok else 1)
+
+
 # -- job specs ----------------------------------------------------------------------------
 @main.group()
 def job() -> None:

@@ -183,7 +183,18 @@ class Supervisor:
             kvs = store.get_prefix(JobKeys(self.spec.job.name).role_members_prefix("trainer"))
         except StoreUnavailable:
             return False
-        return any(isinstance(kv.value, dict) and kv.value.get("done") for kv in kvs)
+        return any(isinstance(kv.value, dict) and kv.value.get("training") == "done" for kv in kvs)
+
+    def check_accounting(self, store: EtcdStore) -> None:
+        """With every daemon stopped (journals unlocked) and etcd still up."""
+        from rlfleet.tools.accounting import check
+        try:
+            result = check(store, self.spec.job.name, self.run_dir, self.spec.task.group_size)
+        except Exception as exc:  # noqa: BLE001 — a report, never a reason to hang the shutdown
+            self.note(f"accounting not checked: {exc!r}")
+            return
+        (self.run_dir / "accounting.json").write_text(json.dumps(result.to_json(), indent=2))
+        self.note("accounting: " + result.sentence())
 
     def finish_report(self) -> None:
         m = read_metrics(self.run_dir / "metrics.jsonl")
@@ -250,6 +261,7 @@ class Supervisor:
             finally:
                 self.note("stopping daemons")
                 self.stop_children()
+                self.check_accounting(store)
                 if live:
                     live.update(self.render(store, endpoints))
                     live.stop()

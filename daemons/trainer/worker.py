@@ -184,6 +184,13 @@ class TrainingWorker:
         self.version = learner.version
         self._learner = learner
         self._publisher = self._make_publisher()
+        from .evaluation import Evaluator, can_evaluate
+        if can_evaluate(self.spec):
+            self._evaluator = Evaluator(self.spec, self.paths.metrics)
+            self._maybe_evaluate()
+        else:
+            log.warning("held-out evaluation off: no tokenizer in %s", self.spec.model.path,
+                        extra={"event": "no_eval"})
         log.info("resumed at version %d (checkpoint version %d, %d groups to re-train, "
                  "%d pending groups in the journal)", self.version, self.checkpoint_version,
                  len(reopened), len(journal.state.pending), extra={"event": "resume"})
@@ -273,6 +280,12 @@ class TrainingWorker:
             f.write(json.dumps(line) + "\n")
         log.info("step %d: loss %.4f reward %.3f, %d tokens in %.2f s", self.version, stats["loss"],
                  stats["reward_mean"], stats["tokens"], stats["step_s"], extra={"event": "step"})
+        self._maybe_evaluate()
+
+    def _maybe_evaluate(self) -> None:
+        evaluator = getattr(self, "_evaluator", None)
+        if evaluator is not None and evaluator.due(self.version):
+            evaluator.run(self._learner.model, self.version)
 
     def _publish(self) -> float:
         """Hand a snapshot to the publisher thread; returns the trainer's stall (the copy)."""

@@ -22,19 +22,21 @@ lease_ttl_s = 2.0
 retry_timeout_s = 0.5
 
 [model]
-path = "models/fake"
+path = "{model}"
 
 [task]
 name = "arithmetic"
 """
 
 
+REPO = Path(__file__).resolve().parents[2]
+TINY_MODEL = REPO / "models" / "tiny-qwen2"
+
+
 def write_spec(tmp_path: Path, job: str = "itest", text: str = FAST_SPEC) -> Path:
-    """A valid spec with a short lease TTL; the model dir is a stand-in (no model is loaded yet)."""
-    (tmp_path / "models" / "fake").mkdir(parents=True, exist_ok=True)
-    (tmp_path / "models" / "fake" / "config.json").write_text("{}")
+    """A valid spec with a short lease TTL, on the shipped tiny model."""
     path = tmp_path / f"{job}.toml"
-    path.write_text(text.format(job=job, runs=tmp_path / "runs"))
+    path.write_text(text.format(job=job, runs=tmp_path / "runs", model=TINY_MODEL))
     return path
 
 

@@ -1,0 +1,87 @@
+"""Held-out evaluation inside the trainer: greedy success on the task's eval split.
+
+Run by the training thread every `task.eval_every_steps` versions (and once for
+version 0), on the learner's own weights, so an eval line describes exactly one
+version. It costs the trainer time but keeps rollouts free for training; the
+eval set is small (`task.eval_size`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from rlfleet.common.spec import JobSpec
+
+log = logging.getLogger("rlfleet.trainer")
+
+
+def task_for(spec: JobSpec) -> Any:
+    """The task at the difficulty the model was warm-started on, overridden by the spec."""
+    from rlfleet.daemons.tasks import get_task
+    from rlfleet.tools.evaluate import task_difficulty
+
+    return get_task(spec.task.name, **{**task_difficulty(spec.model.path, spec.task.name),
+                                       **spec.task.difficulty})
+
+
+def can_evaluate(spec: JobSpec) -> bool:
+    """Evaluation needs the model's tokenizer (a bare weights folder has none)."""
+    return (Path(spec.model.path) / "tokenizer.json").exists()
+
+
+class Evaluator:
+    def __init__(self, spec: JobSpec, metrics_path: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.spec = spec
+        self.metrics_path = metrics_path
+        self.task = task_for(spec)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(spec.model.path))
+        self.prompts = self.task.make_prompts("eval", spec.task.eval_size, seed=spec.job.seed)
+        self.done_versions = self._already_evaluated()
+
+    def _already_evaluated(self) -> set[int]:
+        """Versions with an eval line already (a restarted trainer does not repeat them)."""
+        done: set[int] = set()
+        if self.metrics_path.exists():
+            for line in self.metrics_path.read_text(errors="replace").splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and "eval_success" in rec:
+                    done.add(int(rec.get("step", -1)))
+        return done
+
+    def due(self, version: int) -> bool:
+        every = self.spec.task.eval_every_steps
+        last = version >= self.spec.trainer.max_steps
+        return version not in self.done_versions and (version % every == 0 or last)
+
+    def run(self, model: Any, version: int) -> float:
+        import torch
+
+        from rlfleet.tools.evaluate import evaluate_model
+
+        started = time.monotonic()
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            success = evaluate_model(model, self.tokenizer, self.task, self.prompts, greedy=True,
+                                     seed=self.spec.job.seed)
+        if was_training:
+            model.train()
+        line = {"time": round(time.time(), 3), "step": version, "version": version,
+                "eval_success": success, "eval_n": len(self.prompts),
+                "eval_s": round(time.monotonic() - started, 3)}
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        self.done_versions.add(version)
+        log.info("eval at version %d: success %.3f on %d held-out prompts", version, success,
+                 len(self.prompts), extra={"event": "eval", "eval_success": success})
+        return success

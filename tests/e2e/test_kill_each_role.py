@@ -1,0 +1,123 @@
+"""End to end under faults: a real job (`rlfleet run`, all daemons, the shipped
+tiny model) keeps training while each role in turn is killed with SIGKILL, and
+afterwards every claimed prompt is trained, dropped with a reason, or in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from rlfleet.common.etcd_store import EtcdStore
+from rlfleet.common.keys import JobKeys
+from rlfleet.common.spec import ROLES, SINGLETON_ROLES
+
+from ..integration.helpers import TINY_MODEL, rlfleet, stop, wait_for
+
+pytestmark = pytest.mark.skipif(not (TINY_MODEL / "tokenizer.json").exists(), reason="models/tiny-qwen2 not built")
+
+SPEC = """\
+[job]
+name = "faults"
+runs_dir = "{runs}"
+
+[etcd]
+lease_ttl_s = 2.0
+retry_timeout_s = 0.5
+
+[model]
+path = "{model}"
+
+[task]
+name = "arithmetic"
+group_size = 4
+eval_size = 16
+eval_every_steps = 1000
+
+[trainer]
+batch_size = 8
+learning_rate = 1e-3
+max_steps = 100000
+checkpoint_every = 2
+
+[rollout]
+max_new_tokens = 4
+
+[env_host]
+max_concurrent = 16
+turn_timeout_s = 10
+trajectory_timeout_s = 30
+"""
+
+
+def train_lines(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in rec:
+            out.append(rec)
+    return out
+
+
+def last_step(run_dir: Path) -> int:
+    lines = train_lines(run_dir)
+    return lines[-1]["step"] if lines else 0
+
+
+def member_of(store: EtcdStore, job: str, role: str) -> dict:
+    """The member to kill: the leader for singleton roles, else the first."""
+    keys = JobKeys(job)
+    members = {kv.value["id"]: kv.value for kv in store.get_prefix(keys.role_members_prefix(role))}
+    if role in SINGLETON_ROLES:
+        leader = store.get(keys.leader(role))
+        if leader is not None and leader.value["id"] in members:
+            return members[leader.value["id"]]
+    return members[sorted(members)[0]]
+
+
+def test_kill_9_each_role_during_training(tmp_path, etcd):
+    spec_path = tmp_path / "faults.toml"
+    spec_path.write_text(SPEC.format(runs=tmp_path / "runs", model=TINY_MODEL))
+    log = tmp_path / "run.log"
+    proc = rlfleet("run", str(spec_path), "--etcd", etcd.endpoints_arg, "--no-view", log=log)
+    store = EtcdStore(etcd.endpoints)
+    try:
+        run_dir = Path(wait_for("the run dir line", lambda: next(
+            (line.split("run dir:", 1)[1].strip() for line in log.read_text().splitlines()
+             if line.startswith("run dir:")), None), timeout_s=30))
+        wait_for("two training steps", lambda: last_step(run_dir) >= 2, timeout_s=240)
+
+        for role in ROLES:
+            victim = member_of(store, "faults", role)
+            step_before = last_step(run_dir)
+            os.kill(victim["pid"], signal.SIGKILL)
+            wait_for(f"{role}/{victim['id']} to come back with a new pid", lambda: any(
+                kv.value["pid"] != victim["pid"] and kv.value["state"] == "running"
+                for kv in store.get_prefix(JobKeys("faults").role_members_prefix(role))
+                if kv.value["id"] == victim["id"]), timeout_s=90)
+            # The job keeps going: training advances after every kill.
+            wait_for(f"training to advance after killing {role}",
+                     lambda: last_step(run_dir) > step_before, timeout_s=180)
+    finally:
+        code = stop(proc, timeout_s=60)
+    assert code == 0, log.read_text()[-3000:]
+
+    steps = [r["step"] for r in train_lines(run_dir)]
+    # A restarted trainer resumes from its checkpoint and journal: versions never go back.
+    assert steps == sorted(steps), steps
+    accounting = json.loads((run_dir / "accounting.json").read_text())
+    assert accounting["ok"], accounting
+    assert accounting["lost_total"] == 0 and accounting["trained"] > 0
+    assert accounting["claimed"] == (accounting["trained"] + accounting["dropped_total"]
+                                     + accounting["in_flight"])
