@@ -171,7 +171,10 @@ class TrainingWorker:
         threads = int(raw)
         learner = Learner(self.spec.model.path, lr=t.learning_rate, clip_eps=t.clip_eps,
                           seed=self.spec.job.seed, threads=threads,
-                          temperature=self.spec.rollout.temperature)
+                          # The rollout reports behaviour log-probs at temperature 1 (the
+                          # policy itself, see daemons/rollout/engine.py); the ratio must
+                          # compare like with like, whatever temperature sampling used.
+                          temperature=1.0)
         for ckpt in checkpoints(self.paths.checkpoints):
             try:
                 learner.load_checkpoint(ckpt)

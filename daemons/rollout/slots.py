@@ -1,0 +1,60 @@
+"""The torch engine's KV slots and its sampler (kept apart so engine.py reads as the algorithm)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class SlotCache:
+    """The per-layer KV tensors, shaped as transformers' attention layers expect a Cache.
+
+    The engine sets ``lo``, ``hi`` (the contiguous rows of this forward), ``index``
+    (each row's positions, expanded for scatter) and ``kv_len`` before each forward;
+    ``update`` writes the new keys/values there and returns the rows' cache up to
+    ``kv_len``, which the attention mask then restricts per row.
+    """
+
+    def __init__(self, layers: int, rows: int, heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (rows, heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.lo = self.hi = self.kv_len = 0
+        self.index: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.k[layer_idx][self.lo:self.hi], self.v[layer_idx][self.lo:self.hi]
+        k.scatter_(2, self.index, key_states)
+        v.scatter_(2, self.index, value_states)
+        return k[:, :, :self.kv_len], v[:, :, :self.kv_len]
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        for t in (*self.k, *self.v):
+            t[dst, :, :length] = t[src, :, :length]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # asked by some model code paths
+        return self.kv_len
+
+
+def sample_rows(scaled: torch.Tensor, top_p: list[float], u: torch.Tensor) -> torch.Tensor:
+    """One token per row from softmax(scaled) restricted to the top-p nucleus.
+
+    Inverse CDF with the given uniforms u in [0, 1): reproducible from u alone.
+    """
+    probs = torch.softmax(scaled, dim=-1)
+    order = None
+    if any(p < 1.0 for p in top_p):
+        probs, order = probs.sort(dim=-1, descending=True)
+        cdf = probs.cumsum(-1)
+        p = torch.tensor(top_p, device=scaled.device)[:, None]
+        # Keep a token if the mass before it is < top_p: the nucleus, never empty.
+        probs = torch.where(cdf - probs < p, probs, torch.zeros_like(probs))
+    cdf = probs.cumsum(-1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    # u * total can round up to total: never step past the last token that has mass.
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    pick = torch.minimum(pick, last)
+    return pick if order is None else order.gather(1, pick[:, None])[:, 0]
