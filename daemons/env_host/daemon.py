@@ -1,14 +1,142 @@
-"""The env-host daemon: EnvManagers (one asyncio task per trajectory), the partial-trajectory journal, prompt claims.
+"""The env-host daemon: EnvManagers (one asyncio task per trajectory), the
+partial-trajectory journal, prompt claims.
 
-Foundation stage: registers, heartbeats, elects where it is a singleton role,
-serves metrics and shuts down cleanly; the role's data-plane work lands with
-the end-to-end issue.
+Threads:
+- main (Daemon loop): registration; each cycle reads the live rollouts
+  (`members/rollout/*` → `addresses.requests`) and reward-hosts
+  (`members/reward-host/*` → `addresses.trajectories`) from etcd and hands them on;
+- env loop (`EnvRunner`): claims prompts through etcd (CAS on prompts/cursor), runs
+  the EnvManagers, journals every finished turn and trajectory;
+- outbox (`OutboxThread`): sends finished trajectories — dropped ones too, with
+  `dropped_reason`, so the trainer can account for them — to the reward-hosts, keyed
+  by trajectory id, until acked; acks are journaled.
+
+The journal lives at `$RLFLEET_RUN_DIR/env-host/<id>.jsonl` (else
+`<runs_dir>/<job>/env-host/<id>.jsonl`): restart with the same `--id` to resume it.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from typing import Any
+
 from rlfleet.common.daemon import Daemon
+from rlfleet.common.store import StoreUnavailable
+from rlfleet.common.wire import Trajectory
+
+from .claims import PromptClaimer
+from .journal import Journal, journal_path
+from .manager import ManagerConfig, TurnCodec
+from .outbox import OutboxThread
+from .prompts import PromptStream, task_from_spec
+from .runner import EnvRunner
+
+log = logging.getLogger("rlfleet.env_host")
+
+DRAIN_ACK_WAIT_S = 3.0  # on SIGTERM, how long to wait for acks of finished trajectories
+SETUP_RETRY_S = 10.0
+
+
+def peer_addresses(members: list[Any], address_name: str) -> dict[str, str]:
+    """{member id: address} of running members that publish `address_name`."""
+    out = {}
+    for kv in members:
+        value = kv.value if isinstance(kv.value, dict) else {}
+        address = (value.get("addresses") or {}).get(address_name)
+        if value.get("state", "running") == "running" and isinstance(address, str) and address:
+            out[str(value.get("id") or kv.key.rsplit("/", 1)[-1])] = address
+    return out
 
 
 class EnvHost(Daemon):
     role = "env-host"
+
+    runner: EnvRunner | None = None
+    setup_error = ""
+
+    def setup(self) -> None:
+        self._peers: tuple[dict[str, str], dict[str, str]] = ({}, {})
+        self._retry_setup_at = 0.0
+        said = self._try_start()
+        if said:
+            (log.error if self.setup_error else log.info)(said, extra={"event": "setup"})
+
+    def _try_start(self) -> str | None:
+        """Build the data path; a model folder without a usable tokenizer (or a bad task
+        difficulty) keeps the daemon registered and saying why, retried every 10 s."""
+        assert self.spec is not None
+        spec, member_id = self.spec, self.options.member_id
+        self._retry_setup_at = time.monotonic() + SETUP_RETRY_S
+        try:
+            task = task_from_spec(spec)
+            codec = TurnCodec.from_model_dir(str(spec.model.path))
+            journal = Journal(journal_path(spec, member_id), spec.task.group_size)
+        except Exception as exc:  # noqa: BLE001 — reported in the registration and the log
+            error = f"cannot start: {type(exc).__name__}: {exc}"[:300]
+            changed, self.setup_error = error != self.setup_error, error
+            return error if changed else None
+        self.setup_error = ""
+        self.journal = journal
+        self.claimer = PromptClaimer(self.store, self.keys, member_id)
+        self.outbox = OutboxThread(f"{member_id}->reward-host", on_acked=self._on_acked)
+        self.runner = EnvRunner(
+            task=task, stream=PromptStream(task, spec.job.seed), codec=codec,
+            config=ManagerConfig.from_spec(spec), group_size=spec.task.group_size,
+            max_concurrent=spec.env_host.max_concurrent, journal=self.journal,
+            claim=self.claimer.claim, recent_claims=self.claimer.recent,
+            submit=self._submit, name=member_id)
+        self.outbox.start()
+        self.runner.start()
+        live = len(self.journal.live_prompts())
+        return f"env loop started (journal {self.journal.path}, {live} live prompts)"
+
+    def _submit(self, key: str, traj: Trajectory) -> None:
+        self.outbox.submit(key, traj)
+
+    def _on_acked(self, acked: list[tuple[str, bool, str]]) -> None:
+        assert self.runner is not None  # the outbox starts after the runner exists
+        self.runner.on_acked(acked)
+
+    def cycle(self) -> str | None:
+        if self.runner is None:
+            return self._try_start() if time.monotonic() >= self._retry_setup_at else None
+        if not self.runner.alive():
+            self.request_stop()  # the supervisor restarts us; the journal resumes the work
+            return f"env loop died ({self.runner.error!r}); stopping"
+        try:
+            rollouts = peer_addresses(self.store.get_prefix(self.keys.role_members_prefix("rollout")),
+                                      "requests")
+            reward_hosts = peer_addresses(
+                self.store.get_prefix(self.keys.role_members_prefix("reward-host")), "trajectories")
+        except StoreUnavailable:
+            return None  # the session already said "etcd unreachable"; keep the current peers
+        said = []
+        if rollouts != self._peers[0]:
+            self.runner.set_rollouts(rollouts)
+            said.append(f"rollouts: {', '.join(sorted(rollouts)) or 'none'}")
+        if reward_hosts != self._peers[1]:
+            self.outbox.set_addresses(list(reward_hosts.values()))
+            said.append(f"reward-hosts: {', '.join(sorted(reward_hosts)) or 'none'}")
+        self._peers = (rollouts, reward_hosts)
+        return "; ".join(said) or None
+
+    def drain(self) -> str | None:
+        if self.runner is None:
+            return None
+        self.runner.stop()
+        deadline = time.monotonic() + DRAIN_ACK_WAIT_S
+        while self.outbox.pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        unacked = self.outbox.pending
+        self.outbox.stop()
+        self.outbox.join(5.0)
+        self.journal.close()
+        return (f"stopped {self.runner.in_flight} trajectories in flight, {unacked} unacked "
+                f"(journaled, resumed on restart)")
+
+    def member_info(self) -> dict[str, Any]:
+        runner = self.runner
+        if runner is None:
+            return {"error": self.setup_error} if self.setup_error else {}
+        return {"in_flight": runner.in_flight, "claimed": runner.claimed, "done": runner.acked}

@@ -1,14 +1,94 @@
-"""The reward-host daemon: stateless reward workers; scored trajectories go to the trainer until acknowledged.
+"""The reward-host daemon: stateless reward workers; scored trajectories go to the
+trainer until acknowledged.
 
-Foundation stage: registers, heartbeats, elects where it is a singleton role,
-serves metrics and shuts down cleanly; the role's data-plane work lands with
-the end-to-end issue.
+Threads:
+- main (Daemon loop): registration (publishing `addresses.trajectories`); each cycle
+  finds the trainer leader in etcd (`members/trainer/*` whose registration says
+  leader=true, cross-checked with `leader/trainer` when several claim it) and points
+  the service at its `addresses.trajectories`;
+- service (`RewardService`): receive, dedup, score in the worker pool, forward, ack.
+
+Workers are child processes (`RewardPool`); `reward_host.workers` of them, each job
+killed after `reward_host.timeout_s`.
 """
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 from rlfleet.common.daemon import Daemon
+from rlfleet.common.sockets import ReliableReceiver
+from rlfleet.common.store import StoreUnavailable
+from rlfleet.common.wire import Trajectory
+from rlfleet.daemons.env_host.prompts import task_kwargs
+
+from .service import RewardService
+from .workers import RewardPool
+
+
+def trainer_address(members: list[Any], leader_id: str | None) -> str | None:
+    """The trajectories address of the trainer leader, or None if there is none."""
+    leaders = {}
+    for kv in members:
+        value = kv.value if isinstance(kv.value, dict) else {}
+        address = (value.get("addresses") or {}).get("trajectories")
+        if value.get("leader") is True and isinstance(address, str) and address:
+            leaders[str(value.get("id") or kv.key.rsplit("/", 1)[-1])] = address
+    if len(leaders) > 1 and leader_id in leaders:
+        return leaders[leader_id]  # a deposed leader whose registration is not updated yet
+    return next(iter(sorted(leaders.items())), (None, None))[1]
 
 
 class RewardHost(Daemon):
     role = "reward-host"
+
+    def setup(self) -> None:
+        assert self.spec is not None
+        spec = self.spec
+        self.receiver = ReliableReceiver(f"tcp://{spec.reward_host.bind_host}:0", expect=Trajectory,
+                                         name=f"{self.options.member_id}<-env-hosts")
+        self.addresses["trajectories"] = self.receiver.endpoint
+        self.pool = RewardPool(spec.reward_host.workers, spec.reward_host.timeout_s)
+        self.service = RewardService(receiver=self.receiver, pool=self.pool,
+                                     task_name=spec.task.name, task_kwargs=task_kwargs(spec),
+                                     name=self.options.member_id)
+        self._trainer: str | None = None
+        self._stop_service = threading.Event()
+        self._thread = threading.Thread(target=self.service.run, args=(self._stop_service,),
+                                        name="reward-service", daemon=True)
+        self._thread.start()
+
+    def cycle(self) -> str | None:
+        if not self._thread.is_alive():
+            self.request_stop()
+            return "reward service thread died; stopping (env-hosts re-send what was not acked)"
+        try:
+            members = self.store.get_prefix(self.keys.role_members_prefix("trainer"))
+            leader = self.store.get(self.keys.leader("trainer"))
+        except StoreUnavailable:
+            return None  # keep the trainer we know
+        leader_id = leader.value.get("id") if leader and isinstance(leader.value, dict) else None
+        address = trainer_address(members, leader_id)
+        if address == self._trainer:
+            return None
+        self._trainer = address
+        self.service.set_trainer(address)
+        return f"trainer at {address}" if address else "no trainer leader: holding scored trajectories"
+
+    def drain(self) -> str | None:
+        # Nothing to hand back: whatever the trainer did not ack is re-sent by env-hosts.
+        self._stop_service.set()
+        self._thread.join(5.0)
+        self.pool.close()
+        self.receiver.close()
+        s = self.service.stats
+        return (f"scored {s['scored']}, reward errors {s['reward_errors']}, "
+                f"{self.service.in_flight} in flight left to the env-hosts' re-sends")
+
+    def member_info(self) -> dict[str, Any]:
+        service = getattr(self, "service", None)
+        if service is None:
+            return {}
+        return {"in_flight": service.in_flight, "scored": service.stats["scored"],
+                "reward_errors": service.stats["reward_errors"]}

@@ -20,12 +20,10 @@ log = logging.getLogger("rlfleet.trainer")
 
 
 def task_for(spec: JobSpec) -> Any:
-    """The task at the difficulty the model was warm-started on, overridden by the spec."""
-    from rlfleet.daemons.tasks import get_task
-    from rlfleet.tools.evaluate import task_difficulty
+    """The same Task object the env-hosts train on (one definition: the spec's [task])."""
+    from rlfleet.daemons.env_host.prompts import task_from_spec
 
-    return get_task(spec.task.name, **{**task_difficulty(spec.model.path, spec.task.name),
-                                       **spec.task.difficulty})
+    return task_from_spec(spec)
 
 
 def can_evaluate(spec: JobSpec) -> bool:

@@ -1,0 +1,106 @@
+"""Prompt claims: env-hosts take disjoint ranges of prompt ids through one etcd key.
+
+`/rlfleet/<job>/prompts/cursor` holds (JSON, readable with etcdctl)::
+
+    {"next": 96, "claims": {"env-host-0": [[64, 72], [80, 88]], "env-host-1": [[88, 96]]}}
+
+`next` is the first unclaimed prompt id; a claim of k prompts is a compare-and-swap
+from `next` to `next + k` at the key's mod revision, so two env-hosts never get the
+same id. `claims` keeps the last few ranges per env-host id (merged when contiguous)
+and exists for crash recovery: an env-host killed between a successful swap and its
+journal write finds the range here on restart (`recent()`). It is bounded, so the
+value stays small however long the job runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+from rlfleet.common.keys import JobKeys
+from rlfleet.common.store import Store
+
+log = logging.getLogger("rlfleet.env_host")
+
+RECENT_PER_OWNER = 4  # ranges kept per env-host id
+MAX_OWNERS = 64  # env-host ids kept; the one that claimed least recently is forgotten first
+
+
+class ClaimError(Exception):
+    """The cursor value is not what env-hosts write; we refuse to overwrite it."""
+
+
+class ClaimContention(Exception):
+    """Lost the compare-and-swap race max_attempts times in a row."""
+
+
+def parse_cursor(value: Any, key: str = "prompts/cursor") -> tuple[int, dict[str, list[list[int]]]]:
+    """(next, claims) from a cursor value; ClaimError with the reason if malformed."""
+    if not isinstance(value, dict):
+        raise ClaimError(f"{key}: expected an object {{next, claims}}, got {value!r:.80}")
+    nxt = value.get("next")
+    if type(nxt) is not int or nxt < 0:
+        raise ClaimError(f"{key}.next: expected an integer >= 0, got {nxt!r:.40}")
+    claims = value.get("claims", {})
+    if not isinstance(claims, dict):
+        raise ClaimError(f"{key}.claims: expected an object, got {claims!r:.80}")
+    out: dict[str, list[list[int]]] = {}
+    for owner, ranges in claims.items():
+        if not isinstance(ranges, list) or not all(
+                isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)
+                and 0 <= r[0] <= r[1] <= nxt for r in ranges):
+            raise ClaimError(f"{key}.claims.{owner}: expected [[start, end], ...] within "
+                             f"[0, {nxt}], got {ranges!r:.80}")
+        out[owner] = [list(r) for r in ranges]
+    return nxt, out
+
+
+def _record(claims: dict[str, list[list[int]]], owner: str, start: int, end: int) -> None:
+    ranges = claims.pop(owner, [])  # re-inserted last: dict order = least recent first
+    if ranges and ranges[-1][1] == start:
+        ranges[-1] = [ranges[-1][0], end]
+    else:
+        ranges.append([start, end])
+    claims[owner] = ranges[-RECENT_PER_OWNER:]
+    while len(claims) > MAX_OWNERS:
+        claims.pop(next(iter(claims)))
+
+
+class PromptClaimer:
+    """Claims prompt ranges for one env-host. Blocking (etcd round trips): call it
+    from a thread, not from an event loop. StoreUnavailable propagates."""
+
+    def __init__(self, store: Store, keys: JobKeys, owner: str, *, max_attempts: int = 100) -> None:
+        self.store, self.keys, self.owner = store, keys, owner
+        self.max_attempts = max_attempts
+        self.conflicts = 0  # lost swaps, for metrics and tests
+
+    def claim(self, k: int) -> range:
+        """The next k unclaimed prompt ids, now ours."""
+        if k < 1:
+            raise ValueError(f"k: must be >= 1, got {k}")
+        key = self.keys.prompts_cursor
+        for attempt in range(self.max_attempts):
+            kv = self.store.get(key)
+            if kv is None:
+                nxt, claims, revision = 0, {}, 0
+            else:
+                nxt, claims = parse_cursor(kv.value, key)
+                revision = kv.mod_revision
+            _record(claims, self.owner, nxt, nxt + k)
+            if self.store.compare_and_swap(key, revision, {"next": nxt + k, "claims": claims}):
+                return range(nxt, nxt + k)
+            self.conflicts += 1
+            # Another env-host won; jittered so a crowd of claimers spreads out.
+            time.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))
+        raise ClaimContention(f"{key}: lost {self.max_attempts} compare-and-swap races in a row")
+
+    def recent(self) -> list[range]:
+        """The ranges the cursor records for this env-host (most recent last)."""
+        kv = self.store.get(self.keys.prompts_cursor)
+        if kv is None:
+            return []
+        _, claims = parse_cursor(kv.value, self.keys.prompts_cursor)
+        return [range(a, b) for a, b in claims.get(self.owner, [])]

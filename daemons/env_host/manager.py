@@ -1,0 +1,338 @@
+"""EnvManager: one asyncio task drives one trajectory from reset to done.
+
+    obs = env.reset(prompt)
+    loop:  text = task.format_turn(obs) -> token ids -> GenerateRequest to a rollout
+           -> check the result -> completion text -> env.step(completion) -> journal the turn
+    until done, then return the Trajectory (dropped ones too, with dropped_reason set).
+
+Faults stay inside the trajectory and end it with a recorded reason (docs/dataflow.md):
+
+    env_error           reset/step raised or returned something that is not a step result
+    env_timeout         reset/step took longer than turn_timeout_s
+    rollout_garbage     results kept failing the checks in `check_result` (after retries)
+    rollout_timeout     rollouts kept timing out / disappearing (after retries)
+    trajectory_timeout  the whole episode exceeded trajectory_timeout_s
+    env_host_error      a bug of ours (logged with its traceback)
+
+Environment calls run on `EnvThreads` rather than `asyncio.to_thread`: the default
+executor has cpu+4 threads that a few hung environments would use up for good, and its
+threads are joined at interpreter exit, so one hung env would block shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import queue
+import random
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from rlfleet.common.spec import JobSpec
+from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array, Trajectory, Turn
+from rlfleet.daemons.tasks import Prompt, Task, TaskEnv
+
+from .prompts import group_id, trajectory_id
+from .routing import RouteError, Router
+
+log = logging.getLogger("rlfleet.env_host")
+
+_ERROR_CHARS = 300  # of an exception's text kept in a trajectory's info
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerConfig:
+    turn_timeout_s: float = 30.0
+    trajectory_timeout_s: float = 300.0
+    max_retries: int = 3
+    temperature: float = 1.0
+    top_p: float = 1.0
+    backoff_s: float = 0.1  # first retry delay; doubles per retry
+    max_backoff_s: float = 5.0
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec) -> ManagerConfig:
+        e = spec.env_host
+        return cls(turn_timeout_s=e.turn_timeout_s, trajectory_timeout_s=e.trajectory_timeout_s,
+                   max_retries=e.max_retries, temperature=spec.rollout.temperature,
+                   top_p=spec.rollout.top_p)
+
+
+class TurnCodec:
+    """Text <-> token ids exactly as tools/evaluate.py does it: the tokenizer's
+    post-processor puts <bos> in front of every prompt; a completion is cut at the
+    first end token, which stays in the turn's token ids (the policy must learn to
+    stop) but not in the decoded action text."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token_id; completions could never end")
+        self.tokenizer = tokenizer
+        self.eos_id: int = tokenizer.eos_token_id
+        self.vocab_size = len(tokenizer)
+        self._backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
+
+    @classmethod
+    def from_model_dir(cls, path: str) -> TurnCodec:
+        from transformers import AutoTokenizer  # heavy; only env-hosts pay for it
+
+        return cls(AutoTokenizer.from_pretrained(str(path)))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        if self._backend is not None:  # the same post-processor, ~10x less Python overhead
+            return list(self._backend.encode(text).ids)
+        return list(self.tokenizer(text)["input_ids"])
+
+    def completion(self, token_ids: list[int]) -> tuple[int, str]:
+        """(how many tokens belong to the turn, including the end token; action text)."""
+        n = token_ids.index(self.eos_id) + 1 if self.eos_id in token_ids else len(token_ids)
+        return n, self.tokenizer.decode(token_ids[:n], skip_special_tokens=True)
+
+
+def check_result(res: GenerateResult, vocab_size: int, max_new_tokens: int) -> str | None:
+    """Why a rollout's result is unusable, or None if it is fine."""
+    if res.finish_reason == "error":
+        return f"finish_reason error: {res.error[:_ERROR_CHARS]}"
+    n = len(res.token_ids)
+    if n == 0:
+        return "no tokens"
+    if n > max_new_tokens:
+        return f"{n} tokens > max_new_tokens {max_new_tokens}"
+    if len(res.logprobs) != n:
+        return f"{len(res.logprobs)} logprobs for {n} tokens"
+    bad = [t for t in res.token_ids.tolist() if not 0 <= t < vocab_size]
+    if bad:
+        return f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+    if not all(math.isfinite(x) and x <= 1e-4 for x in res.logprobs.tolist()):
+        return "logprobs not finite or > 0"
+    if res.weight_version < 0:
+        return f"weight_version {res.weight_version} < 0"
+    return None
+
+
+class EnvThreads:
+    """Daemon threads for environment calls, reused, and grown so that every call has a
+    thread of its own: a hung env holds its thread forever (counted in `hung`) but never
+    delays another call. Reuse matters: starting a thread per call cost ~0.5 ms of the
+    event loop's time under load, more than the env step itself."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self.threads = 0
+        self.hung = 0  # calls abandoned after the turn timeout (their threads are lost)
+
+    def submit(self, call: Callable[[], None]) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if spawn:
+                self.threads += 1
+            else:
+                self._idle -= 1  # reserved for this call
+        self._queue.put(call)
+        if spawn:
+            threading.Thread(target=self._work, name="env-call", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            call = self._queue.get()
+            call()  # never raises: _env_call's target catches everything
+            with self._lock:
+                self._idle += 1
+
+
+_THREADS = EnvThreads()
+
+
+class Dropped(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+OnTurn = Callable[[str, int, Turn], Awaitable[None]]
+
+
+class EnvManager:
+    """One trajectory: ``await EnvManager(...).run()`` returns it, finished or dropped.
+
+    ``resume`` are turns journaled before a restart: they are replayed on a fresh
+    environment (their recorded actions, no generation) and the episode continues; if
+    the replay does not reproduce the recorded observations, the episode restarts.
+    ``on_turn(tid, index, turn)`` is awaited after every finished turn (the journal).
+    """
+
+    def __init__(self, *, task: Task, prompt: Prompt, prompt_id: int, index: int,
+                 codec: TurnCodec, router: Router, config: ManagerConfig,
+                 on_turn: OnTurn | None = None, resume: Sequence[Turn] = (),
+                 threads: EnvThreads | None = None) -> None:
+        self.task, self.prompt, self.prompt_id = task, prompt, prompt_id
+        self.tid = trajectory_id(prompt_id, index)
+        self.codec, self.router, self.cfg = codec, router, config
+        self.on_turn = on_turn
+        self.resume = list(resume)
+        self.threads = threads or _THREADS
+        self.turns: list[Turn] = []
+        self.env_reward = 0.0
+        self.invalid_actions = 0
+        self.reissues = 0
+        self.rollouts_used: list[str] = []
+
+    async def run(self) -> Trajectory:
+        reason, detail = "", ""
+        try:
+            async with asyncio.timeout(self.cfg.trajectory_timeout_s):
+                await self._play()
+        except TimeoutError:
+            reason, detail = "trajectory_timeout", f"episode exceeded {self.cfg.trajectory_timeout_s:g} s"
+        except Dropped as d:
+            reason, detail = d.reason, d.detail
+        except Exception as exc:  # noqa: BLE001 — a bug here must cost one trajectory, not the host
+            log.exception("%s: unexpected error", self.tid, extra={"trajectory": self.tid})
+            reason, detail = "env_host_error", repr(exc)[:_ERROR_CHARS]
+        if reason:
+            log.info("%s dropped: %s: %s", self.tid, reason, detail,
+                     extra={"event": "trajectory_dropped", "trajectory": self.tid, "reason": reason})
+        return self._trajectory(reason, detail)
+
+    def _trajectory(self, reason: str, detail: str) -> Trajectory:
+        info = {"prompt": json.dumps(self.prompt.to_dict(), separators=(",", ":")),
+                "turns": str(len(self.turns)), "invalid_actions": str(self.invalid_actions),
+                "reissues": str(self.reissues), "rollouts": ",".join(dict.fromkeys(self.rollouts_used))}
+        if detail:
+            info["error"] = detail
+        return Trajectory(self.tid, self.prompt_id, group_id(self.prompt_id), self.task.name,
+                          list(self.turns), self.env_reward, info, reason)
+
+    # -- the episode ------------------------------------------------------------------
+    async def _play(self) -> None:
+        env, obs, done = await self._start()
+        while not done:
+            if len(self.turns) >= self.task.max_turns:
+                raise Dropped("env_error", f"episode not done after {len(self.turns)} turns "
+                                           f"(task max_turns {self.task.max_turns})")
+            prompt_ids = self.codec.encode_prompt(self.task.format_turn(obs))
+            rollout_id, res = await self._generate(prompt_ids)
+            ids = res.token_ids.tolist()
+            n, action = self.codec.completion(ids)
+            turn = Turn(Int32Array(prompt_ids), Int32Array(ids[:n]),
+                        Float32Array(res.logprobs.tolist()[:n]), res.weight_version, obs, action)
+            next_obs, reward, done, info = await self._step(env, action)
+            self.rollouts_used.append(rollout_id)
+            self.invalid_actions += bool(info.get("invalid_action"))
+            await self._append(turn, reward)
+            obs = next_obs
+
+    async def _start(self) -> tuple[TaskEnv, str, bool]:
+        """A reset environment, brought to the end of the journaled turns if there are any."""
+        env = await self._env_call("make_env", self.task.make_env)  # may be slow: off the loop
+        obs = await self._env_call("reset", env.reset, self.prompt)
+        if not isinstance(obs, str):
+            raise Dropped("env_error", f"reset returned {type(obs).__name__}, not str")
+        resume, self.resume = self.resume, []
+        for n, turn in enumerate(resume):
+            if turn.observation != obs:
+                log.warning("%s: replay diverged at turn %d, restarting the episode", self.tid, n,
+                            extra={"trajectory": self.tid})
+                self.turns, self.env_reward, self.invalid_actions = [], 0.0, 0
+                return await self._start()
+            obs, reward, done, info = await self._step(env, turn.action)
+            self.turns.append(turn)
+            self.env_reward += reward
+            self.invalid_actions += bool(info.get("invalid_action"))
+            if done:
+                return env, obs, True
+        return env, obs, False
+
+    async def _append(self, turn: Turn, reward: float) -> None:
+        if self.on_turn is not None:
+            await self.on_turn(self.tid, len(self.turns), turn)
+        self.turns.append(turn)
+        self.env_reward += reward
+
+    async def _step(self, env: TaskEnv, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        result = await self._env_call("step", env.step, action)
+        try:
+            obs, reward, done, info = result
+            reward = float(reward)
+            if not isinstance(obs, str) or not math.isfinite(reward) or not isinstance(info, dict):
+                raise TypeError
+        except (TypeError, ValueError):
+            raise Dropped("env_error", f"step returned {result!r:.100}, not "
+                                       "(observation: str, reward: finite, done, info: dict)") from None
+        return obs, reward, bool(done), info
+
+    async def _env_call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def settle(value: Any, exc: BaseException | None) -> None:
+            if not fut.done():
+                if exc is None:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(exc)
+
+        def target() -> None:
+            try:
+                value, exc = fn(*args), None
+            except BaseException as e:  # noqa: BLE001 — carried back to the trajectory
+                value, exc = None, e
+            try:
+                loop.call_soon_threadsafe(settle, value, exc)
+            except RuntimeError:
+                pass  # the loop is gone (env-host stopping): nobody waits for this any more
+
+        self.threads.submit(target)
+        try:
+            return await asyncio.wait_for(fut, self.cfg.turn_timeout_s)
+        except TimeoutError:
+            # The thread may run on forever; it is a daemon thread and holds only this env.
+            self.threads.hung += 1
+            raise Dropped("env_timeout", f"env.{what} took longer than "
+                                         f"{self.cfg.turn_timeout_s:g} s") from None
+        except Dropped:
+            raise
+        except Exception as exc:  # noqa: BLE001 — the env's own exception
+            raise Dropped("env_error", f"env.{what} raised {type(exc).__name__}: "
+                                       f"{str(exc)[:_ERROR_CHARS]}") from None
+
+    async def _generate(self, prompt_ids: list[int]) -> tuple[str, GenerateResult]:
+        """One turn's generation, retried on other rollouts; Dropped when retries run out."""
+        max_new = self.task.max_new_tokens + 1  # +1: room for the end token
+        exclude: set[str] = set()
+        reason, detail = "", ""
+        for attempt in range(self.cfg.max_retries + 1):
+            if attempt:
+                # Garbage may be a transient engine fault: back off before asking again. A
+                # timeout or a lost rollout already cost time: re-issue elsewhere at once.
+                delay = min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0)
+                                    if reason == "rollout_garbage" else 0.0)
+            req = GenerateRequest(f"{self.tid}-t{len(self.turns)}-a{attempt}", self.tid,
+                                  Int32Array(prompt_ids), max_new, self.cfg.temperature, self.cfg.top_p)
+            try:
+                rollout_id, res = await self.router.generate(req, self.cfg.turn_timeout_s, exclude)
+            except RouteError as exc:
+                self.reissues += 1
+                if exc.rollout_id:
+                    exclude.add(exc.rollout_id)
+                reason, detail = "rollout_timeout", str(exc)
+                continue
+            problem = check_result(res, self.codec.vocab_size, max_new)
+            if problem is None and res.finish_reason != "abort":
+                return rollout_id, res
+            self.reissues += 1
+            exclude.add(rollout_id)
+            if res.finish_reason == "abort":  # aborted on the rollout's side (repack): go elsewhere
+                reason, detail = "rollout_timeout", f"aborted by {rollout_id}"
+            else:
+                reason, detail = "rollout_garbage", f"{rollout_id}: {problem}"
+                log.warning("%s: garbage from rollout %s: %s", self.tid, rollout_id, problem,
+                            extra={"trajectory": self.tid, "rollout": rollout_id})
+        raise Dropped(reason, f"after {self.cfg.max_retries + 1} attempts: {detail}")

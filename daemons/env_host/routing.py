@@ -1,0 +1,200 @@
+"""Which rollout gets a turn: the live rollouts, least-loaded by our own outstanding requests.
+
+The set of rollouts comes from etcd (`members/rollout/*`, their `addresses.requests`);
+the daemon reads it each cycle and hands it to `Router.update` on the event loop, so
+this module never touches etcd. Each rollout has one AsyncRequestClient (a DEALER).
+
+A rollout that dies mid-request must not cost the full turn timeout: a ZeroMQ socket
+monitor reports the TCP disconnect at once (a ZMTP heartbeat notices a silent peer
+within 6 s), and every request in flight to that rollout fails with kind "gone", so
+its EnvManager re-issues the turn elsewhere. A rollout that timed out is avoided for
+`suspect_s` unless nothing else is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import random
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from rlfleet.common.sockets import AsyncRequestClient, PeerTimeout
+from rlfleet.common.wire import Abort, GenerateRequest, GenerateResult
+
+log = logging.getLogger("rlfleet.env_host")
+
+
+class RouteError(Exception):
+    """A turn did not get a result from a rollout. ``kind``: timeout, gone, no_rollout."""
+
+    def __init__(self, kind: str, rollout_id: str, detail: str) -> None:
+        super().__init__(f"{kind} ({rollout_id or 'no rollout'}): {detail}")
+        self.kind, self.rollout_id, self.detail = kind, rollout_id, detail
+
+
+@dataclasses.dataclass(eq=False)
+class _Rollout:
+    id: str
+    address: str
+    client: AsyncRequestClient
+    gone: asyncio.Future[str]  # resolved (and replaced) when the connection drops
+    monitor: zmq.asyncio.Socket | None = None
+    monitor_task: asyncio.Task[None] | None = None
+    outstanding: int = 0
+    suspect_until: float = 0.0
+    requests: int = 0
+
+
+class Router:
+    """Live rollouts and least-loaded choice. Use from one event loop only."""
+
+    def __init__(self, *, suspect_s: float = 5.0, name: str = "env-host") -> None:
+        self.suspect_s = suspect_s
+        self.name = name
+        self._rollouts: dict[str, _Rollout] = {}
+        self._changed = asyncio.Event()
+        self._background: set[asyncio.Task[Any]] = set()
+        self.reissued = {"timeout": 0, "gone": 0, "no_rollout": 0}
+
+    # -- membership -----------------------------------------------------------------
+    def update(self, rollouts: Mapping[str, str]) -> list[str]:
+        """Make the live set exactly ``{rollout_id: requests address}``; returns what changed."""
+        said = []
+        for rid in list(self._rollouts):
+            r = self._rollouts[rid]
+            if rollouts.get(rid) != r.address:
+                self._remove(r, "left the fleet" if rid not in rollouts else "moved")
+                said.append(f"rollout {rid} removed")
+        for rid, address in rollouts.items():
+            if rid not in self._rollouts:
+                self._add(rid, address)
+                said.append(f"rollout {rid} added at {address}")
+        if said:
+            self._changed.set()
+            self._changed = asyncio.Event()
+        return said
+
+    def load(self) -> dict[str, int]:
+        """Outstanding requests per live rollout."""
+        return {rid: r.outstanding for rid, r in self._rollouts.items()}
+
+    def __len__(self) -> int:
+        return len(self._rollouts)
+
+    def _add(self, rid: str, address: str) -> None:
+        loop = asyncio.get_running_loop()
+        client = AsyncRequestClient(address, expect=GenerateResult, name=f"{self.name}->{rid}")
+        r = _Rollout(rid, address, client, loop.create_future())
+        r.monitor = client.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        r.monitor_task = loop.create_task(self._watch(r))
+        self._rollouts[rid] = r
+
+    def _remove(self, r: _Rollout, why: str) -> None:
+        del self._rollouts[r.id]
+        self._fail_inflight(r, why)
+        if r.monitor_task is not None:
+            r.monitor_task.cancel()
+        with contextlib.suppress(zmq.ZMQError):
+            r.client.sock.disable_monitor()
+        if r.monitor is not None:
+            r.monitor.close(linger=0)
+        r.client.close()
+
+    def _fail_inflight(self, r: _Rollout, why: str) -> None:
+        if r.outstanding:
+            log.info("rollout %s %s: re-issuing %d request(s) elsewhere", r.id, why, r.outstanding,
+                     extra={"event": "rollout_gone", "rollout": r.id})
+        if not r.gone.done():
+            r.gone.set_result(why)
+        r.gone = asyncio.get_running_loop().create_future()
+
+    async def _watch(self, r: _Rollout) -> None:
+        assert r.monitor is not None
+        with contextlib.suppress(zmq.ZMQError):
+            while True:
+                event = parse_monitor_message(await r.monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._fail_inflight(r, "disconnected")
+
+    # -- requests ---------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest, timeout_s: float,
+                       exclude: Collection[str] = ()) -> tuple[str, GenerateResult]:
+        """(rollout id, result) for one turn; RouteError when there is none in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        r = await self._pick(exclude, deadline)
+        r.outstanding += 1
+        r.requests += 1
+        gone = r.gone
+        call = loop.create_task(r.client.request(req, max(0.001, deadline - loop.time())))
+        try:
+            await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone.done():  # checked first: a closed socket may also fail the call
+                self.reissued["gone"] += 1
+                raise RouteError("gone", r.id, gone.result())
+            result = call.result()
+        except PeerTimeout as exc:
+            r.suspect_until = loop.time() + self.suspect_s
+            self.reissued["timeout"] += 1
+            self._spawn(self._abort(r, req.request_id))
+            raise RouteError("timeout", r.id, str(exc)) from None
+        except (zmq.ZMQError, OSError) as exc:  # the socket went away under the call
+            self.reissued["gone"] += 1
+            raise RouteError("gone", r.id, repr(exc)) from None
+        finally:
+            r.outstanding -= 1
+            if not call.done():
+                call.cancel()
+                self._spawn(self._abort(r, req.request_id))
+            call.add_done_callback(_retrieve)
+        assert isinstance(result, GenerateResult)
+        return r.id, result
+
+    async def _pick(self, exclude: Collection[str], deadline: float) -> _Rollout:
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            every = list(self._rollouts.values())
+            for pool in ([r for r in every if r.id not in exclude and r.suspect_until <= now],
+                         [r for r in every if r.id not in exclude], every):
+                if pool:
+                    least = min(r.outstanding for r in pool)
+                    return random.choice([r for r in pool if r.outstanding == least])
+            if now >= deadline:
+                self.reissued["no_rollout"] += 1
+                raise RouteError("no_rollout", "", "no live rollout registered")
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(deadline - now):
+                    await changed.wait()
+
+    async def _abort(self, r: _Rollout, request_id: str) -> None:
+        # Frees the rollout's slot; its reply (finish_reason="abort") is not needed.
+        if r.client.sock.closed:
+            return  # removed from the fleet (or we are stopping): nothing to free
+        with contextlib.suppress(Exception):
+            await r.client.request(Abort(request_id), 2.0)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def close(self) -> None:
+        for r in list(self._rollouts.values()):
+            self._remove(r, "env-host stopping")
+        for task in self._background:
+            task.cancel()
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    # A cancelled or failed call whose outcome nobody reads must not log "never retrieved".
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,299 @@
+"""The env-host's event loop (its own thread): claim prompts, run EnvManagers, hand
+finished trajectories to the outbox, forget them once the reward-host acked.
+
+Capacity: at most max(1, max_concurrent // group_size) prompts are live at once; a
+prompt stays live until all its group_size trajectories are acked, so a reward-host
+that stops acking stops the claiming (back-pressure) instead of piling up work.
+
+Start-up order matters for the accounting invariant:
+1. resume the journal's live prompts (re-send done trajectories, resume partial ones);
+2. adopt claims the cursor records for us that the journal never saw (a crash between
+   the compare-and-swap and the journal write) — before any new claim moves past them;
+3. then claim new prompts as capacity frees up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from prometheus_client import Counter
+
+from rlfleet.common.store import StoreUnavailable
+from rlfleet.common.wire import Trajectory, Turn
+from rlfleet.daemons.tasks import Prompt, Task
+
+from .claims import ClaimContention, ClaimError
+from .journal import Journal
+from .manager import EnvManager, ManagerConfig, TurnCodec
+from .outbox import Acked
+from .prompts import PromptStream, parse_trajectory_id, trajectory_id
+from .routing import Router
+
+log = logging.getLogger("rlfleet.env_host")
+
+TRAJECTORIES = Counter("rlfleet_env_trajectories_total",
+                       "Trajectories finished by this env-host, by dropped reason ('' = complete)",
+                       ["id", "reason"])
+PROMPTS_CLAIMED = Counter("rlfleet_env_prompts_claimed_total", "Prompts claimed from the cursor", ["id"])
+TURNS = Counter("rlfleet_env_turns_total", "Turns generated and stepped", ["id"])
+
+
+class EnvRunner:
+    def __init__(self, *, task: Task, stream: PromptStream, codec: TurnCodec, config: ManagerConfig,
+                 group_size: int, max_concurrent: int, journal: Journal,
+                 claim: Callable[[int], range], recent_claims: Callable[[], list[range]],
+                 submit: Callable[[str, Trajectory], None], name: str = "env-host") -> None:
+        self.task, self.stream, self.codec, self.config = task, stream, codec, config
+        self.group_size = group_size
+        self.max_prompts = max(1, max_concurrent // group_size)
+        self.journal = journal
+        self.claim, self.recent_claims, self.submit = claim, recent_claims, submit
+        self.name = name
+        self.loop = asyncio.new_event_loop()
+        self.router: Router | None = None
+        self._thread = threading.Thread(target=self._run, name="env-loop", daemon=True)
+        self._journal_exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="journal")
+        self._stopping = False
+        self._rollouts: dict[str, str] = {}
+        self._live: dict[int, set[str]] = {}  # prompt id -> its trajectories not yet acked
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._wake: asyncio.Event | None = None
+        self.error: BaseException | None = None
+        # counters (read from other threads; ints are updated atomically under the GIL)
+        self.running = 0
+        self.claimed = 0
+        self.acked = 0
+        self.dropped: dict[str, int] = {}
+        self.last_claim_error = ""
+        self._in_flight = 0  # mirrors of self._live, for other threads
+        self._live_prompts = 0
+
+    # -- thread-safe entry points -----------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._begin_stop)
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                frame = sys._current_frames().get(self._thread.ident or 0)
+                stack = "".join(traceback.format_stack(frame)) if frame else "?"
+                log.error("env loop did not stop within %.0f s; it is at:\n%s", timeout_s, stack)
+        self._journal_exec.shutdown(wait=True)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def set_rollouts(self, rollouts: Mapping[str, str]) -> None:
+        """{rollout id: requests address}, from etcd."""
+        self._rollouts = dict(rollouts)
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._apply_rollouts)
+
+    def on_acked(self, acked: list[Acked]) -> None:
+        """Called on the outbox thread: journal the acks, then free capacity."""
+        ok = [k for k, good, _ in acked if good]
+        refused = [(k, err) for k, good, err in acked if not good]
+        self.journal.record_acked(ok)
+        for key, err in refused:
+            log.warning("%s refused by the reward-host: %s", key, err, extra={"trajectory": key})
+            self.journal.record_acked([key], ok=False, error=err)
+        self.acked += len(acked)
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._forget, [k for k, _, _ in acked])
+
+    @property
+    def in_flight(self) -> int:
+        """Trajectories claimed and not yet acked (running, or waiting for the reward-host)."""
+        return self._in_flight
+
+    @property
+    def live_prompts(self) -> int:
+        return self._live_prompts
+
+    # -- the loop -----------------------------------------------------------------------
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main())
+        except BaseException as exc:  # noqa: BLE001 — reported by the daemon's cycle
+            self.error = exc
+            log.exception("env loop died")
+        finally:
+            self.loop.run_until_complete(self._shutdown())
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    async def _shutdown(self) -> None:
+        """Close the rollout clients and let every task of this loop unwind."""
+        if self.router is not None:
+            self.router.close()
+            self.router = None
+        me = asyncio.current_task()
+        for _ in range(5):  # cancelling a request spawns its Abort: a few rounds settle it
+            pending = [t for t in asyncio.all_tasks() if t is not me]
+            if not pending:
+                return
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    def _begin_stop(self) -> None:
+        self._stopping = True
+        for task in list(self._tasks):
+            task.cancel()  # partial trajectories stay in the journal; a restart resumes them
+        self._poke()
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _apply_rollouts(self) -> None:
+        if self.router is not None:
+            for sentence in self.router.update(self._rollouts):
+                log.info(sentence, extra={"event": "rollouts"})
+            self._poke()
+
+    async def _main(self) -> None:
+        self._wake = asyncio.Event()
+        self.router = Router(name=self.name)
+        self._apply_rollouts()
+        # The journal's own work first: it needs no etcd.
+        for prompt_id in self.journal.live_prompts():
+            if self._stopping:
+                return
+            await self._start_prompt(prompt_id)
+        for prompts in await self._adopt_lost_claims():
+            for prompt_id in prompts:
+                await self._start_prompt(prompt_id)
+        backoff = 0.2
+        # Claim in batches (half the capacity) rather than one prompt per finished group:
+        # fewer compare-and-swaps on the one cursor key that every env-host contends for.
+        batch = max(1, self.max_prompts // 2)
+        while not self._stopping:
+            free = self.max_prompts - len(self._live)
+            if free >= batch and len(self.router) > 0:
+                try:
+                    prompts = await asyncio.to_thread(self.claim, free)
+                except (StoreUnavailable, ClaimError, ClaimContention) as exc:
+                    if str(exc) != self.last_claim_error:
+                        log.warning("cannot claim prompts: %s", exc, extra={"event": "claim_failed"})
+                    self.last_claim_error = str(exc)
+                    await self._sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                backoff, self.last_claim_error = 0.2, ""
+                await self._in_journal(self.journal.record_claim, prompts)
+                self.claimed += len(prompts)
+                PROMPTS_CLAIMED.labels(id=self.name).inc(len(prompts))
+                log.info("claimed prompts [%d, %d)", prompts.start, prompts.stop,
+                         extra={"event": "claimed", "start": prompts.start, "stop": prompts.stop})
+                for prompt_id in prompts:
+                    await self._start_prompt(prompt_id)
+                continue
+            await self._sleep(1.0)
+        # Cancelled managers unwind in _shutdown (their journaled turns stay for the next start).
+
+    async def _sleep(self, seconds: float) -> None:
+        assert self._wake is not None
+        try:
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
+        except TimeoutError:
+            pass
+        self._wake.clear()
+
+    async def _adopt_lost_claims(self) -> list[range]:
+        """Journal the ranges etcd says are ours but the journal never saw; returns them."""
+        backoff = 0.2
+        while not self._stopping:
+            try:
+                recent = await asyncio.to_thread(self.recent_claims)
+                break
+            except (StoreUnavailable, ClaimError) as exc:
+                log.warning("cannot read the prompt cursor yet: %s", exc)
+                await self._sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+        else:
+            return []
+        adopted = []
+        for r in recent:
+            lost = range(max(r.start, self.journal.claimed_to), r.stop)
+            if lost:
+                log.warning("adopting prompts [%d, %d) claimed in etcd but not journaled",
+                            lost.start, lost.stop, extra={"event": "adopted"})
+                await self._in_journal(self.journal.record_claim, lost)
+                adopted.append(lost)
+        return adopted
+
+    async def _start_prompt(self, prompt_id: int) -> None:
+        prompt = await asyncio.to_thread(self.stream.get, prompt_id)
+        live = self._live.setdefault(prompt_id, set())
+        for k in range(self.group_size):
+            tid = trajectory_id(prompt_id, k)
+            status = self.journal.status(tid)
+            if status == "acked":
+                continue
+            live.add(tid)
+            if status == "done":
+                self.submit(tid, self.journal.finished(tid))
+            else:
+                resume = self.journal.turns(tid) if status == "partial" else []
+                task = self.loop.create_task(self._trajectory(prompt, prompt_id, k, resume))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        if not live:
+            del self._live[prompt_id]
+        self._count_live()
+
+    def _count_live(self) -> None:
+        self._in_flight = sum(len(t) for t in self._live.values())
+        self._live_prompts = len(self._live)
+
+    async def _trajectory(self, prompt: Prompt, prompt_id: int, k: int, resume: list[Turn]) -> None:
+        assert self.router is not None
+        manager = EnvManager(task=self.task, prompt=prompt, prompt_id=prompt_id, index=k,
+                             codec=self.codec, router=self.router, config=self.config,
+                             on_turn=self._journal_turn, resume=resume)
+        self.running += 1
+        try:
+            traj = await manager.run()
+            if traj.dropped_reason:
+                self.dropped[traj.dropped_reason] = self.dropped.get(traj.dropped_reason, 0) + 1
+            TRAJECTORIES.labels(id=self.name, reason=traj.dropped_reason).inc()
+            await self._in_journal(self.journal.record_done, traj)
+        except Exception:  # noqa: BLE001 — e.g. the journal's disk is full
+            # Not handed on: the prompt stays live here and in the journal, and the next
+            # start resumes the trajectory from what was journaled.
+            log.exception("%s: could not journal the finished trajectory", manager.tid)
+            return
+        finally:
+            self.running -= 1
+        self.submit(traj.trajectory_id, traj)
+
+    async def _journal_turn(self, tid: str, index: int, turn: Turn) -> None:
+        TURNS.labels(id=self.name).inc()
+        await self._in_journal(self.journal.record_turn, tid, index, turn)
+
+    async def _in_journal(self, fn: Callable[..., None], *args: Any) -> None:
+        # Disk writes off the loop, in order (one writer thread).
+        await self.loop.run_in_executor(self._journal_exec, fn, *args)
+
+    def _forget(self, tids: list[str]) -> None:
+        for tid in tids:
+            prompt_id, _ = parse_trajectory_id(tid)
+            live = self._live.get(prompt_id)
+            if live is not None:
+                live.discard(tid)
+                if not live:
+                    del self._live[prompt_id]
+        self._count_live()
+        self._poke()

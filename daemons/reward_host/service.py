@@ -1,0 +1,154 @@
+"""The reward-host's data path, on one thread (it owns both sockets and the pool):
+
+    env-hosts ──Trajectory──► ReliableReceiver ──► RewardPool ──► Outbox ──ScoredTrajectory──► trainer
+                     ◄──────────────── Ack, only after the trainer acked ◄────────────────────┘
+
+- Dedup by trajectory id: a copy that arrives while the id is being scored or waits for
+  the trainer is ignored (the env-host is acked once the trainer acks); a copy of an id
+  the trainer already acked (our ack to the env-host was lost) is acked at once.
+- Dropped trajectories (dropped_reason set) pass through unscored, reward 0.
+- The prompt for scoring travels in ``Trajectory.info["prompt"]`` (Prompt.to_dict() as
+  JSON, written by the env-host), so the reward-host needs no prompt stream and stays
+  stateless; a missing or malformed prompt, or a task other than the job's, is scored
+  0 with ``reward_error`` saying why — never refused, so nothing is lost.
+- Stateless: after a crash nothing is lost, because env-hosts re-send everything that
+  was not acked, and the trainer drops duplicates by id.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+from typing import Any
+
+import zmq
+from prometheus_client import Counter
+
+from rlfleet.common.sockets import ReliableReceiver
+from rlfleet.common.wire import ScoredTrajectory, Trajectory
+from rlfleet.daemons.env_host.outbox import Outbox
+from rlfleet.daemons.tasks import Prompt
+
+from .workers import RewardJob, RewardOutcome, RewardPool
+
+log = logging.getLogger("rlfleet.reward_host")
+
+HANDLED = Counter("rlfleet_reward_trajectories_total",
+                  "Trajectories received by outcome: scored, reward_error, passed_dropped, duplicate",
+                  ["outcome"])
+
+RECENT_IDS = 100_000  # acked ids remembered to answer late duplicates without re-scoring
+
+
+class RewardService:
+    def __init__(self, *, receiver: ReliableReceiver, pool: RewardPool, task_name: str,
+                 task_kwargs: dict[str, Any], name: str = "reward-host",
+                 resend_after_s: float = 2.0) -> None:
+        self.receiver, self.pool = receiver, pool
+        self.task_name, self.task_kwargs = task_name, dict(task_kwargs)
+        self.outbox = Outbox(f"{name}->trainer", resend_after_s=resend_after_s)
+        self._trainer: str | None = None  # written by the daemon's thread, read here
+        self._in_flight: dict[str, Trajectory] = {}
+        self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.stats = {"received": 0, "duplicates": 0, "scored": 0, "reward_errors": 0,
+                      "passed_dropped": 0, "acked": 0, "refused": 0}
+
+    def _count(self, outcome: str) -> None:
+        self.stats[outcome] += 1
+        if outcome in ("scored", "reward_errors", "passed_dropped", "duplicates"):
+            HANDLED.labels(outcome=outcome.removesuffix("s")).inc()
+
+    # -- thread-safe --------------------------------------------------------------------
+    def set_trainer(self, address: str | None) -> None:
+        self._trainer = address
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                self.step(0.1)
+        finally:
+            self.outbox.close()
+
+    def step(self, timeout: float) -> None:
+        """Wait up to `timeout` for anything to do, then do all of it."""
+        trainer = self._trainer
+        self.outbox.set_addresses([trainer] if trainer else [])
+        poller = zmq.Poller()
+        poller.register(self.receiver.sock, zmq.POLLIN)
+        if self.outbox.sock is not None:
+            poller.register(self.outbox.sock, zmq.POLLIN)
+        for fd in self.pool.fds():
+            poller.register(fd, zmq.POLLIN)
+        poller.poll(max(0, int(1000 * min(timeout, self.pool.next_deadline_in()))))
+        for tid, msg in self.receiver.drain(0.0, max_n=1000):
+            assert isinstance(msg, Trajectory)
+            self._on_trajectory(tid, msg)
+        for outcome in self.pool.poll(0.0):
+            self._on_outcome(outcome)
+        for tid, ok, error in self.outbox.poll(0.0):
+            self._on_trainer_ack(tid, ok, error)
+
+    def _on_trajectory(self, tid: str, traj: Trajectory) -> None:
+        self.stats["received"] += 1
+        if tid != traj.trajectory_id:
+            self.receiver.ack([tid], ok=False, error=f"key {tid!r} is not the trajectory's id "
+                                                     f"{traj.trajectory_id!r}")
+            self._count("refused")
+            return
+        if tid in self._in_flight:
+            self._count("duplicates")  # acked once the trainer acks the first copy
+            return
+        if tid in self._recent:
+            self._count("duplicates")
+            self.receiver.ack([tid])  # our earlier ack was lost; the trainer has it
+            return
+        self._in_flight[tid] = traj
+        if traj.dropped_reason:
+            self._count("passed_dropped")
+            self.outbox.send(tid, ScoredTrajectory(traj, 0.0, ""))
+            return
+        job, problem = self._job(traj)
+        if job is None:
+            self._on_outcome(RewardOutcome(tid, 0.0, problem))
+        else:
+            self.pool.submit(job)
+
+    def _job(self, traj: Trajectory) -> tuple[RewardJob | None, str]:
+        if traj.task != self.task_name:
+            return None, f"trajectory of task {traj.task!r}, this job scores {self.task_name!r}"
+        raw = traj.info.get("prompt")
+        if raw is None:
+            return None, "no prompt in trajectory info (info['prompt'] missing)"
+        try:
+            prompt = Prompt.from_dict(json.loads(raw))
+        except (ValueError, TypeError, KeyError) as exc:
+            return None, f"unreadable info['prompt']: {type(exc).__name__}: {exc}"[:300]
+        return RewardJob(traj.trajectory_id, self.task_name, self.task_kwargs, prompt.to_dict(),
+                         [t.action for t in traj.turns]), ""
+
+    def _on_outcome(self, outcome: RewardOutcome) -> None:
+        traj = self._in_flight.get(outcome.key)
+        if traj is None:
+            return  # cannot happen: every job has an in-flight trajectory
+        if outcome.error:
+            self._count("reward_errors")
+            log.warning("reward of %s failed: %s", outcome.key, outcome.error,
+                        extra={"trajectory": outcome.key, "event": "reward_error"})
+        else:
+            self._count("scored")
+        self.outbox.send(outcome.key, ScoredTrajectory(traj, outcome.reward, outcome.error))
+
+    def _on_trainer_ack(self, tid: str, ok: bool, error: str) -> None:
+        self._in_flight.pop(tid, None)
+        self.receiver.ack([tid], ok=ok, error=error)  # refusals travel back to the env-host
+        self.stats["acked"] += 1
+        self._recent[tid] = None
+        while len(self._recent) > RECENT_IDS:
+            self._recent.popitem(last=False)

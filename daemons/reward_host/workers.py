@@ -1,0 +1,376 @@
+"""Reward workers: a pool of processes that score trajectories with a hard timeout.
+
+Why not concurrent.futures.ProcessPoolExecutor: it cannot kill one worker. A reward
+function that loops forever would hold its worker for good, and killing a worker
+breaks the whole executor. Here each worker is a plain child process
+(`python -m rlfleet.daemons.reward_host.workers`) running one job at a time; the pool
+kills a worker that exceeds `timeout_s` (SIGKILL), reports the job as
+`timeout after Xs`, and starts a replacement. A worker that dies by itself (segfault,
+os._exit) costs only the job it held. Nothing in here raises into the caller: a pool
+that cannot start workers keeps the jobs queued, logs, and retries with backoff.
+
+Why plain subprocesses rather than multiprocessing: no fork() of a process that has
+ZeroMQ and gRPC threads, no re-import of the parent's __main__, and no pickle — jobs
+and outcomes cross the worker's stdin/stdout as length-prefixed msgpack (msgspec
+structs). A worker says "ready" once its imports are done, so start-up time never
+counts against a job's timeout, and a worker that cannot start costs no job.
+
+The pool is driven by its owner's loop (`submit`, then `poll`); `fds()` lists the file
+descriptors to wait on, so one zmq.Poller can cover sockets and workers alike.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import logging
+import math
+import os
+import select
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+import msgspec
+
+log = logging.getLogger("rlfleet.reward_host")
+
+_ERROR_CHARS = 500
+_LEN = struct.Struct("<I")
+_MAX_FRAME = 64 * 1024 * 1024
+
+
+class RewardJob(msgspec.Struct, frozen=True):
+    key: str  # the trajectory id
+    task: str
+    difficulty: dict[str, Any]  # get_task keyword arguments
+    prompt: dict[str, Any]  # Prompt.to_dict()
+    texts: list[str]  # the completion of every turn
+
+
+class RewardOutcome(msgspec.Struct, frozen=True):
+    key: str  # "" only in the worker's ready message
+    reward: float
+    error: str = ""  # non-empty: the reward could not be computed (reward is then 0.0)
+    seconds: float = 0.0
+
+
+RewardFn = Callable[[Any, Any, list[str]], float]  # (task, prompt, texts) -> reward
+
+
+def _default_reward(task: Any, prompt: Any, texts: list[str]) -> float:
+    return task.reward(prompt, texts)
+
+
+def load_reward_fn(path: str | None) -> RewardFn:
+    """'package.module:function' -> the function; None or '' -> task.reward."""
+    if not path:
+        return _default_reward
+    module, sep, attr = path.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"reward function must be 'module:function', got {path!r}")
+    fn = getattr(importlib.import_module(module), attr)
+    if not callable(fn):
+        raise ValueError(f"{path} is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+# ----------------------------------------------------------------------------- worker side
+def _write_frame(out: BinaryIO, body: bytes) -> None:
+    out.write(_LEN.pack(len(body)) + body)
+    out.flush()
+
+
+def _read_frame(inp: BinaryIO) -> bytes | None:
+    head = inp.read(_LEN.size)
+    if len(head) < _LEN.size:
+        return None
+    (n,) = _LEN.unpack(head)
+    body = inp.read(n)
+    return body if len(body) == n else None
+
+
+def worker_main(reward_fn_path: str | None) -> int:
+    """A worker process: score jobs from stdin until it closes."""
+    # The protocol gets private copies of stdin/stdout; a reward function that prints
+    # writes to stderr instead of corrupting the frames.
+    proto_in = os.fdopen(os.dup(0), "rb")
+    proto_out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    from rlfleet.daemons.tasks import Prompt, get_task
+
+    decoder = msgspec.msgpack.Decoder(RewardJob)
+    encoder = msgspec.msgpack.Encoder()
+    reward_fn = load_reward_fn(reward_fn_path)
+    tasks: dict[str, Any] = {}
+    _write_frame(proto_out, encoder.encode(RewardOutcome("", 0.0)))  # ready
+    while (raw := _read_frame(proto_in)) is not None:
+        started = time.perf_counter()
+        key = ""
+        try:
+            job = decoder.decode(raw)
+            key = job.key
+            cache_key = f"{job.task}:{sorted(job.difficulty.items())}"
+            task = tasks.get(cache_key)
+            if task is None:
+                task = tasks[cache_key] = get_task(job.task, **job.difficulty)
+            value = reward_fn(task, Prompt.from_dict(job.prompt), list(job.texts))
+            reward = float(value)
+            if not math.isfinite(reward):
+                raise ValueError(f"reward function returned {value!r}")
+            out = RewardOutcome(key, reward, "", time.perf_counter() - started)
+        except Exception as exc:  # noqa: BLE001 — the reward's failure is data, not our crash
+            error = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]
+            out = RewardOutcome(key, 0.0, error, time.perf_counter() - started)
+        _write_frame(proto_out, encoder.encode(out))
+    return 0
+
+
+# ----------------------------------------------------------------------------- pool side
+class _Worker:
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        assert proc.stdout is not None and proc.stdin is not None
+        self.fd = proc.stdout.fileno()
+        os.set_blocking(self.fd, False)
+        self.buf = bytearray()
+        self.ready = False
+        self.job: RewardJob | None = None
+        self.spawned = time.monotonic()
+        self.started = 0.0
+
+    def frames(self) -> tuple[list[bytes], bool]:
+        """Complete frames read so far, and whether the pipe reached EOF."""
+        eof = False
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                break
+            except OSError:
+                eof = True
+                break
+            if not chunk:
+                eof = True
+                break
+            self.buf += chunk
+        out = []
+        while len(self.buf) >= _LEN.size:
+            (n,) = _LEN.unpack_from(self.buf)
+            if n > _MAX_FRAME:
+                return out, True  # a broken worker: treat as dead
+            if len(self.buf) < _LEN.size + n:
+                break
+            out.append(bytes(self.buf[_LEN.size:_LEN.size + n]))
+            del self.buf[:_LEN.size + n]
+        return out, eof
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+        try:
+            self.proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            log.error("reward worker %d did not exit after SIGKILL", self.proc.pid)
+
+
+class RewardPool:
+    """`workers` reward processes with a per-job hard timeout. One owner thread."""
+
+    def __init__(self, workers: int, timeout_s: float, *, reward_fn: str | None = None) -> None:
+        if workers < 1:
+            raise ValueError(f"workers: must be >= 1, got {workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+        load_reward_fn(reward_fn)  # a bad path fails here, once, with the path in the message
+        self.size, self.timeout_s, self.reward_fn = workers, timeout_s, reward_fn or ""
+        self._workers: list[_Worker] = []
+        self._queue: collections.deque[RewardJob] = collections.deque()
+        self._decoder = msgspec.msgpack.Decoder(RewardOutcome)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._spawn_retry_at = 0.0
+        self._spawn_backoff = 0.5
+        self.killed = 0  # workers killed for a timeout
+        self.died = 0  # workers that died by themselves
+        self._closed = False
+        self._fill()
+
+    # -- the owner's API ------------------------------------------------------------
+    def submit(self, job: RewardJob) -> None:
+        self._queue.append(job)
+        self._dispatch()
+
+    def poll(self, timeout: float = 0.0) -> list[RewardOutcome]:
+        """Outcomes that are ready, waiting up to `timeout` for the first one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = self._step()
+            left = deadline - time.monotonic()
+            if out or left <= 0:
+                return out
+            self._wait(min(left, self.next_deadline_in()))
+
+    def fds(self) -> list[int]:
+        """File descriptors that become readable when poll() has something to do."""
+        return [w.fd for w in self._workers]
+
+    def next_deadline_in(self) -> float:
+        """Seconds until the earliest running job times out (or a respawn is due)."""
+        now = time.monotonic()
+        due = [w.started + self.timeout_s - now for w in self._workers if w.job is not None]
+        if len(self._workers) < self.size and not self._closed:
+            due.append(self._spawn_retry_at - now)
+        return max(0.0, min(due, default=math.inf))
+
+    @property
+    def busy(self) -> int:
+        return sum(w.job is not None for w in self._workers)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def ready(self) -> int:
+        return sum(w.ready for w in self._workers)
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
+
+    def close(self) -> None:
+        self._closed = True
+        for w in self._workers:
+            try:
+                w.proc.stdin.close()  # type: ignore[union-attr]  # a worker exits at EOF
+            except OSError:
+                pass
+        deadline = time.monotonic() + 1.0
+        for w in self._workers:
+            try:
+                w.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            w.kill()
+        self._workers.clear()
+
+    # -- internals ----------------------------------------------------------------------
+    def _step(self) -> list[RewardOutcome]:
+        self._fill()
+        out = self._collect()
+        out += self._reap_timeouts()
+        self._dispatch()
+        return out
+
+    def _wait(self, timeout: float) -> None:
+        fds = self.fds()
+        if not fds:
+            time.sleep(min(timeout, 0.05))
+            return
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        poller.poll(None if math.isinf(timeout) else max(0, math.ceil(timeout * 1000)))
+
+    def _fill(self) -> None:
+        if self._closed or time.monotonic() < self._spawn_retry_at:
+            return
+        while len(self._workers) < self.size:
+            cmd = [sys.executable, "-m", "rlfleet.daemons.reward_host.workers"]
+            if self.reward_fn:
+                cmd.append(self.reward_fn)
+            try:
+                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        env={**os.environ, "OMP_NUM_THREADS": "1"})
+            except Exception as exc:  # noqa: BLE001 — out of fds/memory: keep the jobs, retry later
+                self._spawn_failed(f"cannot start a reward worker: {exc}")
+                return
+            self._workers.append(_Worker(proc))
+
+    def _spawn_failed(self, why: str) -> None:
+        self._spawn_retry_at = time.monotonic() + self._spawn_backoff
+        log.error("%s; retrying in %.1f s", why, self._spawn_backoff,
+                  extra={"event": "worker_spawn_failed"})
+        self._spawn_backoff = min(self._spawn_backoff * 2, 30.0)
+
+    def _dispatch(self) -> None:
+        for w in list(self._workers):
+            if not self._queue:
+                return
+            if w.ready and w.job is None:
+                job = self._queue.popleft()
+                try:
+                    body = self._encoder.encode(job)
+                    w.proc.stdin.write(_LEN.pack(len(body)) + body)  # type: ignore[union-attr]
+                    w.proc.stdin.flush()  # type: ignore[union-attr]
+                except OSError:  # the worker is gone; _collect reaps it, the job goes back
+                    self._queue.appendleft(job)
+                    continue
+                w.job, w.started = job, time.monotonic()
+
+    def _collect(self) -> list[RewardOutcome]:
+        out: list[RewardOutcome] = []
+        for w in list(self._workers):
+            frames, eof = w.frames()
+            for raw in frames:
+                try:
+                    outcome = self._decoder.decode(raw)
+                except msgspec.DecodeError as exc:
+                    outcome = RewardOutcome(w.job.key if w.job else "", 0.0,
+                                            f"unreadable worker reply: {exc}")
+                if not w.ready:
+                    w.ready = True  # the hello; the worker takes jobs from now on
+                    self._spawn_backoff = 0.5
+                    continue
+                job, w.job = w.job, None
+                if job is None:
+                    continue  # nothing was asked: ignore
+                if outcome.key != job.key:  # only a broken worker does this
+                    outcome = RewardOutcome(job.key, 0.0, f"worker answered for {outcome.key!r}")
+                out.append(outcome)
+            if eof:
+                self._lost(w, out)
+        return out
+
+    def _lost(self, w: _Worker, out: list[RewardOutcome]) -> None:
+        w.kill()
+        self._workers.remove(w)
+        code = w.proc.returncode
+        if not w.ready:
+            self._spawn_failed(f"reward worker {w.proc.pid} exited during start-up (exit code {code})")
+            return
+        self.died += 1
+        log.warning("reward worker %d died (exit code %s)", w.proc.pid, code,
+                    extra={"event": "worker_died"})
+        if w.job is not None:
+            out.append(RewardOutcome(w.job.key, 0.0, f"reward worker died (exit code {code})",
+                                     time.monotonic() - w.started))
+
+    def _reap_timeouts(self) -> list[RewardOutcome]:
+        out = []
+        now = time.monotonic()
+        for w in list(self._workers):
+            if w.job is not None and now - w.started > self.timeout_s:
+                self.killed += 1
+                log.warning("reward for %s exceeded %.3g s: killing worker %d", w.job.key,
+                            self.timeout_s, w.proc.pid, extra={"event": "worker_killed"})
+                out.append(RewardOutcome(w.job.key, 0.0, f"timeout after {self.timeout_s:g}s",
+                                         now - w.started))
+                w.kill()
+                self._workers.remove(w)
+        if out:
+            self._fill()
+        return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(worker_main(sys.argv[1] if len(sys.argv) > 1 else None))

@@ -1,0 +1,107 @@
+"""Prompt claims on a real etcd: racing claimers never overlap, the cursor stays small."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from rlfleet.common.etcd_store import EtcdStore
+from rlfleet.common.keys import JobKeys
+from rlfleet.daemons.env_host.claims import (
+    MAX_OWNERS,
+    RECENT_PER_OWNER,
+    ClaimError,
+    PromptClaimer,
+    parse_cursor,
+)
+
+KEYS = JobKeys("claims")
+
+
+def test_racing_claimers_get_disjoint_ranges_covering_the_cursor(etcd):
+    n_claimers, claims_each = 4, 25
+    got: dict[str, list[range]] = {}
+    claimers = []
+    start = threading.Barrier(n_claimers)
+
+    def work(owner: str) -> None:
+        store = EtcdStore(etcd.endpoints)  # one client each: four independent env-hosts
+        claimer = PromptClaimer(store, KEYS, owner)
+        claimers.append(claimer)
+        start.wait()
+        got[owner] = [claimer.claim(1 + i % 3) for i in range(claims_each)]
+        store.close()
+
+    threads = [threading.Thread(target=work, args=(f"env-{i}",)) for i in range(n_claimers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+    ids = [i for ranges in got.values() for r in ranges for i in r]
+    assert len(ids) == len(set(ids)), "two env-hosts claimed the same prompt"
+    with EtcdStore(etcd.endpoints) as store:
+        nxt, recorded = parse_cursor(store.get(KEYS.prompts_cursor).value)
+    assert sorted(ids) == list(range(nxt))  # no gaps either: every id went to someone
+    assert set(recorded) == set(got)
+    assert sum(c.conflicts for c in claimers) > 0, "the claimers never actually raced"
+
+
+class _Interloper(EtcdStore):
+    """A real store through which another env-host claims between our read and our swap."""
+
+    def __init__(self, endpoints: str, other: PromptClaimer) -> None:
+        super().__init__(endpoints)
+        self.other, self.fired = other, False
+
+    def compare_and_swap(self, key, expected_mod_revision, value, lease=None):
+        if not self.fired:
+            self.fired = True
+            self.other.claim(5)
+        return super().compare_and_swap(key, expected_mod_revision, value, lease)
+
+
+def test_a_lost_swap_is_retried_from_the_new_cursor(etcd):
+    with EtcdStore(etcd.endpoints) as plain:
+        other = PromptClaimer(plain, KEYS, "env-b")
+        store = _Interloper(etcd.endpoints, other)
+        mine = PromptClaimer(store, KEYS, "env-a")
+        assert mine.claim(3) == range(5, 8)  # env-b took [0, 5) while we were deciding
+        assert mine.conflicts == 1
+        assert mine.recent() == [range(5, 8)] and other.recent() == [range(0, 5)]
+        store.close()
+
+
+def test_cursor_value_stays_small_and_readable(etcd):
+    with EtcdStore(etcd.endpoints) as store:
+        a = PromptClaimer(store, KEYS, "env-a")
+        for _ in range(10):
+            a.claim(2)  # contiguous: merged into one range
+        assert a.recent() == [range(0, 20)]
+        for i in range(MAX_OWNERS + 10):
+            PromptClaimer(store, KEYS, f"env-{i}").claim(1)
+            a.claim(1)  # interleaved: separate ranges, only the last few kept
+        value = store.get(KEYS.prompts_cursor).value
+        assert len(value["claims"]) == MAX_OWNERS
+        assert len(value["claims"]["env-a"]) == RECENT_PER_OWNER
+        assert len(json.dumps(value)) < 4096
+        assert value["next"] == 20 + 2 * (MAX_OWNERS + 10)
+
+
+def test_malformed_cursor_is_refused_and_left_alone(etcd):
+    with EtcdStore(etcd.endpoints) as store:
+        store.put(KEYS.prompts_cursor, {"next": "seven"})
+        with pytest.raises(ClaimError, match=r"prompts/cursor.next: expected an integer >= 0, got 'seven'"):
+            PromptClaimer(store, KEYS, "env-a").claim(1)
+        assert store.get(KEYS.prompts_cursor).value == {"next": "seven"}
+        store.put(KEYS.prompts_cursor, {"next": 3, "claims": {"x": [[2, 9]]}})
+        with pytest.raises(ClaimError, match="claims.x"):
+            PromptClaimer(store, KEYS, "env-a").claim(1)
+
+
+def test_claim_needs_a_positive_count(etcd):
+    with EtcdStore(etcd.endpoints) as store:
+        with pytest.raises(ValueError, match="k: must be >= 1, got 0"):
+            PromptClaimer(store, KEYS, "env-a").claim(0)

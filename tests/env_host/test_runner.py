@@ -1,0 +1,161 @@
+"""The env-host data path in process: real etcd claims, a fake rollout and a fake reward-host
+on real sockets, the journal on disk — including a restart that resumes the journal and
+the adoption of a claim that was made in etcd but never journaled."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rlfleet.common.etcd_store import EtcdStore
+from rlfleet.common.keys import JobKeys
+from rlfleet.common.sockets import ReliableReceiver
+from rlfleet.common.wire import Trajectory
+from rlfleet.daemons.env_host.claims import PromptClaimer, parse_cursor
+from rlfleet.daemons.env_host.journal import Journal
+from rlfleet.daemons.env_host.manager import ManagerConfig, TurnCodec
+from rlfleet.daemons.env_host.outbox import OutboxThread
+from rlfleet.daemons.env_host.prompts import PromptStream, parse_trajectory_id, trajectory_id
+from rlfleet.daemons.env_host.runner import EnvRunner
+from rlfleet.daemons.tasks import get_task
+from tests.integration.helpers import wait_for
+
+from .fakes import FakeRollout, policy, tokenizer
+
+G = 2
+KEYS = JobKeys("runner")
+
+
+def solve(text: str) -> str:
+    a, op, b = text.removesuffix("=").partition("+") if "+" in text else text.removesuffix("=").partition("-")
+    return str(int(a) + int(b) if op == "+" else int(a) - int(b))
+
+
+class FakeRewardHost:
+    """Acks trajectories while `acking` is set; keeps every copy it received."""
+
+    def __init__(self) -> None:
+        self.receiver = ReliableReceiver("tcp://127.0.0.1:0", expect=Trajectory, name="fake-rh")
+        self.copies: list[Trajectory] = []
+        self.acking = threading.Event()
+        self.acking.set()
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._halt.is_set():
+                for key, msg in self.receiver.drain(0.02):
+                    self.copies.append(msg)
+                    if self.acking.is_set():
+                        self.receiver.ack([key])
+        finally:
+            self.receiver.close()
+
+    def unique(self) -> dict[str, Trajectory]:
+        return {t.trajectory_id: t for t in list(self.copies)}
+
+    def close(self) -> None:
+        self._halt.set()
+        self._thread.join(5)
+
+
+@pytest.fixture
+def world(etcd, tmp_path):
+    store = EtcdStore(etcd.endpoints)
+    rollout = FakeRollout(policy(solve))
+    reward_host = FakeRewardHost()
+    yield store, rollout, reward_host, tmp_path / "env-0.jsonl"
+    reward_host.close()
+    rollout.close()
+    store.close()
+
+
+class Host:
+    """One env-host incarnation: journal + outbox + runner (what EnvHost.setup builds)."""
+
+    def __init__(self, store, rollout, reward_host, path, owner: str = "env-0",
+                 group_size: int = G, max_concurrent: int = 8) -> None:
+        task = get_task("arithmetic")
+        self.journal = Journal(path, group_size)
+        self.claimer = PromptClaimer(store, KEYS, owner)
+        self.outbox = OutboxThread("test-outbox", on_acked=lambda acked: self.runner.on_acked(acked),
+                                   resend_after_s=0.3, max_backoff_s=0.5)
+        self.runner = EnvRunner(
+            task=task, stream=PromptStream(task, seed=0), codec=TurnCodec(tokenizer()),
+            config=ManagerConfig(turn_timeout_s=2.0, trajectory_timeout_s=5.0, max_retries=1),
+            group_size=group_size, max_concurrent=max_concurrent, journal=self.journal,
+            claim=self.claimer.claim, recent_claims=self.claimer.recent, submit=self.outbox.submit,
+            name=owner)
+        self.outbox.set_addresses([reward_host.receiver.endpoint])
+        self.runner.set_rollouts({"r0": rollout.address})
+        self.outbox.start()
+        self.runner.start()
+
+    def stop(self) -> None:
+        self.runner.stop()
+        self.outbox.stop()
+        self.outbox.join(5)
+        self.journal.close()
+
+
+def check_accounting(store, reward_host: FakeRewardHost, path,
+                     foreign: frozenset[int] = frozenset()) -> tuple[int, set[int]]:
+    """Every prompt we claimed is delivered (all G trajectories) or live in the journal."""
+    nxt, _ = parse_cursor(store.get(KEYS.prompts_cursor).value)
+    live = set(Journal(path, G).live_prompts())
+    delivered = reward_host.unique()
+    assert {parse_trajectory_id(t)[0] for t in delivered} <= set(range(nxt))
+    for p in range(nxt):
+        if p not in live and p not in foreign:
+            missing = [trajectory_id(p, k) for k in range(G) if trajectory_id(p, k) not in delivered]
+            assert not missing, f"prompt {p} neither delivered nor in flight: {missing}"
+    return nxt, live
+
+
+def test_claims_runs_and_resumes_the_journal_after_a_restart(world):
+    store, rollout, reward_host, path = world
+    host = Host(store, rollout, reward_host, path)
+    wait_for("20 trajectories delivered", lambda: len(reward_host.unique()) >= 20, timeout_s=30)
+    # The reward-host stops acking: finished trajectories pile up unacked, claiming stops.
+    reward_host.acking.clear()
+    time.sleep(1.0)
+    claimed_before = host.runner.claimed
+    time.sleep(0.5)
+    assert host.runner.claimed == claimed_before, "claimed more while nothing was acked"
+    assert host.runner.live_prompts <= 8 // G
+    host.stop()
+    unacked = {tid for tid, s in Journal(path, G).trajectories.items() if s.done and not s.acked}
+    assert unacked, "nothing was waiting for an ack: the restart would test nothing"
+
+    delivered_before = set(reward_host.unique())
+    copies_before = len(reward_host.copies)
+    reward_host.acking.set()
+    host = Host(store, rollout, reward_host, path)  # same id, same journal
+    wait_for("the unacked trajectories re-sent and acked",
+             lambda: unacked <= {t.trajectory_id for t in reward_host.copies[copies_before:]}
+             and not (unacked & {tid for tid, s in host.journal.trajectories.items() if not s.acked}),
+             timeout_s=30)
+    wait_for("new work after the restart", lambda: len(reward_host.unique()) >= len(delivered_before) + 10,
+             timeout_s=30)
+    host.stop()
+    nxt, live = check_accounting(store, reward_host, path)
+    assert nxt >= 15
+    for t in reward_host.unique().values():
+        assert t.dropped_reason == "" and t.env_reward == 1.0  # the fake rollout solves every one
+
+
+def test_a_claim_lost_between_etcd_and_the_journal_is_adopted(world):
+    store, rollout, reward_host, path = world
+    # A previous incarnation claimed [0, 3) in etcd and died before journaling it.
+    assert PromptClaimer(store, KEYS, "env-0").claim(3) == range(0, 3)
+    PromptClaimer(store, KEYS, "env-other").claim(2)  # someone else's: not ours to adopt
+    host = Host(store, rollout, reward_host, path)
+    adopted = {trajectory_id(p, k) for p in range(3) for k in range(G)}
+    wait_for("the adopted prompts delivered", lambda: adopted <= set(reward_host.unique()), timeout_s=30)
+    host.stop()
+    assert not {3, 4} & {parse_trajectory_id(t)[0] for t in reward_host.unique()}
+    check_accounting(store, reward_host, path, foreign=frozenset({3, 4}))

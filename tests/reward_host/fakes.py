@@ -1,0 +1,59 @@
+"""A fake trainer endpoint (a real ReliableReceiver) and trajectory builders."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from rlfleet.common.sockets import ReliableReceiver
+from rlfleet.common.wire import Float32Array, Int32Array, ScoredTrajectory, Trajectory, Turn
+from rlfleet.daemons.tasks import Prompt
+
+
+class FakeTrainer:
+    """Receives ScoredTrajectory, keeps every copy, acks (unless told to refuse)."""
+
+    def __init__(self) -> None:
+        self.receiver = ReliableReceiver("tcp://127.0.0.1:0", expect=ScoredTrajectory, name="fake-trainer")
+        self.address = self.receiver.endpoint
+        self.copies: list[ScoredTrajectory] = []
+        self.refuse: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="fake-trainer")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for key, msg in self.receiver.drain(0.02):
+                    with self._lock:
+                        self.copies.append(msg)  # journaled, then acked
+                    if key in self.refuse:
+                        self.receiver.ack([key], ok=False, error="trainer says no")
+                    else:
+                        self.receiver.ack([key])
+        finally:
+            self.receiver.close()
+
+    def unique(self) -> dict[str, ScoredTrajectory]:
+        """After dedup by trajectory id, as the trainer does."""
+        with self._lock:
+            out: dict[str, ScoredTrajectory] = {}
+            for s in self.copies:
+                out.setdefault(s.trajectory.trajectory_id, s)
+            return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def trajectory(prompt: Prompt, prompt_id: int, k: int, text: str, dropped: str = "",
+               info: dict[str, str] | None = None) -> Trajectory:
+    turn = Turn(Int32Array([1, 5, 6]), Int32Array([7, 2]), Float32Array([-0.5, -0.1]), 0,
+                prompt.question, text)
+    if info is None:
+        info = {"prompt": json.dumps(prompt.to_dict())}
+    return Trajectory(f"p{prompt_id}-g{k}", prompt_id, f"p{prompt_id}", prompt.task, [turn], 0.0,
+                      info, dropped)

@@ -1,0 +1,117 @@
+"""RewardService in process, over real sockets: dedup, pass-through, ack only after the trainer."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rlfleet.common.sockets import ReliableReceiver, ReliableSender
+from rlfleet.common.wire import Trajectory
+from rlfleet.daemons.reward_host.service import RewardService
+from rlfleet.daemons.reward_host.workers import RewardPool
+from rlfleet.daemons.tasks import get_task
+
+from .fakes import FakeTrainer, trajectory
+
+
+@pytest.fixture
+def service():
+    receiver = ReliableReceiver("tcp://127.0.0.1:0", expect=Trajectory, name="rh-test")
+    pool = RewardPool(1, 5.0)
+    svc = RewardService(receiver=receiver, pool=pool, task_name="arithmetic", task_kwargs={},
+                        resend_after_s=0.5)
+    stop = threading.Event()
+    thread = threading.Thread(target=svc.run, args=(stop,), daemon=True)
+    thread.start()
+    yield svc
+    stop.set()
+    thread.join(5)
+    pool.close()
+    receiver.close()
+
+
+@pytest.fixture
+def trainer():
+    t = FakeTrainer()
+    yield t
+    t.close()
+
+
+def acked_ids(sender: ReliableSender, keys: list[str], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while sender.pending() and time.monotonic() < deadline:
+        sender.poll(0.05)
+    return sender.pending() == 0
+
+
+def test_scores_forwards_and_acks_only_after_the_trainer(service, trainer):
+    task = get_task("arithmetic")
+    prompts = task.make_prompts("train", 6, seed=2)
+    sender = ReliableSender(service.receiver.endpoint, resend_after_s=0.5)
+    trajs = [trajectory(p, i, 0, p.answer if i % 2 else "0") for i, p in enumerate(prompts)]
+    for t in trajs:
+        sender.send(t.trajectory_id, t)
+    # No trainer yet: scored trajectories are held, so the env-host is not acked.
+    assert not acked_ids(sender, [], 1.5)
+    assert sender.pending() == 6 and service.in_flight == 6
+
+    service.set_trainer(trainer.address)
+    assert acked_ids(sender, [], 10.0)
+    got = trainer.unique()
+    assert set(got) == {t.trajectory_id for t in trajs}
+    for i, p in enumerate(prompts):
+        s = got[f"p{i}-g0"]
+        assert s.reward == task.reward(p, [s.trajectory.turns[0].action]) == (1.0 if i % 2 else 0.0)
+        assert s.reward_error == ""
+    assert service.in_flight == 0 and service.stats["scored"] == 6
+    sender.close()
+
+
+def test_duplicates_are_not_scored_twice_and_every_sender_is_acked(service, trainer):
+    service.set_trainer(trainer.address)
+    p = get_task("arithmetic").make_prompts("train", 1)[0]
+    t = trajectory(p, 0, 0, p.answer)
+    first = ReliableSender(service.receiver.endpoint, resend_after_s=0.5)
+    first.send(t.trajectory_id, t)
+    assert acked_ids(first, [], 10.0)
+    # The same trajectory again, from a restarted env-host (a new socket identity).
+    again = ReliableSender(service.receiver.endpoint, resend_after_s=0.5)
+    again.send(t.trajectory_id, t)
+    assert acked_ids(again, [], 10.0)
+    assert len(trainer.copies) == 1  # answered from memory, not forwarded again
+    assert service.stats["duplicates"] == 1 and service.stats["scored"] == 1
+    first.close()
+    again.close()
+
+
+def test_dropped_pass_through_and_bad_input_is_scored_zero_with_a_reason(service, trainer):
+    service.set_trainer(trainer.address)
+    p = get_task("arithmetic").make_prompts("train", 1)[0]
+    dropped = trajectory(p, 0, 0, p.answer, dropped="env_error")
+    no_prompt = trajectory(p, 0, 1, p.answer, info={})
+    bad_prompt = trajectory(p, 0, 2, p.answer, info={"prompt": "{not json"})
+    sender = ReliableSender(service.receiver.endpoint, resend_after_s=0.5)
+    for t in (dropped, no_prompt, bad_prompt):
+        sender.send(t.trajectory_id, t)
+    assert acked_ids(sender, [], 10.0)
+    got = trainer.unique()
+    assert got["p0-g0"].trajectory.dropped_reason == "env_error"
+    assert (got["p0-g0"].reward, got["p0-g0"].reward_error) == (0.0, "")
+    assert got["p0-g1"].reward_error == "no prompt in trajectory info (info['prompt'] missing)"
+    assert got["p0-g2"].reward_error.startswith("unreadable info['prompt']: JSONDecodeError")
+    assert got["p0-g1"].reward == got["p0-g2"].reward == 0.0
+    assert service.stats["passed_dropped"] == 1 and service.stats["reward_errors"] == 2
+    sender.close()
+
+
+def test_a_trainer_refusal_reaches_the_env_host(service, trainer):
+    service.set_trainer(trainer.address)
+    trainer.refuse.add("p0-g0")
+    p = get_task("arithmetic").make_prompts("train", 1)[0]
+    sender = ReliableSender(service.receiver.endpoint, resend_after_s=0.5)
+    sender.send("p0-g0", trajectory(p, 0, 0, p.answer))
+    assert acked_ids(sender, [], 10.0)
+    assert sender.failed == [("p0-g0", "trainer says no")]
+    sender.close()
