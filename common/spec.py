@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
+    BeforeValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -86,6 +87,18 @@ Int = StrictInt
 PosInt = Annotated[StrictInt, Field(gt=0)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 PosFloat = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
+
+
+def _knob(value: Any) -> Any:
+    # One clear message instead of one per member of a union type.
+    ok = (isinstance(value, (int, float, str)) and not isinstance(value, bool)
+          and not (isinstance(value, float) and not math.isfinite(value)))
+    if not ok:
+        raise PydanticCustomError("knob_type", "expected an integer, a number or a string")
+    return value
+
+
+Knob = Annotated[Any, BeforeValidator(_knob)]
 Host = Annotated[StrictStr, Field(min_length=1)]
 
 _JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -185,7 +198,8 @@ class TaskSection(_Section):
     max_turns: PosInt = 1
     eval_size: PosInt = 64
     eval_every_steps: PosInt = 5
-    difficulty: dict[str, Int] = Field(default_factory=dict)  # per-task knobs, read by the env
+    # per-task knobs, read by the env (digits = 2, p = 0.75, ops = "+-")
+    difficulty: dict[str, Knob] = Field(default_factory=dict)
 
 
 class TrainerSection(_Section):

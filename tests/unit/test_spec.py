@@ -79,7 +79,7 @@ def test_example_specifics(tree):
     arith = load_spec("examples/arithmetic.toml")
     assert (arith.task.group_size, arith.trainer.batch_size) == (8, 32)
     lake = load_spec("examples/frozenlake.toml")
-    assert lake.task.max_turns == 8
+    assert lake.task.max_turns == 12
 
 
 @pytest.mark.skipif(
@@ -190,7 +190,8 @@ def test_misspelled_section(tree):
         ('[rollout]\nengine = "gpu"', "rollout.engine: must be one of 'torch', 'vllm', 'sim', got 'gpu'"),
         ("[relay]\nkeep_versions = 0", "relay.keep_versions: must be >= 1, got 0"),
         ("[trainer]\nmax_staleness = -1", "trainer.max_staleness: must be >= 0, got -1"),
-        ('[task.difficulty]\nlevel = "hard"', "task.difficulty.level: expected an integer, got 'hard'"),
+        ("[task.difficulty]\nlevel = true", "task.difficulty.level: expected an integer, a number or a string, got True"),
+        ("[task.difficulty]\nlevel = [1]", "task.difficulty.level: expected an integer, a number or a string, got [1]"),
         (
             "[env_host]\nturn_timeout_s = 60\ntrajectory_timeout_s = 30",
             "env_host.trajectory_timeout_s: must be >= turn_timeout_s (60), got 30",

@@ -1,0 +1,146 @@
+"""The Task interface shared by env-hosts (environments) and reward-hosts (rule rewards).
+
+A task turns a seed into prompts, each prompt into an environment episode, and a finished
+episode's completion texts into a rule reward. Everything here is pure Python (plus
+gymnasium for frozenlake): no torch, no sockets, so both daemons can import it cheaply.
+
+The conversation of one episode, as the env-host drives it::
+
+    env = task.make_env()
+    obs = env.reset(prompt)
+    while True:
+        text = task.format_turn(obs)                 # what the model is conditioned on
+        completion = generate(text, max_new_tokens=task.max_new_tokens, stop=EOS)
+        obs, reward, done, info = env.step(completion)
+        if done:
+            break
+    assert task.reward(prompt, completions) == reward   # the reward-host's independent check
+
+Each turn's prompt is built from the current observation alone: both tasks are Markov
+in their observation, which keeps sequences short for the tiny model.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import random
+from typing import Any, Literal
+
+Split = Literal["train", "eval"]
+SPLITS: tuple[str, ...] = ("train", "eval")
+
+# One in EVAL_MODULUS problems (by content hash) belongs to the held-out eval split, so the
+# splits are disjoint by construction whatever seeds or sizes are asked for.
+EVAL_MODULUS = 8
+
+# Marks "the answer follows" at the end of every turn prompt, for every task.
+ANSWER_MARK = "="
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One task instance. Plain str/int fields so it crosses process boundaries as-is."""
+
+    task: str       # task name, as given to get_task
+    split: str      # "train" or "eval"
+    uid: str        # unique per generated prompt: task-split-seed-index-contentdigest
+    question: str   # arithmetic: "37+85"; frozenlake: the map rows joined by "\n"
+    answer: str     # arithmetic: "122"; frozenlake: "" (the env decides success)
+    seed: int = 0   # generator seed of this instance (frozenlake: the map seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Prompt:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+StepResult = tuple[str, float, bool, dict[str, Any]]
+
+
+class TaskEnv(abc.ABC):
+    """One episode at a time: reset(prompt), then step(completion) until done."""
+
+    @abc.abstractmethod
+    def reset(self, prompt: Prompt) -> str:
+        """Start an episode; returns the first observation text."""
+
+    @abc.abstractmethod
+    def step(self, action_text: str) -> StepResult:
+        """Apply one model completion; returns (observation, reward, done, info).
+
+        `reward` is this step's reward; an episode's return is the sum over its steps.
+        Stepping a finished episode raises RuntimeError.
+        """
+
+
+class Task(abc.ABC):
+    """A task family at one difficulty. Subclasses set the class attributes."""
+
+    name: str = ""
+    multi_turn: bool = False
+    max_turns: int = 1          # the env ends the episode at this many turns
+    max_new_tokens: int = 1     # per turn, excluding the end token
+
+    @abc.abstractmethod
+    def difficulty(self) -> dict[str, Any]:
+        """The knobs this task was built with (get_task(name, **difficulty()) rebuilds it)."""
+
+    def make_prompts(self, split: Split, n: int, seed: int = 0) -> list[Prompt]:
+        """n prompts of `split`, deterministic in (task, difficulty, split, n, seed).
+
+        Draws with replacement from the split's distribution: small problem spaces (a
+        4x4 lake has a few thousand maps) repeat, and a long training stream never runs
+        dry. A prefix is stable: make_prompts(s, 10, k) == make_prompts(s, 20, k)[:10].
+        """
+        if split not in SPLITS:
+            raise ValueError(f"split: must be one of {SPLITS}, got {split!r}")
+        if n < 0:
+            raise ValueError(f"n: must be >= 0, got {n}")
+        # str seeds hash with sha512 inside random.Random: stable across processes/runs.
+        rng = random.Random(f"{self.name}:{sorted(self.difficulty().items())}:{split}:{seed}")
+        out: list[Prompt] = []
+        while len(out) < n:
+            question, answer, instance_seed = self._sample(rng)
+            if split_of(self.name, question) != split:
+                continue
+            uid = f"{self.name}-{split}-{seed}-{len(out)}-{content_digest(question)[:8]}"
+            out.append(Prompt(self.name, split, uid, question, answer, instance_seed))
+        return out
+
+    @abc.abstractmethod
+    def _sample(self, rng: random.Random) -> tuple[str, str, int]:
+        """One random instance as (question, answer, instance seed), from either split."""
+
+    @abc.abstractmethod
+    def make_env(self) -> TaskEnv:
+        """A fresh environment (reusable: reset starts a new episode)."""
+
+    @abc.abstractmethod
+    def reward(self, prompt: Prompt, trajectory_texts: list[str]) -> float:
+        """Rule reward of a finished episode from its completions alone (one per turn)."""
+
+    def format_turn(self, observation: str) -> str:
+        """The prompt text the model continues for one turn."""
+        return observation + ANSWER_MARK
+
+    @abc.abstractmethod
+    def parse_action(self, completion: str) -> str | None:
+        """The action in a completion, or None when it is malformed."""
+
+    def target(self, prompt: Prompt, observation: str) -> str:
+        """A correct completion for this observation (supervised warm start, tests)."""
+        raise NotImplementedError
+
+
+def split_of(task_name: str, question: str) -> str:
+    """Which split a problem belongs to, decided by a hash of its content."""
+    h = hashlib.sha256(f"{task_name}\0{question}".encode()).digest()
+    return "eval" if int.from_bytes(h[:8], "little") % EVAL_MODULUS == 0 else "train"
+
+
+def content_digest(question: str) -> str:
+    return hashlib.sha256(question.encode()).hexdigest()

@@ -1,0 +1,159 @@
+"""Tasks: deterministic prompts, disjoint splits, rule rewards, the real FrozenLake env."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlfleet.daemons.tasks import Prompt, get_task, split_of
+
+pytest.importorskip("gymnasium")
+
+from rlfleet.daemons.tasks.frozenlake import (  # noqa: E402
+    parse_observation,
+    render,
+    shortest_path,
+)
+
+# gymnasium's classic 4x4 map: (1,1), (1,3), (2,3) and (3,0) are holes.
+CLASSIC = ["SFFF", "FHFH", "FFFH", "HFFG"]
+
+
+def lake_prompt(rows: list[str]) -> Prompt:
+    return Prompt("frozenlake", "eval", "test", "\n".join(rows), "")
+
+
+# ------------------------------------------------------------------ prompts and splits
+@pytest.mark.parametrize("name", ["arithmetic", "frozenlake"])
+def test_prompts_are_deterministic(name):
+    task = get_task(name)
+    a = task.make_prompts("train", 50, seed=3)
+    assert a == get_task(name).make_prompts("train", 50, seed=3)
+    assert a[:20] == task.make_prompts("train", 20, seed=3)  # prefix-stable in n
+    assert [p.question for p in a] != [p.question for p in task.make_prompts("train", 50, seed=4)]
+    assert len({p.uid for p in a}) == 50
+    assert all(p.task == name and p.split == "train" for p in a)
+
+
+@pytest.mark.parametrize("name,n", [("arithmetic", 2000), ("frozenlake", 400)])
+def test_train_and_eval_are_disjoint(name, n):
+    task = get_task(name)
+    train = {p.question for s in range(3) for p in task.make_prompts("train", n, seed=s)}
+    evals = {p.question for s in range(3) for p in task.make_prompts("eval", n // 4, seed=s)}
+    assert train and evals and not train & evals
+    assert all(split_of(name, q) == "eval" for q in evals)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="task: must be one of"):
+        get_task("chess")
+    with pytest.raises(ValueError, match="digits"):
+        get_task("arithmetic", digits=0)
+    with pytest.raises(ValueError, match=r"no knob\(s\) \['size'\]"):
+        get_task("arithmetic", size=4)
+    with pytest.raises(ValueError, match="size"):
+        get_task("frozenlake", size=1)
+    with pytest.raises(ValueError, match="split"):
+        get_task("arithmetic").make_prompts("test", 3)  # type: ignore[arg-type]
+
+
+def test_prompt_round_trips_through_a_dict():
+    p = get_task("frozenlake").make_prompts("eval", 1)[0]
+    assert Prompt.from_dict(p.to_dict()) == p
+
+
+# ------------------------------------------------------------------------ arithmetic
+def test_arithmetic_answers_are_right_and_in_range():
+    task = get_task("arithmetic", digits=3)
+    for p in task.make_prompts("train", 500, seed=0):
+        a, op, b = (p.question.partition("+") if "+" in p.question
+                    else p.question.partition("-"))
+        assert len(a) <= 3 and len(b) <= 3
+        assert int(p.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
+    assert task.format_turn("37+85") == "37+85="
+
+
+def test_arithmetic_rule_reward():
+    task = get_task("arithmetic")
+    p = Prompt("arithmetic", "eval", "t", "37+85", "122")
+    assert task.reward(p, ["122"]) == 1.0
+    assert task.reward(p, [" 122\n"]) == 1.0  # surrounding whitespace is not the answer
+    for wrong in ["121", "0122", "12 2", "122=", "", "abc", "-122"]:
+        assert task.reward(p, [wrong]) == 0.0, wrong
+    assert task.reward(p, ["122", "122"]) == 0.0  # single-turn: one completion only
+
+
+def test_arithmetic_env_is_one_step():
+    task = get_task("arithmetic")
+    p = task.make_prompts("eval", 1)[0]
+    env = task.make_env()
+    assert env.reset(p) == p.question
+    obs, reward, done, info = env.step(p.answer)
+    assert (obs, reward, done, info["invalid_action"]) == ("", 1.0, True, False)
+    with pytest.raises(RuntimeError):
+        env.step(p.answer)
+    env.reset(p)
+    assert env.step("x")[1:3] == (0.0, True)
+
+
+# ------------------------------------------------------------------------ frozenlake
+def test_observation_rendering():
+    assert render(CLASSIC, 0, 0) == "PFFF\nFHFH\nFFFH\nHFFG"
+    assert parse_observation(render(CLASSIC, 2, 1)) == (CLASSIC, 2, 1)
+    task = get_task("frozenlake")
+    obs = task.make_env().reset(lake_prompt(CLASSIC))
+    assert obs == "PFFF\nFHFH\nFFFH\nHFFG"
+    assert task.format_turn(obs) == obs + "\n="
+
+
+def test_bfs_path_reaches_the_goal_on_the_real_env():
+    task = get_task("frozenlake")
+    env = task.make_env()
+    for p in task.make_prompts("eval", 20, seed=0) + [lake_prompt(CLASSIC)]:
+        path = shortest_path(p.question.split("\n"))
+        assert path is not None and len(path) <= task.max_turns
+        obs, total = env.reset(p), 0.0
+        for i, action in enumerate(path):
+            obs, reward, done, info = env.step(action)
+            total += reward
+            assert done == (i == len(path) - 1) and not info["invalid_action"]
+        assert total == 1.0 and info["terminated"]
+        assert obs.split("\n")[-1][-1] == "P"  # the agent stands on G
+        assert task.reward(p, path) == 1.0
+        assert task.reward(p, path + ["L", "garbage"]) == 1.0  # texts after the end: ignored
+
+
+def test_a_hole_ends_the_episode_with_zero():
+    task = get_task("frozenlake")
+    env = task.make_env()
+    p = lake_prompt(CLASSIC)
+    env.reset(p)
+    assert env.step("R")[1:3] == (0.0, False)
+    obs, reward, done, info = env.step("D")  # onto the hole at (1, 1)
+    assert (reward, done, info["terminated"]) == (0.0, True, True)
+    assert obs.split("\n")[1] == "FPFH"
+    with pytest.raises(RuntimeError):
+        env.step("D")
+    assert task.reward(p, ["R", "D", "R", "R"]) == 0.0
+
+
+def test_garbage_action_is_a_no_op_turn():
+    task = get_task("frozenlake", max_turns=4)
+    assert [task.parse_action(t) for t in ["R", " D\n", "r", "RR", "", "left", "0"]] == \
+        ["R", "D", None, None, None, None, None]
+    env = task.make_env()
+    start = env.reset(lake_prompt(CLASSIC))
+    for turn, text in enumerate(["x", "", "RR"], start=1):
+        obs, reward, done, info = env.step(text)
+        assert (obs, reward, done) == (start, 0.0, False)
+        assert info["invalid_action"] and info["turns"] == turn
+    obs, reward, done, info = env.step("??")  # the 4th turn: max_turns reached
+    assert (reward, done, info["truncated"], info["terminated"]) == (0.0, True, True, False)
+
+
+def test_max_turns_ends_a_wandering_episode():
+    task = get_task("frozenlake", max_turns=5)
+    env = task.make_env()
+    env.reset(lake_prompt(CLASSIC))
+    results = [env.step(a) for a in ["L", "U", "L", "U", "L"]]  # bumps into the walls
+    assert [r[2] for r in results] == [False] * 4 + [True]
+    assert sum(r[1] for r in results) == 0.0 and results[-1][3]["truncated"]
