@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make demo   run the arithmetic example on this machine (private etcd, all daemons, live view)
+#   make demo   train on the FrozenLake example on this machine (private etcd, all daemons, live view)
 #   make test   run the whole test suite (unit + integration with real etcd and real processes)
 # Both create .venv if missing, install the pinned dependencies and etcd.
 
@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-DEMO_SPEC ?= examples/arithmetic.toml
+DEMO_SPEC ?= examples/frozenlake.toml
 PYTEST_ARGS ?=
 
 .PHONY: setup etcd test demo clean
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,ml,bench]'
+	$(PY) -m pip install --quiet -e '.[test,ml,bench,ucx]'
 	@touch $(STAMP)
 
 etcd:

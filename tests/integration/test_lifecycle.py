@@ -124,7 +124,10 @@ def test_sigterm_exits_zero_and_deregisters_at_once(tmp_path, etcd):
     # Gone now, not after the lease runs out.
     assert ("reward-host", "rh-1") not in members(store, "term")
     log = (tmp_path / "rh.log").read_text()
-    assert '"msg": "deregistered reward-host/rh-1; exiting"' in log
+    exit_line = next(line for line in log.splitlines() if '"event": "exit"' in line)
+    assert "deregistered reward-host/rh-1" in exit_line and exit_line.endswith('exiting", "job": "term", '
+                                                                              '"role": "reward-host", "id": "rh-1", '
+                                                                              '"event": "exit"}')
 
 
 def test_daemon_survives_etcd_outage_and_reregisters(tmp_path, etcd):
