@@ -46,6 +46,7 @@ from typing import Any
 
 import msgspec
 
+from rlfleet.common.durable import fsync_path
 from rlfleet.common.wire import ScoredTrajectory, WireError, decode, encode
 
 log = logging.getLogger("rlfleet.trainer")
@@ -115,7 +116,7 @@ class Journal:
             self._file.close()
             raise JournalLocked(f"{self.path} is held by another process") from None
         if created:
-            _fsync_dir(self.path.parent)
+            fsync_path(self.path.parent)
         try:
             self._replay()
         except BaseException:
@@ -300,7 +301,7 @@ class Journal:
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, self.path)
-            _fsync_dir(self.path.parent)
+            fsync_path(self.path.parent)
             # The lock was on the old inode: take it on the new file before letting go.
             new = open(self.path, "a+b", buffering=0)
             fcntl.flock(new.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -388,11 +389,3 @@ def _parse(payload: bytes) -> list[Any]:
         return rec
     raise ValueError(f"bad record of kind {kind!r} with {len(rec)} fields")
 
-
-def _fsync_dir(path: Path) -> None:
-    # A new or renamed file is durable only once its directory entry is.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

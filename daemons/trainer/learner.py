@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlfleet.common.durable import fsync_path
 from rlfleet.common.wire import ScoredTrajectory
 
 from . import grpo
@@ -179,12 +180,12 @@ class Learner:
                  "seed": self.seed, "base_model": str(self.model_dir), **(extra or {})}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         for f in tmp.iterdir():
-            _fsync_path(f)
-        _fsync_path(tmp)
+            fsync_path(f)
+        fsync_path(tmp)
         if final.exists():  # the same version saved again (e.g. on drain): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_path(root)
+        fsync_path(root)
         for old in checkpoints(root)[keep:]:
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s written (version %d)", final, version, extra={"event": "checkpoint"})
@@ -222,10 +223,3 @@ def checkpoints(root: str | os.PathLike[str]) -> list[Path]:
     found = [p for p in root.glob("step-*") if p.is_dir() and (p / STATE_FILE).is_file()]
     return sorted(found, key=lambda p: p.name, reverse=True)
 
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
