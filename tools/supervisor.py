@@ -43,6 +43,16 @@ STOP_GRACE_S = 10.0
 TORCH_ROLES = ("trainer", "rollout")  # the processes that compute; they share the cores
 
 
+def _die_with_parent() -> None:
+    """In a daemon child, before exec: SIGTERM (a clean drain) when the supervisor dies,
+    even by kill -9, so a dead `rlfleet run` never leaves a headless fleet behind."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def torch_threads(placed: list[Placed], host: str) -> int:
     """Threads per torch process so the processes on one machine do not oversubscribe its cores."""
     n = sum(1 for p in placed if p.host == host and p.role in TORCH_ROLES)
@@ -70,7 +80,7 @@ class Child:
         env = {**env, **self.env}
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
+                                         env=env, start_new_session=True, preexec_fn=_die_with_parent)
         self.started_at = time.monotonic()
 
     def log_tail(self, lines: int = 8) -> str:

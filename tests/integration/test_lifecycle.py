@@ -40,9 +40,13 @@ def fleet(tmp_path, etcd):
     expected = sum(spec.all_roles().values())
     proc = rlfleet("run", str(spec_path), "--etcd", etcd.endpoints_arg, "--no-view", log=tmp_path / "run.log")
     store = EtcdStore(etcd.endpoints)
-    wait_for(f"all {expected} daemons registered",
-             lambda: len([v for v in members(store, "life").values() if v["state"] == "running"]) == expected,
-             timeout_s=90)
+    try:
+        wait_for(f"all {expected} daemons registered",
+                 lambda: len([v for v in members(store, "life").values() if v["state"] == "running"]) == expected,
+                 timeout_s=90)
+    except AssertionError:
+        stop(proc)  # a failed set-up must not leave a fleet running
+        raise
     yield store, proc, tmp_path
     assert stop(proc) == 0, (tmp_path / "run.log").read_text()[-3000:]
     # Clean shutdown deregisters everything at once (no waiting for leases).
@@ -177,3 +181,23 @@ def test_daemon_survives_sigkill_of_its_etcd_member(tmp_path, etcd3):
         assert now["pid"] == before["pid"]
     finally:
         assert stop(proc) == 0
+
+
+def test_kill_9_of_the_supervisor_leaves_no_orphans(tmp_path):
+    """`rlfleet run` with its private etcd: SIGKILL of the supervisor takes every daemon
+    and etcd with it (PR_SET_PDEATHSIG), instead of a headless fleet running on."""
+    import psutil
+
+    spec_path = write_spec(tmp_path, job="orphans")
+    log = tmp_path / "run.log"
+    proc = rlfleet("run", str(spec_path), "--no-view", log=log)
+    try:
+        wait_for("the supervisor to start 8 daemons and etcd",
+                 lambda: len(psutil.Process(proc.pid).children()) >= 9, timeout_s=60)
+        children = psutil.Process(proc.pid).children()
+        time.sleep(2)  # let them get past start-up
+    finally:
+        proc.kill()
+        proc.wait()
+    gone, alive = psutil.wait_procs(children, timeout=20)
+    assert not alive, [p.cmdline()[:6] for p in alive]
