@@ -413,6 +413,7 @@ class ReliableSender(_Endpoint):
         self._tiebreak = itertools.count()
         self._blocked_until = 0.0  # socket not writable: don't spin retrying until then
         self.failed: list[tuple[str, str]] = []  # (id, error) the receiver refused for good
+        self._acked: list[tuple[str, bool, str]] = []  # drained by take_acked()
         self.resends = 0
 
     def send(self, key: str, msg: Message, timeout_s: float = 10.0) -> None:
@@ -431,6 +432,14 @@ class ReliableSender(_Endpoint):
 
     def pending(self) -> int:
         return len(self._outbox)
+
+    def take_acked(self) -> list[tuple[str, bool, str]]:
+        """(key, ok, error) of every message acknowledged since the last call.
+
+        Callers that journal delivery (the env-host) need to know *which* keys
+        are done, not only how many."""
+        acked, self._acked = self._acked, []
+        return acked
 
     def poll(self, timeout: float = 0.0) -> int:
         """Read acks (waiting up to timeout for the first), resend what is due.
@@ -461,6 +470,7 @@ class ReliableSender(_Endpoint):
             if self._outbox.pop(key, None) is None:
                 continue  # duplicate ack, or for a message we already gave up on
             n += 1
+            self._acked.append((key, ack.ok, ack.error))
             if not ack.ok:
                 self.failed.append((key, ack.error))
                 log.warning("%s: %s refused by receiver: %s", self.name, key, ack.error)

@@ -21,14 +21,16 @@ INSTALL_HINT = ("etcd is not installed. On Debian/Ubuntu as root: "
                 "apt-get install -y etcd-server etcd-client (or put an etcd 3.4+ binary on PATH)")
 
 
-def die_with_parent() -> None:
-    """In a child, before exec: SIGKILL when the process that started it dies (even by
-    kill -9), so a private etcd never outlives `rlfleet run` or a test (Linux only)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+def die_with_parent(sig: int = signal.SIGKILL):
+    """A preexec_fn: the child gets `sig` when the process that started it dies (even by
+    kill -9), so no etcd or daemon outlives `rlfleet run` or a test (Linux only)."""
+    def arm() -> None:
+        try:
+            import ctypes
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    return arm
 
 
 def etcd_binary() -> str:
@@ -119,7 +121,7 @@ class EtcdCluster:
         log = open(m.log_path, "ab")
         m.proc = subprocess.Popen(self._cmd(m, state), stdout=log, stderr=log,
                                   stdin=subprocess.DEVNULL, start_new_session=True,
-                                  preexec_fn=die_with_parent)
+                                  preexec_fn=die_with_parent(signal.SIGKILL))
         log.close()
         if wait:
             self.wait_healthy(timeout_s, members=[m])

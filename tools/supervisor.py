@@ -28,7 +28,7 @@ from rlfleet.common.keys import JobKeys
 from rlfleet.common.placement import Placed, placement_from_spec
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.store import StoreUnavailable
-from rlfleet.tools.etcd_local import EtcdCluster
+from rlfleet.tools.etcd_local import EtcdCluster, die_with_parent
 from rlfleet.tools.fleet_view import members_table, nodes_table, take_snapshot
 from rlfleet.tools.report import plot, read_metrics, summary
 
@@ -41,16 +41,6 @@ CRASH_LOOP_RESTARTS = 5     # this many restarts within CRASH_LOOP_WINDOW_S is r
 CRASH_LOOP_WINDOW_S = 60.0
 STOP_GRACE_S = 10.0
 TORCH_ROLES = ("trainer", "rollout")  # the processes that compute; they share the cores
-
-
-def _die_with_parent() -> None:
-    """In a daemon child, before exec: SIGTERM (a clean drain) when the supervisor dies,
-    even by kill -9, so a dead `rlfleet run` never leaves a headless fleet behind."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def torch_threads(placed: list[Placed], host: str) -> int:
@@ -80,7 +70,8 @@ class Child:
         env = {**env, **self.env}
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True, preexec_fn=_die_with_parent)
+                                         env=env, start_new_session=True,
+                                         preexec_fn=die_with_parent(signal.SIGTERM))  # a clean drain
         self.started_at = time.monotonic()
 
     def log_tail(self, lines: int = 8) -> str:

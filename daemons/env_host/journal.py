@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from rlfleet.common.run_dir import job_run_dir
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.wire import Float32Array, Int32Array, Trajectory, Turn
 
@@ -39,9 +40,7 @@ log = logging.getLogger("rlfleet.env_host")
 
 def journal_path(spec: JobSpec, member_id: str) -> Path:
     """$RLFLEET_RUN_DIR/env-host/<id>.jsonl, else <runs_dir>/<job>/env-host/<id>.jsonl."""
-    run_dir = os.environ.get("RLFLEET_RUN_DIR")
-    base = Path(run_dir) if run_dir else Path(spec.job.runs_dir) / spec.job.name
-    return base / "env-host" / f"{member_id}.jsonl"
+    return job_run_dir(spec) / "env-host" / f"{member_id}.jsonl"
 
 
 def turn_to_json(turn: Turn) -> dict[str, Any]:

@@ -18,30 +18,11 @@ import threading
 from collections.abc import Callable, Sequence
 
 from rlfleet.common.sockets import ReliableSender
-from rlfleet.common.wire import Ack, Message
+from rlfleet.common.wire import Message
 
 log = logging.getLogger("rlfleet.outbox")
 
 Acked = tuple[str, bool, str]  # (key, ok, error)
-
-
-class _TrackingSender(ReliableSender):
-    """A ReliableSender that reports *which* keys were acked, not only how many.
-
-    ReliableSender has no public hook for that yet; this reads its outbox before the
-    base class consumes the ack (see the report: a `poll()` returning the keys would
-    make this subclass unnecessary).
-    """
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.acked: list[Acked] = []
-
-    def _on_ack(self, ack: Ack) -> int:
-        for key in ack.ids:
-            if key in self._outbox:
-                self.acked.append((key, ack.ok, ack.error))
-        return super()._on_ack(ack)
 
 
 class Outbox:
@@ -51,7 +32,7 @@ class Outbox:
         self.name = name
         self.resend_after_s, self.max_backoff_s = resend_after_s, max_backoff_s
         self.addresses: tuple[str, ...] = ()
-        self._sender: _TrackingSender | None = None
+        self._sender: ReliableSender | None = None
         self._unacked: dict[str, Message] = {}
         self.sent = 0
         self.acked_total = 0
@@ -66,7 +47,7 @@ class Outbox:
             self._sender = None
         self.addresses = new
         if new:
-            self._sender = _TrackingSender(list(new), resend_after_s=self.resend_after_s,
+            self._sender = ReliableSender(list(new), resend_after_s=self.resend_after_s,
                                            max_backoff_s=self.max_backoff_s,
                                            max_pending=1 << 30, name=self.name)
             for key, msg in self._unacked.items():
@@ -86,7 +67,7 @@ class Outbox:
         if self._sender is None:
             return []
         self._sender.poll(timeout)
-        acked, self._sender.acked = self._sender.acked, []
+        acked = self._sender.take_acked()
         for key, _, _ in acked:
             self._unacked.pop(key, None)
         self.acked_total += len(acked)

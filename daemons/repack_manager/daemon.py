@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import Gauge
 
 from rlfleet.common.daemon import Daemon
+from rlfleet.common.run_dir import job_run_dir
 from rlfleet.common.sockets import PeerTimeout, RequestClient
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.common.wire import RolloutStats
@@ -36,13 +35,6 @@ RUNNING = Gauge("rlfleet_rollout_running", "Running requests, per rollout", ["ro
 ROLLOUT_VERSION = Gauge("rlfleet_rollout_weight_version", "Weight version loaded, per rollout", ["rollout"])
 
 
-def run_dir_of(daemon: Daemon) -> Path:
-    """Where this job's files go: $RLFLEET_RUN_DIR (set by `rlfleet run`) or runs/<job>."""
-    assert daemon.spec is not None
-    env = os.environ.get("RLFLEET_RUN_DIR")
-    return Path(env) if env else Path(daemon.spec.job.runs_dir) / daemon.spec.job.name
-
-
 class RepackManager(Daemon):
     role = "repack-manager"
 
@@ -50,7 +42,7 @@ class RepackManager(Daemon):
         self.latest: dict[str, RolloutStats] = {}
         self._rollouts: dict[str, str] = {}  # rollout id -> requests address
         self._lock = threading.Lock()
-        self._stats_path = run_dir_of(self) / "rollout_stats.jsonl"
+        self._stats_path = job_run_dir(self.spec) / "rollout_stats.jsonl"
         self._poller = threading.Thread(target=self._poll_loop, name="stats-poller", daemon=True)
         self._poller.start()
 

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from rlfleet.common.run_dir import job_run_dir
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.store import Store, StoreUnavailable
@@ -69,8 +70,7 @@ class Paths:
 
     @classmethod
     def for_job(cls, spec: JobSpec) -> Paths:
-        env = os.environ.get("RLFLEET_RUN_DIR")
-        return cls(Path(env) if env else Path(spec.job.runs_dir) / spec.job.name)
+        return cls(job_run_dir(spec))
 
     @property
     def checkpoints(self) -> Path:

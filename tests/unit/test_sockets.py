@@ -398,3 +398,31 @@ def test_ack_type_is_the_only_thing_a_sender_accepts() -> None:
         receiver.ack(["t1"])
         assert sender.flush(2)
         assert sender.rejected["unexpected_type"] == 1
+
+
+def test_take_acked_names_the_acknowledged_keys():
+    from rlfleet.common.sockets import ReliableReceiver, ReliableSender
+    from rlfleet.common.wire import Abort
+
+    receiver = ReliableReceiver("tcp://127.0.0.1:0")
+    sender = ReliableSender(receiver.endpoint, resend_after_s=0.2)
+    try:
+        sender.send("a", Abort("a"))
+        sender.send("b", Abort("b"))
+        got = {}
+        deadline = time.monotonic() + 5
+        while len(got) < 2 and time.monotonic() < deadline:
+            for key, _ in receiver.drain(0.05):
+                got[key] = True
+            sender.poll(0.01)
+        receiver.ack(["a"])
+        receiver.ack(["b"], ok=False, error="no")
+        acked = []
+        while len(acked) < 2 and time.monotonic() < deadline:
+            sender.poll(0.05)
+            acked += sender.take_acked()
+        assert sorted(acked) == [("a", True, ""), ("b", False, "no")]
+        assert sender.take_acked() == [] and sender.pending() == 0
+    finally:
+        sender.close()
+        receiver.close()
