@@ -205,6 +205,10 @@ class TaskSection(_Section):
 class TrainerSection(_Section):
     batch_size: PosInt = 32  # trajectories per step
     learning_rate: PosFloat = 1e-4
+    # "linear": learning_rate after warmup_steps, falling linearly to 0 at max_steps, so
+    # late updates stop undoing what was learned (a small model oscillates at a fixed rate).
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    warmup_steps: NonNegInt = 0  # learning rate ramps up linearly over these first steps
     max_steps: PosInt = 100
     checkpoint_every: PosInt = 10
     max_staleness: NonNegInt | None = None  # the bound α in versions; None = unbounded

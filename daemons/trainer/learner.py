@@ -37,6 +37,26 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "vocab.json", "merges.txt", "chat_template.jinja", "warmstart.json")
 
 
+def scheduled_lr(base: float, step: int, schedule: str = "constant", warmup_steps: int = 0,
+                 total_steps: int | None = None) -> float:
+    """The learning rate of optimizer step `step` (1-based).
+
+    A function of the step alone, so a resumed trainer continues the schedule from its
+    checkpoint's version with no scheduler state to save.
+    """
+    if schedule not in ("constant", "linear"):
+        raise ValueError(f"lr schedule: must be 'constant' or 'linear', got {schedule!r}")
+    factor = 1.0
+    if warmup_steps and step <= warmup_steps:
+        factor = step / warmup_steps
+    elif schedule == "linear":
+        if not total_steps:
+            raise ValueError("a linear lr schedule needs total_steps")
+        span = max(total_steps - warmup_steps, 1)
+        factor = max(0.0, (total_steps - step) / span)
+    return base * factor
+
+
 class CheckpointError(Exception):
     """A checkpoint folder that cannot be restored; the message names the file."""
 
@@ -45,8 +65,12 @@ class Learner:
     def __init__(self, model_dir: str | os.PathLike[str], lr: float = 1e-4, clip_eps: float = 0.2,
                  seed: int = 0, threads: int = 1, *, temperature: float = 1.0,
                  aggregate: grpo.Aggregate = "token", max_grad_norm: float = 1.0,
-                 weight_decay: float = 0.0, micro_batch_tokens: int = 16384) -> None:
+                 weight_decay: float = 0.0, micro_batch_tokens: int = 16384,
+                 lr_schedule: str = "constant", warmup_steps: int = 0,
+                 total_steps: int | None = None) -> None:
         self.model_dir = Path(model_dir)
+        scheduled_lr(lr, 1, lr_schedule, warmup_steps, total_steps)  # refuse a bad schedule now
+        self.lr_schedule, self.warmup_steps, self.total_steps = lr_schedule, warmup_steps, total_steps
         self.lr, self.clip_eps, self.seed = lr, clip_eps, seed
         self.temperature, self.aggregate = temperature, aggregate
         self.max_grad_norm, self.weight_decay = max_grad_norm, weight_decay
@@ -107,12 +131,17 @@ class Learner:
             loss_total += loss.item()
             parts.append(stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        lr = scheduled_lr(self.lr, self.version + 1, self.lr_schedule, self.warmup_steps,
+                          self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.version += 1
         return {
             **grpo.merge_stats(parts),
             "loss": loss_total,
             "grad_norm": float(grad_norm),
+            "lr": lr,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std(unbiased=False)),
             "trajectories": len(flat),
@@ -176,7 +205,8 @@ class Learner:
                 shutil.copy2(self.model_dir / name, tmp / name)
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
-        state = {"version": version, "time": time.time(), "lr": self.lr, "clip_eps": self.clip_eps,
+        state = {"version": version, "time": time.time(), "lr": self.lr,
+                 "lr_schedule": self.lr_schedule, "clip_eps": self.clip_eps,
                  "seed": self.seed, "base_model": str(self.model_dir), **(extra or {})}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         for f in tmp.iterdir():

@@ -171,6 +171,8 @@ class TrainingWorker:
         threads = int(raw)
         learner = Learner(self.spec.model.path, lr=t.learning_rate, clip_eps=t.clip_eps,
                           seed=self.spec.job.seed, threads=threads,
+                          lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
+                          total_steps=t.max_steps,
                           # The rollout reports behaviour log-probs at temperature 1 (the
                           # policy itself, see daemons/rollout/engine.py); the ratio must
                           # compare like with like, whatever temperature sampling used.
@@ -274,7 +276,7 @@ class TrainingWorker:
             "push_s": round(getattr(self._publisher, "last_publish_s", 0.0), 4),
             "staleness": {str(k): v for k, v in sorted(ages.items())},
             **summary,  # dropped {reason: groups}, trained_groups, pending_groups: job totals
-            **{k: stats[k] for k in ("ratio_mean", "clip_frac", "approx_kl", "entropy", "grad_norm")
+            **{k: stats[k] for k in ("ratio_mean", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr")
                if k in stats},
             "checkpoint": str(ckpt) if ckpt else None,
         }

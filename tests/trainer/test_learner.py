@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rlfleet.daemons.trainer import grpo
-from rlfleet.daemons.trainer.learner import STATE_FILE, CheckpointError, Learner, checkpoints
+from rlfleet.daemons.trainer.learner import (STATE_FILE, CheckpointError, Learner, checkpoints,
+                                            scheduled_lr)
 
 from .conftest import scored
 
@@ -134,3 +135,24 @@ def test_unreadable_checkpoint_leaves_the_learner_as_it_was(tiny_model, tmp_path
     assert fresh.version == 0
     for name, value in fresh.state_tensors().items():
         np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+def test_learning_rate_schedule_warms_up_then_decays_to_zero():
+    lrs = [scheduled_lr(1.0, s, "linear", warmup_steps=2, total_steps=6) for s in range(1, 8)]
+    assert lrs == pytest.approx([0.5, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0])
+    assert [scheduled_lr(2.0, s) for s in (1, 100)] == [2.0, 2.0]
+    with pytest.raises(ValueError, match="'constant' or 'linear', got 'cosine'"):
+        scheduled_lr(1.0, 1, "cosine")
+    with pytest.raises(ValueError, match="needs total_steps"):
+        Learner("unused", lr_schedule="linear")
+
+
+def test_the_optimizer_uses_the_scheduled_rate_and_resume_continues_it(tiny_model, tmp_path):
+    learner = Learner(tiny_model, lr=1e-3, lr_schedule="linear", total_steps=4)
+    rates = [learner.train_step([group(learner)])["lr"] for _ in range(2)]
+    assert rates == pytest.approx([7.5e-4, 5e-4])
+    assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
+    ckpt = learner.save_checkpoint(tmp_path)
+    resumed = Learner(tiny_model, lr=1e-3, lr_schedule="linear", total_steps=4)
+    resumed.load_checkpoint(ckpt)
+    assert resumed.train_step([group(resumed)])["lr"] == pytest.approx(2.5e-4)
