@@ -8,9 +8,13 @@
    parameters, float32: 1.7 MB) initialised from a fixed seed.
 3. A short supervised warm start on generated data from both tasks, so the model knows
    the formats but leaves headroom for RL: greedy and sampled success of roughly 0.2-0.4
-   on each task. Frozenlake imitates a partly competent demonstrator (it plateaus there);
-   arithmetic is stopped early: a dev set is evaluated every `--eval-every` steps and
-   the checkpoint closest to the band is kept (see `closeness`).
+   on each task. Each task imitates a partly competent demonstrator with one habit, so
+   the model plateaus inside the band while the right behaviour is already in its
+   sampling distribution, which is what RL can sharpen: the arithmetic demonstrator
+   usually adds column by column and forgets to carry (`no_carry_sum`), the FrozenLake
+   one usually walks blindly down then right (`blind_action`). A dev set is evaluated
+   every `--eval-every` steps and the latest checkpoint inside the band is kept (see
+   `closeness`): the longest-trained imitation of the demonstrators.
 4. A final evaluation of the saved files on the held-out eval sets (n=256, seed 0: the
    numbers `python -m rlfleet.tools.evaluate` prints), recorded in warmstart.json.
 
@@ -39,13 +43,12 @@ SPECIAL_TOKENS = ["<pad>", "<eos>"]  # ids 0, 1
 # the FrozenLake map (S F H G, P = agent) and its actions (L D R U).
 CHARS = list("0123456789+-*/=()<>:,.? \n") + list("SFHGP") + list(ACTIONS)
 
-BAND_SLACK = 0.05  # early stopping may end once a checkpoint is this close to the band
-
 # The difficulty the shipped model is calibrated for (recorded in warmstart.json).
 TASKS: dict[str, dict[str, Any]] = {
-    # Operands of 1-2 digits: a model this size learns them gradually (success climbs
-    # ~0.1 per 300 steps), so stopping lands inside the band; 3 digits jump abruptly.
-    "arithmetic": {"digits": 2, "min_digits": 1, "ops": "+-"},
+    # Two-digit addition: a model this size learns it fully from right answers (0.98
+    # greedy in ~2000 steps); carries are frequent (only ~1 in 4 problems has none), so
+    # the no-carry habit fails often.
+    "arithmetic": {"digits": 2, "min_digits": 2, "ops": "+"},
     # p=0.75 (more holes than gymnasium's default 0.8) so that walking down-then-right
     # blindly, the demonstrator's habit (see frozenlake_examples), fails often.
     "frozenlake": {"size": 4, "p": 0.75, "max_turns": 12},
@@ -97,9 +100,29 @@ def build_model(tokenizer: Any, hidden: int, layers: int, seed: int) -> Any:
     return Qwen2ForCausalLM(config)
 
 
-def arithmetic_examples(task: Task, n: int, seed: int) -> list[tuple[str, str]]:
-    return [(task.format_turn(p.question), p.answer)
-            for p in task.make_prompts("train", n, seed=seed)]
+def no_carry_sum(a: int, b: int) -> str:
+    """The no-carry habit: each column's digit sum mod 10, carries dropped (57+68 -> "15")."""
+    width = max(len(str(a)), len(str(b)))
+    xs, ys = str(a).zfill(width), str(b).zfill(width)
+    return str(int("".join(str((int(x) + int(y)) % 10) for x, y in zip(xs, ys))))
+
+
+def arithmetic_examples(task: Task, n: int, seed: int, slip: float) -> list[tuple[str, str]]:
+    """(turn prompt, answer) pairs from a demonstrator that forgets to carry.
+
+    With probability `slip` the label of an addition is `no_carry_sum` (the same as the
+    right answer when no column carries), else the right answer. Imitating it gives a
+    model whose greedy answer drops carries while sampling sometimes carries right.
+    """
+    rng = random.Random(seed)
+    out = []
+    for p in task.make_prompts("train", n, seed=seed):
+        answer = p.answer
+        a, plus, b = p.question.partition("+")
+        if plus and rng.random() < slip:
+            answer = no_carry_sum(int(a), int(b))
+        out.append((task.format_turn(p.question), answer))
+    return out
 
 
 def blind_action(desc: list[str], row: int, col: int) -> str:
@@ -159,12 +182,12 @@ def collate(batch: list[tuple[list[int], int]], pad: int) -> tuple[torch.Tensor,
     return ids, labels
 
 
-def closeness(scores: dict[str, float], low: float, high: float) -> tuple[float, float]:
-    """Sort key for checkpoints, smaller is better: (how far the worst score is outside
-    [low, high], mean distance of all scores from the band's middle)."""
+def closeness(scores: dict[str, float], low: float, high: float, step: int) -> tuple[float, int]:
+    """Sort key for checkpoints, smaller is better: how far the worst score is outside
+    [low, high], then later steps first (they imitate the demonstrators more closely,
+    so the right behaviour they sometimes sample is better learned)."""
     outside = max(max(low - v, v - high, 0.0) for v in scores.values())
-    middle = (low + high) / 2
-    return outside, sum(abs(v - middle) for v in scores.values()) / len(scores)
+    return round(outside, 6), -step
 
 
 def measure(model: Any, tokenizer: Any, tasks: dict[str, Task],
@@ -187,11 +210,9 @@ def supervise(model: Any, tokenizer: Any, tasks: dict[str, Task],
     """Train on both tasks at once; load the checkpoint closest to the band into `model`.
 
     Both tasks are in every batch (training one alone makes the model forget the other
-    within a few hundred steps). Frozenlake's imitation target is itself only partly
-    competent, so that task plateaus inside the band; arithmetic climbs steadily and
-    decides the step: the kept checkpoint is the best by `closeness`, and training stops
-    `patience` evaluations after the last improvement once one is within BAND_SLACK of
-    the band.
+    within a few hundred steps). Both imitation targets are only partly competent, so
+    both tasks plateau inside the band; training runs `max_steps` and the kept
+    checkpoint is the best by `closeness`.
     Returns (kept step, history of dev scores).
     """
     rng = random.Random(args.seed)
@@ -199,7 +220,7 @@ def supervise(model: Any, tokenizer: Any, tasks: dict[str, Task],
     n_arith = round(args.batch_size * args.arith_share)
     counts = {"arithmetic": n_arith, "frozenlake": args.batch_size - n_arith}
     history: list[dict[str, Any]] = []
-    best: tuple[tuple[float, float], int, dict[str, torch.Tensor]] | None = None
+    best: tuple[tuple[float, int], int, dict[str, torch.Tensor]] | None = None
     model.train()
     for step in range(1, args.max_steps + 1):
         batch = [ex for name, k in counts.items() for ex in rng.sample(data[name], k)]
@@ -216,13 +237,9 @@ def supervise(model: Any, tokenizer: Any, tasks: dict[str, Task],
         print(f"step {step:5d} loss {loss.item():.3f} "
               + " ".join(f"{k} {v:.2f}" for k, v in scores.items())
               + f" ({time.perf_counter() - t_start:.0f} s)", flush=True)
-        key = closeness(scores, args.band_low, args.band_high)
+        key = closeness(scores, args.band_low, args.band_high, step)
         if best is None or key < best[0]:
             best = (key, step, copy.deepcopy(model.state_dict()))
-        # A plateau just past the band (noise) must not keep training to max_steps.
-        near = best[0][0] <= BAND_SLACK
-        if near and step - best[1] >= args.patience * args.eval_every:
-            break
     if best is None:
         raise ValueError(f"max_steps ({args.max_steps}) must be >= eval_every ({args.eval_every})")
     model.load_state_dict(best[2])
@@ -242,7 +259,7 @@ def warm_start(args: argparse.Namespace) -> dict[str, Any]:
     tasks = {name: get_task(name, **d) for name, d in TASKS.items()}
     data = {
         "arithmetic": encode(tokenizer, arithmetic_examples(
-            tasks["arithmetic"], args.arith_examples, args.seed)),
+            tasks["arithmetic"], args.arith_examples, args.seed, args.carry_slip)),
         "frozenlake": encode(tokenizer, frozenlake_examples(
             tasks["frozenlake"], args.lake_maps, args.seed, args.explore, args.habit,
             args.label_noise)),
@@ -268,9 +285,9 @@ def warm_start(args: argparse.Namespace) -> dict[str, Any]:
         "wall_time_s": round(wall, 1), "cpu_time_s": round(time.process_time(), 1),
         "threads": args.threads, "params": n_params,
         "hyperparameters": {k: getattr(args, k) for k in (
-            "hidden", "layers", "lr", "batch_size", "arith_share", "arith_examples",
+            "hidden", "layers", "lr", "batch_size", "arith_share", "arith_examples", "carry_slip",
             "lake_maps", "explore", "habit", "label_noise", "eval_every", "dev_n",
-            "patience", "band_low", "band_high")},
+            "max_steps", "band_low", "band_high")},
         "tasks": TASKS,
         "eval": {"split": "eval", "n": args.final_n, "seed": 0, "temperature": 1.0,
                  "success": final},
@@ -296,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=3000)
     p.add_argument("--arith-share", type=float, default=0.5, help="arithmetic batch share")
     p.add_argument("--arith-examples", type=int, default=20000)
+    p.add_argument("--carry-slip", type=float, default=0.8, help="no-carry label rate")
     p.add_argument("--lake-maps", type=int, default=2000)
     p.add_argument("--explore", type=float, default=0.3, help="behaviour random-action rate")
     p.add_argument("--habit", type=float, default=0.75, help="hole-blind label rate")
@@ -303,7 +321,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--dev-n", type=int, default=256)
     p.add_argument("--final-n", type=int, default=256)
-    p.add_argument("--patience", type=int, default=3, help="evals without improvement")
     p.add_argument("--band-low", type=float, default=0.2)
     p.add_argument("--band-high", type=float, default=0.4)
     warm_start(p.parse_args(argv))

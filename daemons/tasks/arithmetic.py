@@ -1,4 +1,4 @@
-"""Single-turn multi-digit addition/subtraction: "37+85=" -> "122" then the end token."""
+"""Single-turn multi-digit addition (or subtraction): "37+85=" -> "122" then the end token."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class ArithmeticTask(Task):
     max_turns = 1
 
     # Defaults = the difficulty models/tiny-qwen2 is warm-started for (its warmstart.json).
-    def __init__(self, digits: int = 2, min_digits: int = 1, ops: str = "+-") -> None:
+    def __init__(self, digits: int = 2, min_digits: int = 2, ops: str = "+") -> None:
         errors = []
         if not 1 <= min_digits <= digits <= 9:
             errors.append(f"digits: need 1 <= min_digits <= digits <= 9, got {min_digits}, {digits}")

@@ -28,7 +28,7 @@ def test_stream_matches_make_prompts(name, difficulty, n):
 
 
 def test_ids_beyond_the_first_chunk_extend_the_same_stream():
-    task = get_task("arithmetic", digits=1)  # few distinct problems: the stream repeats them
+    task = get_task("arithmetic", digits=1, min_digits=1)  # few distinct problems: the stream repeats them
     stream = PromptStream(task, seed=0)
     assert stream.get(3000) == task.make_prompts("train", 3001, seed=0)[3000]
     with pytest.raises(ValueError, match="prompt_id: must be >= 0"):
