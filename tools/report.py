@@ -53,6 +53,27 @@ def read_metrics(path: Path) -> RunMetrics:
     return out
 
 
+def throughput(m: RunMetrics) -> dict[str, Any]:
+    """End-to-end rates over the training span, and where the trainer's time went.
+
+    `tokens_per_s_mean` is the learner's speed inside a step; these divide everything
+    trained by the wall time from the first step to the last, so waiting counts.
+    """
+    span = m.train[-1]["time"] - m.train[0]["time"] if len(m.train) > 1 else 0.0
+    trajectories = sum(r.get("trajectories", 0) for r in m.train[1:])
+    tokens = sum(r.get("tokens", 0) for r in m.train[1:])
+    parts = {"learn": "step_s", "wait_for_batch": "wait_s", "snapshot": "snapshot_s"}
+    spent = {name: round(sum(r.get(key, 0.0) for r in m.train), 1) for name, key in parts.items()}
+    spent["eval"] = round(sum(r.get("eval_s", 0.0) for r in m.evals), 1)
+    out: dict[str, Any] = {"trained_trajectories": sum(r.get("trajectories", 0) for r in m.train),
+                           "trained_tokens": sum(r.get("tokens", 0) for r in m.train),
+                           "trainer_time_s": spent}
+    if span > 0:  # the first step's batch was gathered before the span starts
+        out["trajectories_per_s"] = round(trajectories / span, 2)
+        out["trained_tokens_per_s"] = round(tokens / span, 1)
+    return out
+
+
 def summary(m: RunMetrics) -> dict[str, Any]:
     s: dict[str, Any] = {"steps": max((r["step"] for r in m.train), default=0),
                          "wall_s": round(max((r["time"] for r in m.train + m.evals), default=m.t0) - m.t0, 1)}
@@ -64,6 +85,7 @@ def summary(m: RunMetrics) -> dict[str, Any]:
         last = m.train[-5:]
         s["reward_mean_last5"] = round(sum(r.get("reward_mean", 0.0) for r in last) / len(last), 4)
         s["tokens_per_s_mean"] = round(sum(r.get("tokens_per_s", 0.0) for r in m.train) / len(m.train), 1)
+        s.update(throughput(m))
     s["staleness"] = dict(sorted(m.staleness().items()))
     return s
 

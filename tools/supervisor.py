@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
@@ -41,6 +43,23 @@ CRASH_LOOP_RESTARTS = 5     # this many restarts within CRASH_LOOP_WINDOW_S is r
 CRASH_LOOP_WINDOW_S = 60.0
 STOP_GRACE_S = 10.0
 TORCH_ROLES = ("trainer", "rollout")  # the processes that compute; they share the cores
+CPU_SAMPLE_S = 1.0          # how often each daemon's CPU time is read (what a kill -9 loses)
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User+system CPU seconds of a process and its live descendants (reward workers)."""
+    try:
+        root = psutil.Process(pid)
+        total = 0.0
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:  # a descendant that just exited
+                pass
+        return total
+    except psutil.Error:
+        return 0.0
 
 
 def torch_threads(placed: list[Placed], host: str) -> int:
@@ -61,10 +80,24 @@ class Child:
     next_start_at: float = 0.0
     recent_deaths: deque = field(default_factory=lambda: deque(maxlen=CRASH_LOOP_RESTARTS))
     env: dict[str, str] = field(default_factory=dict)
+    cpu_s_ended: float = 0.0    # CPU of this daemon's earlier (dead) processes, as last sampled
+    cpu_s_current: float = 0.0  # CPU of the running process at the last sample
 
     @property
     def name(self) -> str:
         return self.placed.member_id
+
+    @property
+    def cpu_s(self) -> float:
+        return self.cpu_s_ended + self.cpu_s_current
+
+    def sample_cpu(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.cpu_s_current = max(self.cpu_s_current, tree_cpu_s(self.proc.pid))
+
+    def process_ended(self) -> None:
+        self.cpu_s_ended += self.cpu_s_current
+        self.cpu_s_current = 0.0
 
     def start(self, env: dict[str, str]) -> None:
         env = {**env, **self.env}
@@ -92,6 +125,7 @@ class Supervisor:
         self.children: list[Child] = []
         self.events: deque[str] = deque(maxlen=8)
         self._stop = threading.Event()
+        self.cpu_report: dict[str, float] = {}
         self.console = Console(stderr=False)
 
     # -- set-up ------------------------------------------------------------------
@@ -142,6 +176,7 @@ class Supervisor:
                     child.backoff_s = BACKOFF_START_S
                 continue
             child.proc = None
+            child.process_ended()
             child.restarts += 1
             child.recent_deaths.append(now)
             child.next_start_at = now + child.backoff_s
@@ -201,11 +236,22 @@ class Supervisor:
         m = read_metrics(self.run_dir / "metrics.jsonl")
         if not m.train and not m.evals:
             return
-        result = summary(m)
+        result = {**summary(m), "cpu_s": self.cpu_report}
         (self.run_dir / "summary.json").write_text(json.dumps(result, indent=2))
         for path in plot(m, self.run_dir, title=f"{self.spec.job.name} ({self.spec.task.name})"):
             self.note(f"wrote {path}")
         self.note("summary: " + json.dumps(result))
+
+    def cpu_by_daemon(self) -> dict[str, float]:
+        """CPU seconds each daemon used (all its restarts, its worker processes included),
+        the private etcd and the supervisor itself: where the machine's time went."""
+        cpu = {c.name: round(c.cpu_s, 1) for c in self.children}
+        if self.cluster is not None:
+            cpu["etcd"] = round(sum(tree_cpu_s(m.proc.pid) for m in self.cluster.members
+                                    if m.proc is not None), 1)
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        cpu["supervisor"] = round(own.ru_utime + own.ru_stime, 1)
+        return dict(sorted(cpu.items(), key=lambda kv: -kv[1]))
 
     def _events_text(self) -> list[Text]:
         return [Text(e, style="cyan") for e in self.events]
@@ -248,8 +294,13 @@ class Supervisor:
             try:
                 last_render = 0.0
                 last_done_check = 0.0
+                last_cpu_sample = 0.0
                 while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
                     self.supervise_once(env)
+                    if time.monotonic() - last_cpu_sample > CPU_SAMPLE_S:
+                        last_cpu_sample = time.monotonic()
+                        for child in self.children:
+                            child.sample_cpu()
                     if time.monotonic() - last_done_check > 2.0:
                         last_done_check = time.monotonic()
                         if self.trainer_done(store):
@@ -260,6 +311,8 @@ class Supervisor:
                         last_render = time.monotonic()
                     self._stop.wait(0.1)
             finally:
+                for child in self.children:
+                    child.sample_cpu()
                 self.note("stopping daemons")
                 self.stop_children()
                 self.check_accounting(store)
@@ -269,6 +322,7 @@ class Supervisor:
         finally:
             if store is not None:
                 store.close()
+            self.cpu_report = self.cpu_by_daemon()  # etcd's share must be read before it stops
             if self.cluster is not None:
                 self.cluster.stop()
                 self.note("etcd stopped")

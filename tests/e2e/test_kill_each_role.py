@@ -121,3 +121,9 @@ def test_kill_9_each_role_during_training(tmp_path, etcd):
     assert accounting["lost_total"] == 0 and accounting["trained"] > 0
     assert accounting["claimed"] == (accounting["trained"] + accounting["dropped_total"]
                                      + accounting["in_flight"])
+
+    # Where the machine's time went: each daemon's CPU seconds, summed over its restarts.
+    cpu = json.loads((run_dir / "summary.json").read_text())["cpu_s"]
+    daemons = {p.stem for p in (run_dir / "logs").glob("*.log")}
+    assert daemons and daemons <= set(cpu), (daemons, cpu)
+    assert min(cpu[d] for d in daemons if d.startswith(("trainer", "rollout"))) > 1.0, cpu
