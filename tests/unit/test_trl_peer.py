@@ -56,6 +56,10 @@ def test_compare_uses_rlfleet_final_level_when_both_reach_it(tmp_path):
     assert result["rlfleet"]["tokens_per_s"] == 25.0 and result["trl"]["tokens_per_s"] == pytest.approx(8.3)
     table = trl_peer.format_table(result)
     assert "time to 0.400" in table and "80.0 s (step 10)" in table and "120.0 s (step 10)" in table
+    # Fixed milestones above both first evals: neither run reached 0.5.
+    assert result["milestones"] == {"0.50": {"rlfleet": None, "trl": None}, "0.80": {"rlfleet": None, "trl": None},
+                                    "0.90": {"rlfleet": None, "trl": None}, "0.95": {"rlfleet": None, "trl": None}}
+    assert "time to 0.50" in table and "never" in table
 
 
 def test_compare_falls_back_to_the_best_common_level(tmp_path):

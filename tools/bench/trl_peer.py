@@ -92,6 +92,9 @@ def run_stats(m: RunMetrics) -> dict[str, Any]:
     return out
 
 
+MILESTONES = (0.5, 0.8, 0.9, 0.95)
+
+
 def compare(rlfleet: RunMetrics, trl: RunMetrics,
             launch: dict[str, float] | None = None) -> dict[str, Any]:
     """Side-by-side numbers of two runs of the same job.
@@ -121,6 +124,11 @@ def compare(rlfleet: RunMetrics, trl: RunMetrics,
         result[name]["to_level"] = time_to_level(m, level)
         if launch and name in launch:
             result[name]["to_level_from_launch"] = time_to_level(m, level, t0=launch[name])
+    # A final level of 1.0 on a small eval set is one lucky eval away: fixed milestones
+    # above both starting points show the whole race.
+    start = max(result[name]["eval_first"] for name in runs)
+    result["milestones"] = {f"{lv:.2f}": {name: time_to_level(m, lv) for name, m in runs.items()}
+                            for lv in MILESTONES if lv > start}
     return result
 
 
@@ -144,6 +152,8 @@ def format_table(result: dict[str, Any]) -> str:
         if "to_level_from_launch" in r or "to_level_from_launch" in t:
             rows.append(("  from launch", reach(r.get("to_level_from_launch")),
                          reach(t.get("to_level_from_launch"))))
+    for lv, reached in result.get("milestones", {}).items():
+        rows.append((f"time to {lv}", reach(reached.get("rlfleet")), reach(reached.get("trl"))))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines.append(f"level: {result.get('level_kind')}")
