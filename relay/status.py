@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from rlfleet.common.keys import JobKeys
@@ -37,6 +38,25 @@ def query_relay(address: str, timeout: float = 1.0) -> dict[str, Any] | None:
         conn.close()
 
 
+STUCK_AFTER_S = 30.0  # behind the latest version with nothing new for this long: not in transit
+
+
+def lagging(relays: list[dict[str, Any]], latest: int, now: float) -> tuple[list[str], list[str]]:
+    """(stuck, in transit): running relays whose newest complete version is behind `latest`.
+
+    While a trainer publishes, a healthy relay is always a version or two behind for a
+    moment; it is stuck only when its newest version is STUCK_AFTER_S old (`newest_at`,
+    which the relay records when its newest version changes; missing = stuck).
+    """
+    stuck, in_transit = [], []
+    for r in relays:
+        if r["state"] != "running" or r["newest"] >= latest:
+            continue
+        at = r.get("newest_at")
+        (in_transit if isinstance(at, (int, float)) and now - at < STUCK_AFTER_S else stuck).append(r["id"])
+    return stuck, in_transit
+
+
 def chain_status(store: Store, job: str, live: bool = True) -> dict[str, Any]:
     keys = JobKeys(job)
     chain = read_chain(store, keys)
@@ -49,7 +69,8 @@ def chain_status(store: Store, job: str, live: bool = True) -> dict[str, Any]:
         stats = query_relay(m.address) if live and m.address else None
         row = {"id": rid, "host": m.host, "address": m.address, "state": m.state,
                "master": rid == chain.master, "successor": m.raw.get("successor"),
-               "newest": m.newest, "versions": m.raw.get("versions", []), "live": stats}
+               "newest": m.newest, "newest_at": m.raw.get("newest_at"),
+               "versions": m.raw.get("versions", []), "live": stats}
         relays.append(row)
         for v, lay in m.raw.get("versions", []):
             versions.setdefault(f"{v}/tp{lay}", {"complete": [], "partial": {}})["complete"].append(rid)
@@ -60,11 +81,13 @@ def chain_status(store: Store, job: str, live: bool = True) -> dict[str, Any]:
     problems = []
     if chain.order and chain.master is None:
         problems.append("relay: no master elected")
+    in_transit: list[str] = []
     if latest_v is not None:
-        behind = [r["id"] for r in relays if r["state"] == "running" and r["newest"] < latest_v.get("version", -1)]
-        if behind:
-            problems.append(f"relay: {', '.join(behind)} not yet at version {latest_v.get('version')}")
-    return {"job": job, "master": chain.master, "order": list(chain.order),
+        stuck, in_transit = lagging(relays, latest_v.get("version", -1), time.time())
+        if stuck:
+            problems.append(f"relay: {', '.join(stuck)} not at version {latest_v.get('version')} "
+                            f"and no new version for {STUCK_AFTER_S:.0f}s or more")
+    return {"job": job, "master": chain.master, "order": list(chain.order), "in_transit": in_transit,
             "written_chain": written.value if written is not None else None, "latest": latest_v,
             "layouts": sorted(chain.layouts), "relays": relays,
             "versions": dict(sorted(versions.items(), key=lambda kv: (-int(kv[0].split("/")[0]), kv[0]))),
@@ -128,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         console = Console()
         console.print(chain_table(status))
         console.print(versions_table(status))
+        if status["in_transit"]:
+            console.print(f"in transit: {', '.join(status['in_transit'])} receiving version "
+                          f"{(status['latest'] or {}).get('version')}")
         for p in status["problems"]:
             console.print(f"[yellow]problem:[/yellow] {p}")
     return 1 if status["problems"] else 0

@@ -146,6 +146,9 @@ def status(job: str | None, etcd: str, output: str) -> None:
     console.print(nodes_table(snap))
     console.print(chain_table(relay))
     console.print(versions_table(relay))
+    if relay.get("in_transit"):
+        console.print(f"in transit: {', '.join(relay['in_transit'])} receiving version "
+                      f"{(relay.get('latest') or {}).get('version')}")
     for problem in problems:
         console.print(f"[yellow]problem:[/yellow] {problem}")
     console.print(f"[dim]same data: {etcdctl_equivalent(etcd, JobKeys(job).prefix)}[/dim]")

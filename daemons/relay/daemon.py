@@ -52,6 +52,7 @@ class Relay(Daemon):
             transport=cfg.transport, bind_host=cfg.bind_host, window_chunks=cfg.window_chunks,
             keep_versions=cfg.keep_versions)).start()
         self.addresses = {"chunks": self.node.address}
+        self._newest_seen: tuple[int, float] = (-2, time.time())
         self._topology_stop = threading.Event()
         self._refresh = threading.Event()
         self._topology_thread = threading.Thread(target=self._watch_topology, name="relay-topology", daemon=True)
@@ -75,10 +76,14 @@ class Relay(Daemon):
         if self.node is None:
             return {}
         newest = self.node.store.newest_complete()
+        newest = -1 if newest is None else newest
+        if newest != self._newest_seen[0]:  # when it changed: `rlfleet status` tells stuck from in transit
+            self._newest_seen = (newest, time.time())
         return {
             "shm_dir": str(self.node.store.dir),
             "transport": self.node.transport.name,
-            "newest": -1 if newest is None else newest,
+            "newest": newest,
+            "newest_at": round(self._newest_seen[1], 3),
             "versions": [[v, lay] for v, lay, c in self.node.store.have() if c],
             "successor": self.node.successor,
             "master": self.node.is_master,

@@ -89,3 +89,15 @@ def test_two_way_tensor_parallel_layout_travels_the_chain(fleet):
         assert np.array_equal(np.concatenate(halves_q, 0), q)
         assert np.array_equal(np.concatenate(halves_down, 1), down)
         _assert_holds(fleet, rid, 1, tensors)  # the unsharded layout is there too
+
+
+def test_a_relay_behind_the_latest_version_is_stuck_only_when_nothing_new_came_for_a_while():
+    from rlfleet.relay.status import STUCK_AFTER_S, lagging
+
+    now = 10_000.0
+    relays = [{"id": "fresh", "state": "running", "newest": 7, "newest_at": now - 1},
+              {"id": "stuck", "state": "running", "newest": 3, "newest_at": now - STUCK_AFTER_S - 1},
+              {"id": "old-relay", "state": "running", "newest": 3},  # no newest_at: cannot tell, so stuck
+              {"id": "current", "state": "running", "newest": 8, "newest_at": now - 100},
+              {"id": "draining", "state": "draining", "newest": 1, "newest_at": now - 100}]
+    assert lagging(relays, latest=8, now=now) == (["stuck", "old-relay"], ["fresh"])
