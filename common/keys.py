@@ -106,6 +106,10 @@ class JobKeys:
     def trainer_checkpoint(self) -> str:
         return f"{self.prefix}trainer/checkpoint"
 
+    @property
+    def trainer_progress(self) -> str:
+        return f"{self.prefix}trainer/progress"
+
     # -- parsing ---------------------------------------------------------
     def parse_member(self, key: str) -> tuple[str, str]:
         """'/rlfleet/j/members/<role>/<id>' -> (role, id)."""

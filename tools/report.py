@@ -62,8 +62,10 @@ def throughput(m: RunMetrics) -> dict[str, Any]:
     span = m.train[-1]["time"] - m.train[0]["time"] if len(m.train) > 1 else 0.0
     trajectories = sum(r.get("trajectories", 0) for r in m.train[1:])
     tokens = sum(r.get("tokens", 0) for r in m.train[1:])
-    parts = {"learn": "step_s", "wait_for_batch": "wait_s", "snapshot": "snapshot_s"}
-    spent = {name: round(sum(r.get(key, 0.0) for r in m.train), 1) for name, key in parts.items()}
+    def total(key: str) -> float:
+        return sum(r.get(key, 0.0) for r in m.train)
+    spent = {"learn": round(total("step_s"), 1), "wait_for_batch": round(total("wait_s"), 1),
+             "snapshot": round(total("snapshot_s"), 1)}
     spent["eval"] = round(sum(r.get("eval_s", 0.0) for r in m.evals), 1)
     out: dict[str, Any] = {"trained_trajectories": sum(r.get("trajectories", 0) for r in m.train),
                            "trained_tokens": sum(r.get("tokens", 0) for r in m.train),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.store import Store
@@ -72,13 +72,18 @@ class PromptClaimer:
     """Claims prompt ranges for one env-host. Blocking (etcd round trips): call it
     from a thread, not from an event loop. StoreUnavailable propagates."""
 
-    def __init__(self, store: Store, keys: JobKeys, owner: str, *, max_attempts: int = 100) -> None:
+    def __init__(self, store: Store, keys: JobKeys, owner: str, *, max_attempts: int = 100,
+                 budget: Callable[[int], int] | None = None) -> None:
+        """``budget(next)``: how many prompts may be claimed with the cursor at ``next``
+        (pacing.ClaimPacer.budget); None: no limit."""
         self.store, self.keys, self.owner = store, keys, owner
         self.max_attempts = max_attempts
+        self.budget = budget
         self.conflicts = 0  # lost swaps, for metrics and tests
 
     def claim(self, k: int) -> range:
-        """The next k unclaimed prompt ids, now ours."""
+        """The next k unclaimed prompt ids, now ours; fewer (maybe none: an empty range)
+        when the budget says so."""
         if k < 1:
             raise ValueError(f"k: must be >= 1, got {k}")
         key = self.keys.prompts_cursor
@@ -89,9 +94,12 @@ class PromptClaimer:
             else:
                 nxt, claims = parse_cursor(kv.value, key)
                 revision = kv.mod_revision
-            _record(claims, self.owner, nxt, nxt + k)
-            if self.store.compare_and_swap(key, revision, {"next": nxt + k, "claims": claims}):
-                return range(nxt, nxt + k)
+            n = k if self.budget is None else min(k, self.budget(nxt))
+            if n <= 0:
+                return range(nxt, nxt)
+            _record(claims, self.owner, nxt, nxt + n)
+            if self.store.compare_and_swap(key, revision, {"next": nxt + n, "claims": claims}):
+                return range(nxt, nxt + n)
             self.conflicts += 1
             # Another env-host won; jittered so a crowd of claimers spreads out.
             time.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))

@@ -26,6 +26,7 @@ from rlfleet.common.store import StoreUnavailable
 from rlfleet.common.wire import Trajectory
 
 from .claims import PromptClaimer
+from .pacing import ClaimPacer, claim_limit
 from .journal import Journal, journal_path
 from .manager import ManagerConfig, TurnCodec
 from .outbox import OutboxThread
@@ -53,6 +54,7 @@ class EnvHost(Daemon):
     role = "env-host"
 
     runner: EnvRunner | None = None
+    pacer: ClaimPacer | None = None
     setup_error = ""
 
     def setup(self) -> None:
@@ -78,7 +80,13 @@ class EnvHost(Daemon):
             return error if changed else None
         self.setup_error = ""
         self.journal = journal
-        self.claimer = PromptClaimer(self.store, self.keys, member_id)
+        limit = claim_limit(spec)
+        if self.pacer is not None:
+            self.pacer.stop()
+        self.pacer = None if limit is None else ClaimPacer(
+            self.store, self.keys, limit, on_progress=lambda: self.runner and self.runner.wake())
+        self.claimer = PromptClaimer(self.store, self.keys, member_id,
+                                     budget=self.pacer.budget if self.pacer else None)
         self.outbox = OutboxThread(f"{member_id}->reward-host", on_acked=self._on_acked)
         self.runner = EnvRunner(
             task=task, stream=PromptStream(task, spec.job.seed), codec=codec,
@@ -88,6 +96,8 @@ class EnvHost(Daemon):
             submit=self._submit, name=member_id)
         self.outbox.start()
         self.runner.start()
+        if self.pacer is not None:
+            self.pacer.start()
         live = len(self.journal.live_prompts())
         return f"env loop started (journal {self.journal.path}, {live} live prompts)"
 
@@ -125,6 +135,8 @@ class EnvHost(Daemon):
         if self.runner is None:
             return None
         self.runner.stop()
+        if self.pacer is not None:
+            self.pacer.stop()
         deadline = time.monotonic() + DRAIN_ACK_WAIT_S
         while self.outbox.pending and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -139,4 +151,5 @@ class EnvHost(Daemon):
         runner = self.runner
         if runner is None:
             return {"error": self.setup_error} if self.setup_error else {}
-        return {"in_flight": runner.in_flight, "claimed": runner.claimed, "done": runner.acked}
+        return {"in_flight": runner.in_flight, "claimed": runner.claimed, "done": runner.acked,
+                "claim_limit": self.pacer.limit if self.pacer else None}

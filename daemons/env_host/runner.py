@@ -69,6 +69,7 @@ class EnvRunner:
         # counters (read from other threads; ints are updated atomically under the GIL)
         self.running = 0
         self.claimed = 0
+        self.paced = 0  # claims the pacer refused (pacing.py), for tests and logs
         self.acked = 0
         self.dropped: dict[str, int] = {}
         self.last_claim_error = ""
@@ -109,6 +110,12 @@ class EnvRunner:
         self.acked += len(acked)
         if self._thread.is_alive():
             self.loop.call_soon_threadsafe(self._forget, [k for k, _, _ in acked])
+
+    def wake(self) -> None:
+        """From any thread: look for work now (e.g. the trainer consumed groups, so the
+        claim pacer allows more claims)."""
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._poke)
 
     @property
     def in_flight(self) -> int:
@@ -191,6 +198,10 @@ class EnvRunner:
                     backoff = min(backoff * 2, 5.0)
                     continue
                 backoff, self.last_claim_error = 0.2, ""
+                if not prompts:  # paced: the trainer has enough outstanding; wake() on progress
+                    self.paced += 1
+                    await self._sleep(1.0)
+                    continue
                 await self._in_journal(self.journal.record_claim, prompts)
                 self.claimed += len(prompts)
                 PROMPTS_CLAIMED.labels(id=self.name).inc(len(prompts))

@@ -59,6 +59,8 @@ from .journal import Journal
 
 log = logging.getLogger("rlfleet.trainer")
 
+PROGRESS_EVERY_S = 0.02  # trainer/progress is written at most this often
+
 # Test-only fault injection: "exit_after_journal" ends the process right after a
 # batch is journaled and before it is acked (tests/trainer/test_daemon.py).
 FAILPOINT_ENV = "RLFLEET_TRAINER_FAILPOINT"
@@ -112,6 +114,8 @@ class TrainingWorker:
         self._publisher_override = publisher
         self._main = threading.Thread(target=self._run, name="trainer-train", daemon=True)
         self._intake = threading.Thread(target=self._intake_loop, name="trainer-intake", daemon=True)
+        self._progress_thread = threading.Thread(target=self._progress_loop, name="trainer-progress",
+                                                 daemon=True)
 
     # -- lifecycle (called from the daemon's cycle) ------------------------------------
     def start(self) -> None:
@@ -140,6 +144,7 @@ class TrainingWorker:
             if self._stop.is_set():
                 return
             self._intake.start()
+            self._progress_thread.start()
             self._bound.wait(30)
             self._train_loop()
             if self.checkpoint_on_stop and self.version > self.checkpoint_version:
@@ -152,6 +157,8 @@ class TrainingWorker:
             self._stop.set()
             if self._intake.ident is not None:
                 self._intake.join()
+            if self._progress_thread.ident is not None:
+                self._progress_thread.join()
             if self._publisher is not None:
                 self._publisher.close()
             if self._journal is not None:
@@ -324,6 +331,32 @@ class TrainingWorker:
         return path
 
     # -- the intake thread ----------------------------------------------------------------
+    def progress(self) -> dict[str, int]:
+        """What trainer/progress says: env-hosts pace their claims by consumed_groups."""
+        assert self._journal is not None
+        state = self._journal.state
+        trained, dropped = len(state.trained), len(state.dropped)
+        return {"version": self.version, "consumed_groups": trained + dropped,
+                "trained_groups": trained, "dropped_groups": dropped}
+
+    def _progress_loop(self) -> None:
+        """Put trainer/progress whenever it changes (coalesced: at most every PROGRESS_EVERY_S),
+        on its own thread so an etcd outage never holds up a training step."""
+        last: dict[str, int] | None = None
+        failing = False
+        while not self._stop.wait(PROGRESS_EVERY_S):
+            now = self.progress()
+            if now == last:
+                continue
+            try:
+                self.store.put(self.keys.trainer_progress, {**now, "time": round(time.time(), 3)})
+                last, failing = now, False
+            except StoreUnavailable as exc:
+                if not failing:
+                    log.warning("cannot write %s (etcd unreachable: %s); env-hosts wait",
+                                self.keys.trainer_progress, exc, extra={"event": "progress_failed"})
+                failing = True
+
     def _intake_loop(self) -> None:
         from rlfleet.common.sockets import ReliableReceiver
 

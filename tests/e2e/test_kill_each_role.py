@@ -1,6 +1,8 @@
 """End to end under faults: a real job (`rlfleet run`, all daemons, the shipped
 tiny model) keeps training while each role in turn is killed with SIGKILL, and
 afterwards every claimed prompt is trained, dropped with a reason, or in flight.
+Claims are paced (trainer.max_staleness is set), so a killed trainer also stops
+the claiming until it is back, and pacing must not wedge the job.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ batch_size = 8
 learning_rate = 1e-3
 max_steps = 100000
 checkpoint_every = 2
+max_staleness = 2          # and so env-hosts pace their claims by trainer/progress
 
 [rollout]
 max_new_tokens = 4

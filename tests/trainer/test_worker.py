@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -34,15 +35,13 @@ class Recorder:
             self.names = set(tensors)
 
 
-@pytest.fixture
-def worker(tmp_path, etcd, tiny_model, monkeypatch):
-    monkeypatch.delenv("RLFLEET_RUN_DIR", raising=False)
+def start_worker(tmp_path, etcd, tiny_model, **trainer):
     spec = parse_spec({
         "job": {"name": "tw", "runs_dir": str(tmp_path / "runs")},
         "model": {"path": str(tiny_model)},
         "task": {"name": "arithmetic", "group_size": 2},
         "trainer": {"batch_size": 4, "max_steps": 3, "checkpoint_every": 2, "max_staleness": 1,
-                    "learning_rate": 1e-3},
+                    "learning_rate": 1e-3, **trainer},
     })
     store = EtcdStore(etcd.endpoints)
     recorder = Recorder()
@@ -50,7 +49,14 @@ def worker(tmp_path, etcd, tiny_model, monkeypatch):
     w.start()
     endpoint = wait_for("the worker's socket", lambda: w.endpoint, timeout_s=60)
     sender = ReliableSender(endpoint, resend_after_s=0.5)
-    yield w, sender, recorder, store, tmp_path / "runs" / "tw"
+    return w, sender, recorder, store, tmp_path / "runs" / "tw"
+
+
+@pytest.fixture
+def worker(tmp_path, etcd, tiny_model, monkeypatch):
+    monkeypatch.delenv("RLFLEET_RUN_DIR", raising=False)
+    w, sender, recorder, store, run_dir = started = start_worker(tmp_path, etcd, tiny_model)
+    yield started
     sender.close()
     w.stop()
     assert w.join(30)
@@ -109,5 +115,11 @@ def test_every_group_is_trained_dropped_with_a_reason_or_pending(worker):
     # Published in order, every version, with HF names.
     wait_for("version 3 published", lambda: recorder.versions[-1:] == [3])
     assert recorder.versions == [1, 2, 3] and "model.embed_tokens.weight" in recorder.names
+    # trainer/progress, which env-hosts pace their claims by: 6 groups trained + 4 dropped.
+    wait_for("trainer/progress", lambda: (store.get(JobKeys("tw").trainer_progress) or None)
+             and store.get(JobKeys("tw").trainer_progress).value["consumed_groups"] == 10)
+    progress = store.get(JobKeys("tw").trainer_progress).value
+    assert (progress["version"], progress["trained_groups"], progress["dropped_groups"]) == (3, 6, 4)
     ckpt = store.get(JobKeys("tw").trainer_checkpoint).value
     assert ckpt["version"] == 2 and ckpt["step"] == 2 and ckpt["path"].endswith("step-00000002")
+

@@ -1,0 +1,100 @@
+"""Claim pacing: no more prompts claimed and not yet consumed than the staleness
+bound can use (ROLL Flash's bounded asynchrony, AReaL's staleness control).
+
+The trainer writes `/rlfleet/<job>/trainer/progress` =
+``{version, consumed_groups, trained_groups, dropped_groups, time}`` whenever it
+trains or drops a group; ``consumed_groups`` counts groups trained or dropped, job-wide.
+A prompt is one group and the cursor's ``next`` counts prompts claimed job-wide, so
+
+    outstanding = next - consumed_groups
+
+is every prompt being generated, scored, or waiting in the trainer's buffer, across
+all env-hosts. A claim keeps it at most ``limit``. Without this, env-hosts generate as
+fast as the rollouts allow, the trainer's buffer and the pipeline hold more than
+``max_staleness`` batches, and the surplus is generated only to be dropped as stale.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from rlfleet.common.keys import JobKeys
+from rlfleet.common.spec import JobSpec
+from rlfleet.common.store import Store, StoreUnavailable
+
+log = logging.getLogger("rlfleet.env_host")
+
+
+def claim_limit(spec: JobSpec) -> int | None:
+    """Prompts that may be outstanding job-wide: max_staleness batches (at least one);
+    None (no pacing) when staleness is unbounded."""
+    alpha = spec.trainer.max_staleness
+    if alpha is None:
+        return None
+    return max(1, alpha) * max(1, spec.trainer.batch_size // spec.task.group_size)
+
+
+def consumed_of(value: Any) -> int:
+    """consumed_groups from a trainer/progress value; 0 for anything malformed (never
+    more claims than an honest value would allow)."""
+    if isinstance(value, dict) and isinstance(value.get("consumed_groups"), int):
+        return max(0, value["consumed_groups"])
+    return 0
+
+
+class ClaimPacer:
+    """Follows trainer/progress with a watch (its own thread); `budget(next)` says how
+    many prompts may be claimed when the cursor stands at `next`."""
+
+    def __init__(self, store: Store, keys: JobKeys, limit: int,
+                 on_progress: Callable[[], None] = lambda: None) -> None:
+        if limit < 1:
+            raise ValueError(f"limit: must be >= 1, got {limit}")
+        self.store, self.keys, self.limit = store, keys, limit
+        self.on_progress = on_progress
+        self.consumed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="claim-pacer", daemon=True)
+
+    def start(self) -> "ClaimPacer":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def budget(self, next_prompt: int) -> int:
+        return self.limit - (next_prompt - self.consumed)
+
+    def _set(self, value: Any) -> None:
+        consumed = consumed_of(value)
+        if consumed > self.consumed:  # never backwards: a stale event must not shrink it
+            self.consumed = consumed
+            self.on_progress()
+
+    def _follow(self) -> None:
+        key = self.keys.trainer_progress
+        watch = None
+        while not self._stop.is_set():
+            try:
+                if watch is None:
+                    kv = self.store.get(key)
+                    if kv is not None:
+                        self._set(kv.value)
+                    watch = self.store.watch_prefix(key, start_revision=(kv.mod_revision + 1) if kv else None)
+                event = watch.get(timeout=0.5)
+                if event is not None and event.key == key and event.kind == "put":
+                    self._set(event.value)
+            except StoreUnavailable as exc:
+                log.warning("claim pacing: etcd unreachable (%s); claims wait for the trainer's "
+                            "progress", exc)
+                watch = None
+                self._stop.wait(0.5)
+            except Exception:  # noqa: BLE001 — pacing must outlive any surprise
+                log.exception("claim pacing: following trainer progress failed; retrying")
+                watch = None
+                self._stop.wait(0.5)
+        if watch is not None:
+            watch.cancel()

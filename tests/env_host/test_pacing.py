@@ -1,0 +1,69 @@
+"""Claim pacing on a real etcd: prompts claimed but not consumed by the trainer stay
+within the limit, and more are claimed as soon as trainer/progress moves."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from rlfleet.common.etcd_store import EtcdStore
+from rlfleet.common.keys import JobKeys
+from rlfleet.common.spec import parse_spec
+from rlfleet.daemons.env_host.claims import PromptClaimer
+from rlfleet.daemons.env_host.pacing import ClaimPacer, claim_limit, consumed_of
+
+from ..integration.helpers import TINY_MODEL, wait_for
+
+KEYS = JobKeys("pacing")
+
+
+def spec(**trainer):
+    return parse_spec({"job": {"name": "pacing"}, "model": {"path": str(TINY_MODEL)},
+                       "task": {"name": "arithmetic", "group_size": 8},
+                       "trainer": {"batch_size": 32, **trainer}})
+
+
+def test_the_limit_is_max_staleness_batches_of_prompts():
+    assert claim_limit(spec(max_staleness=2)) == 8   # 2 batches x 4 prompts
+    assert claim_limit(spec(max_staleness=0)) == 4   # at least one batch
+    assert claim_limit(spec()) is None               # unbounded staleness: no pacing
+    assert [consumed_of(v) for v in ({"consumed_groups": 7}, {"consumed_groups": "7"}, None, [])] == [7, 0, 0, 0]
+
+
+def test_claims_wait_for_the_trainer_and_resume_when_it_consumes(etcd):
+    store = EtcdStore(etcd.endpoints)
+    woken = threading.Event()
+    pacer = ClaimPacer(store, KEYS, limit=4, on_progress=woken.set).start()
+    claimer = PromptClaimer(store, KEYS, "env-0", budget=pacer.budget)
+    try:
+        assert claimer.claim(3) == range(0, 3)
+        assert claimer.claim(3) == range(3, 4)      # only 1 more fits under the limit of 4
+        assert claimer.claim(2) == range(4, 4)      # none: empty, and the cursor did not move
+        assert store.get(KEYS.prompts_cursor).value["next"] == 4
+        store.put(KEYS.trainer_progress, {"version": 1, "consumed_groups": 2})
+        assert woken.wait(5), "the pacer never saw trainer/progress"
+        assert claimer.claim(5) == range(4, 6)      # two consumed: two more
+        # A stale or malformed value never shrinks what was consumed.
+        store.put(KEYS.trainer_progress, {"version": 0, "consumed_groups": 1})
+        store.put(KEYS.trainer_progress, "garbage")
+        store.put(KEYS.trainer_progress, {"version": 2, "consumed_groups": 6})
+        wait_for("consumed 6", lambda: pacer.consumed == 6, timeout_s=5)
+        assert claimer.claim(8) == range(6, 10)
+    finally:
+        pacer.stop()
+        store.close()
+
+
+def test_a_pacer_started_late_reads_the_current_progress(etcd):
+    store = EtcdStore(etcd.endpoints)
+    store.put(KEYS.trainer_progress, {"version": 9, "consumed_groups": 40})
+    pacer = ClaimPacer(store, KEYS, limit=8).start()
+    try:
+        wait_for("the current progress", lambda: pacer.consumed == 40, timeout_s=5)
+        assert pacer.budget(44) == 4
+        with pytest.raises(ValueError, match="limit: must be >= 1, got 0"):
+            ClaimPacer(store, KEYS, limit=0)
+    finally:
+        pacer.stop()
+        store.close()
