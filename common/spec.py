@@ -238,6 +238,9 @@ class EnvHostSection(_Section):
     turn_timeout_s: PosFloat = 30.0
     trajectory_timeout_s: PosFloat = 300.0
     max_retries: NonNegInt = 3
+    # Claim no more prompts than trainer.max_staleness batches ahead of what the trainer
+    # has consumed (docs/dataflow.md); false: claim as fast as max_concurrent allows.
+    pace_claims: bool = True
     bind_host: Host = "127.0.0.1"
 
     @field_validator("trajectory_timeout_s")

@@ -29,9 +29,9 @@ log = logging.getLogger("rlfleet.env_host")
 
 def claim_limit(spec: JobSpec) -> int | None:
     """Prompts that may be outstanding job-wide: max_staleness batches (at least one);
-    None (no pacing) when staleness is unbounded."""
+    None (no pacing) when staleness is unbounded or env_host.pace_claims is off."""
     alpha = spec.trainer.max_staleness
-    if alpha is None:
+    if alpha is None or not spec.env_host.pace_claims:
         return None
     return max(1, alpha) * max(1, spec.trainer.batch_size // spec.task.group_size)
 

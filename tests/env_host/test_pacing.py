@@ -18,16 +18,17 @@ from ..integration.helpers import TINY_MODEL, wait_for
 KEYS = JobKeys("pacing")
 
 
-def spec(**trainer):
+def spec(pace_claims=True, **trainer):
     return parse_spec({"job": {"name": "pacing"}, "model": {"path": str(TINY_MODEL)},
                        "task": {"name": "arithmetic", "group_size": 8},
-                       "trainer": {"batch_size": 32, **trainer}})
+                       "trainer": {"batch_size": 32, **trainer}, "env_host": {"pace_claims": pace_claims}})
 
 
 def test_the_limit_is_max_staleness_batches_of_prompts():
     assert claim_limit(spec(max_staleness=2)) == 8   # 2 batches x 4 prompts
     assert claim_limit(spec(max_staleness=0)) == 4   # at least one batch
     assert claim_limit(spec()) is None               # unbounded staleness: no pacing
+    assert claim_limit(spec(pace_claims=False, max_staleness=2)) is None
     assert [consumed_of(v) for v in ({"consumed_groups": 7}, {"consumed_groups": "7"}, None, [])] == [7, 0, 0, 0]
 
 
