@@ -54,11 +54,12 @@ from rlfleet.common.spec import JobSpec
 from rlfleet.common.store import Store, StoreUnavailable
 from rlfleet.common.wire import ScoredTrajectory
 
-from .batching import INVALID, check_trajectory, drop_reason, select_groups
+from .batching import INVALID, STALENESS, check_trajectory, drop_reason, select_groups
 from .journal import Journal
 
 log = logging.getLogger("rlfleet.trainer")
 
+REPUBLISH_AFTER_S = 5.0  # of only-stale arrivals before the current version is pushed again
 PROGRESS_EVERY_S = 0.02  # trainer/progress is written at most this often
 
 # Test-only fault injection: "exit_after_journal" ends the process right after a
@@ -105,6 +106,7 @@ class TrainingWorker:
         self.endpoint: str | None = None
         self.checkpoint_on_stop = False
         self.counts: Counter[str] = Counter()  # intake outcomes, for logs and tests
+        self._republished_at = 0.0
         self._stop = threading.Event()
         self._data = threading.Event()  # intake -> train: new trajectories arrived
         self._bound = threading.Event()
@@ -226,6 +228,7 @@ class TrainingWorker:
         assert self._journal is not None and self._learner is not None
         journal, learner = self._journal, self._learner
         waited_from = time.monotonic()
+        stale_since: float | None = None  # waiting, and what arrives is too stale to train
         while not self._stop.is_set():
             t, g = self.spec.trainer, self.spec.task.group_size
             if learner.version >= t.max_steps:
@@ -245,8 +248,12 @@ class TrainingWorker:
                              extra={"event": "drop", "reason": reason})
             if len(sel.groups) < t.batch_size // g:
                 self.status = "waiting"
+                if any(reason == STALENESS for _, reason, _ in sel.drops):
+                    stale_since = stale_since or time.monotonic()
+                    self._republish_if_starved(stale_since)
                 self._data.wait(0.5)
                 continue
+            stale_since = None
             self.status = "training"
             wait_s = time.monotonic() - waited_from
             self._step(sel.groups, sel.staleness, wait_s)
@@ -298,6 +305,20 @@ class TrainingWorker:
         evaluator = getattr(self, "_evaluator", None)
         if evaluator is not None and evaluator.due(self.version):
             evaluator.run(self._learner.model, self.version)
+
+    def _republish_if_starved(self, stale_since: float) -> None:
+        """Everything arriving is too stale and no batch forms: the rollouts serve weights
+        older than max_staleness, e.g. a relay restarted empty after a trainer restart,
+        and without a step no new version would ever reach them. Push the current version
+        again (a relay holding it already takes no chunks), at most every REPUBLISH_AFTER_S."""
+        now = time.monotonic()
+        if now - stale_since < REPUBLISH_AFTER_S or now - self._republished_at < REPUBLISH_AFTER_S:
+            return
+        self._republished_at = now
+        self.counts["republished"] += 1
+        log.warning("only stale groups for %.0f s: publishing version %d again for rollouts that "
+                    "lack it", now - stale_since, self.version, extra={"event": "republish"})
+        self._publish()
 
     def _publish(self) -> float:
         """Hand a snapshot to the publisher thread; returns the trainer's stall (the copy)."""

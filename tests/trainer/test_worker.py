@@ -15,6 +15,7 @@ from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.sockets import ReliableSender
 from rlfleet.common.spec import parse_spec
+from rlfleet.daemons.trainer import worker as worker_module
 from rlfleet.daemons.trainer.worker import TrainingWorker
 
 from ..integration.helpers import wait_for
@@ -123,3 +124,28 @@ def test_every_group_is_trained_dropped_with_a_reason_or_pending(worker):
     ckpt = store.get(JobKeys("tw").trainer_checkpoint).value
     assert ckpt["version"] == 2 and ckpt["step"] == 2 and ckpt["path"].endswith("step-00000002")
 
+
+
+def test_a_trainer_fed_only_stale_groups_publishes_its_version_again(tmp_path, etcd, tiny_model, monkeypatch):
+    # The livelock this breaks: relay and rollout restarted empty serve version 0, all
+    # they generate is dropped as stale, and without a step no new version is published.
+    monkeypatch.delenv("RLFLEET_RUN_DIR", raising=False)
+    monkeypatch.setattr(worker_module, "REPUBLISH_AFTER_S", 1.0)
+    w, sender, recorder, store, _ = start_worker(tmp_path, etcd, tiny_model, max_steps=10)
+    try:
+        send(sender, pair(0, 0) + pair(1, 0))
+        send(sender, pair(2, 0) + pair(3, 1))
+        wait_for("version 2", lambda: w.version == 2)
+        wait_for("version 2 published", lambda: recorder.versions[-1:] == [2])
+        for p in range(4, 40):  # stale (2 > max_staleness 1), one group every 0.1 s
+            send(sender, pair(p, 0))
+            time.sleep(0.1)
+            if recorder.versions.count(2) > 1:
+                break
+        assert recorder.versions.count(2) >= 2, recorder.versions
+        assert w.version == 2 and w.counts["republished"] >= 1
+    finally:
+        sender.close()
+        w.stop()
+        assert w.join(30)
+        store.close()
