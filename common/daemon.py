@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 from rlfleet.common import metrics
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.session import Session
+from rlfleet.common.signals import route_signals
 from rlfleet.common.spec import SINGLETON_ROLES, JobSpec, SpecError, load_spec, parse_spec
 from rlfleet.common.store import Store, StoreUnavailable
 
@@ -90,9 +91,8 @@ class Daemon:
         self._wake.set()
 
     def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGTERM, self.request_stop)
-        signal.signal(signal.SIGINT, self.request_stop)
-        signal.signal(signal.SIGHUP, self.request_reload)
+        route_signals({signal.SIGTERM: self.request_stop, signal.SIGINT: self.request_stop,
+                       signal.SIGHUP: self.request_reload})
 
     def run(self) -> int:
         self.spec = self._load_spec_until_available()

@@ -28,6 +28,7 @@ from rich.text import Text
 from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.placement import Placed, placement_from_spec
+from rlfleet.common.signals import route_signals
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.tools.etcd_local import EtcdCluster, die_with_parent
@@ -275,8 +276,7 @@ class Supervisor:
         self._stop.set()
 
     def run(self, duration_s: float | None = None) -> int:
-        signal.signal(signal.SIGTERM, self.request_stop)
-        signal.signal(signal.SIGINT, self.request_stop)
+        route_signals({signal.SIGTERM: self.request_stop, signal.SIGINT: self.request_stop})
         self.run_dir.mkdir(parents=True, exist_ok=True)
         endpoints = self.start_etcd()
         store = None

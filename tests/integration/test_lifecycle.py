@@ -134,6 +134,29 @@ def test_sigterm_exits_zero_and_deregisters_at_once(tmp_path, etcd):
                                                                               '"event": "exit"}')
 
 
+def test_a_burst_of_signals_during_an_etcd_outage_still_ends_in_a_clean_exit(tmp_path, etcd):
+    """Signals are handled on a thread (common/signals.py): a daemon that once set its
+    stop Event inside the handler deadlocked when a second SIGTERM arrived meanwhile."""
+    spec_path = write_spec(tmp_path, job="burst")
+    store = EtcdStore(etcd.endpoints)
+    store.put(JobKeys("burst").spec, load_spec(spec_path).to_dict())
+    proc = rlfleet("daemon", "resource-manager", "--job", "burst", "--etcd", etcd.endpoints_arg,
+                   "--id", "rm-1", log=tmp_path / "rm.log")
+    wait_for("resource-manager registered", lambda: members(store, "burst").get(("resource-manager", "rm-1")),
+             timeout_s=30)
+    member = etcd.members[0]
+    etcd.kill_member(member)  # the shutdown's deregistration now blocks on an unreachable etcd
+    try:
+        for sig in [signal.SIGHUP, signal.SIGTERM] * 10 + [signal.SIGINT] * 10:
+            proc.send_signal(sig)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        etcd.start_member(member)
+    assert "lease expires by itself" in (tmp_path / "rm.log").read_text()
+
+
 def test_daemon_survives_etcd_outage_and_reregisters(tmp_path, etcd):
     spec_path = write_spec(tmp_path, job="outage")
     store = EtcdStore(etcd.endpoints)
