@@ -19,24 +19,11 @@ from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.spec import ROLES, SINGLETON_ROLES
 
-from ..integration.helpers import TINY_MODEL, rlfleet, stop, wait_for
+from ..integration.helpers import TINY_MODEL, rlfleet, stop, wait_for, write_spec
 
 pytestmark = pytest.mark.skipif(not (TINY_MODEL / "tokenizer.json").exists(), reason="models/tiny-qwen2 not built")
 
 SPEC = """\
-[job]
-name = "faults"
-runs_dir = "{runs}"
-
-[etcd]
-lease_ttl_s = 2.0
-retry_timeout_s = 0.5
-
-[model]
-path = "{model}"
-
-[task]
-name = "arithmetic"
 group_size = 4
 eval_size = 16
 eval_every_steps = 1000
@@ -90,8 +77,7 @@ def member_of(store: EtcdStore, job: str, role: str) -> dict:
 
 
 def test_kill_9_each_role_during_training(tmp_path, etcd):
-    spec_path = tmp_path / "faults.toml"
-    spec_path.write_text(SPEC.format(runs=tmp_path / "runs", model=TINY_MODEL))
+    spec_path = write_spec(tmp_path, "faults", SPEC)
     log = tmp_path / "run.log"
     proc = rlfleet("run", str(spec_path), "--etcd", etcd.endpoints_arg, "--no-view", log=log)
     store = EtcdStore(etcd.endpoints)

@@ -14,7 +14,7 @@ from rlfleet.common.keys import JobKeys
 from rlfleet.daemons.env_host.claims import parse_cursor
 from rlfleet.daemons.env_host.journal import Journal
 from rlfleet.daemons.env_host.prompts import parse_trajectory_id, trajectory_id
-from tests.integration.helpers import rlfleet, stop, wait_for
+from tests.integration.helpers import rlfleet, stop, wait_for, write_spec
 from tests.reward_host.fakes import FakeTrainer
 
 from .fakes import FakeRollout, policy, tokenizer_dir
@@ -23,19 +23,6 @@ from .test_runner import solve
 JOB = "ehtest"
 G = 2
 SPEC = """\
-[job]
-name = "{job}"
-runs_dir = "{runs}"
-
-[etcd]
-lease_ttl_s = 2.0
-retry_timeout_s = 0.5
-
-[model]
-path = "{model}"
-
-[task]
-name = "arithmetic"
 group_size = {g}
 
 [env_host]
@@ -76,8 +63,7 @@ def _sigkill_and_account(tmp_path, etcd, JOB):
                                               "addresses": {"trajectories": trainer.address}})
     store.put(keys.member("rollout", "r-0"), {"id": "r-0", "state": "running",
                                               "addresses": {"requests": rollout.address}})
-    spec = tmp_path / "job.toml"
-    spec.write_text(SPEC.format(job=JOB, runs=tmp_path / "runs", model=tokenizer_dir(), g=G))
+    spec = write_spec(tmp_path, JOB, SPEC.format(g=G), model=tokenizer_dir())
     logs = tmp_path / "logs"
     logs.mkdir()
 

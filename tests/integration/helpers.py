@@ -33,10 +33,12 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-qwen2"
 
 
-def write_spec(tmp_path: Path, job: str = "itest", text: str = FAST_SPEC) -> Path:
-    """A valid spec with a short lease TTL, on the shipped tiny model."""
+def write_spec(tmp_path: Path, job: str = "itest", extra: str = "", *,
+               model: Path | str = TINY_MODEL) -> Path:
+    """tmp_path/<job>.toml: FAST_SPEC (short lease TTL, runs under tmp_path) on `model`,
+    then `extra` verbatim: keys that continue [task], then the test's own sections."""
     path = tmp_path / f"{job}.toml"
-    path.write_text(text.format(job=job, runs=tmp_path / "runs", model=TINY_MODEL))
+    path.write_text(FAST_SPEC.format(job=job, runs=tmp_path / "runs", model=model) + extra)
     return path
 
 

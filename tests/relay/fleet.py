@@ -18,7 +18,7 @@ from rlfleet.common.keys import JobKeys
 from rlfleet.common.spec import load_spec
 from rlfleet.relay.status import query_relay
 from rlfleet.relay.topology import read_chain, relay_master_key
-from tests.integration.helpers import FAST_SPEC, stop, wait_for, write_spec
+from tests.integration.helpers import stop, wait_for, write_spec
 
 RELAY_SECTION = """
 [relay]
@@ -60,7 +60,7 @@ class RelayFleet:
         self.keys = JobKeys(job)
         self.store = EtcdStore(etcd_endpoint)
         self.shm_root = f"/dev/shm/rlfleet-test-{uuid.uuid4().hex[:8]}"
-        spec = write_spec(tmp, job, FAST_SPEC + RELAY_SECTION.format(transport=transport))
+        spec = write_spec(tmp, job, RELAY_SECTION.format(transport=transport))
         self.store.put(self.keys.spec, load_spec(spec).to_dict())
         self.procs: dict[str, subprocess.Popen] = {}
 

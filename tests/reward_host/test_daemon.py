@@ -16,26 +16,12 @@ from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
 from rlfleet.daemons.env_host.outbox import OutboxThread
 from rlfleet.daemons.tasks import get_task
-from tests.integration.helpers import rlfleet, stop, wait_for
+from tests.integration.helpers import rlfleet, stop, wait_for, write_spec
 
 from .fakes import FakeTrainer, trajectory
 
 JOB = "rhtest"
-SPEC = """\
-[job]
-name = "{job}"
-runs_dir = "{runs}"
-
-[etcd]
-lease_ttl_s = 2.0
-retry_timeout_s = 0.5
-
-[model]
-path = "{model}"   # the reward-host loads no model; the spec only needs the folder
-
-[task]
-name = "arithmetic"
-
+SPEC = """
 [reward_host]
 workers = 2
 timeout_s = 5
@@ -73,8 +59,8 @@ def test_scored_exactly_once_per_id_across_a_sigkill(tmp_path, etcd, trainer):
                                               "addresses": {"trajectories": trainer.address}})
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
-    spec_path = tmp_path / "job.toml"
-    spec_path.write_text(SPEC.format(job=JOB, runs=tmp_path / "runs", model=tmp_path / "model"))
+    # The reward-host loads no model; the spec only needs the folder.
+    spec_path = write_spec(tmp_path, JOB, SPEC, model=tmp_path / "model")
     log = tmp_path / "reward-host.log"
 
     def start():

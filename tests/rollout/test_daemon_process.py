@@ -24,21 +24,7 @@ from ..integration.helpers import rlfleet, stop, wait_for, write_spec
 from .test_engine import greedy_reference, req
 
 HOST = "gpu-07"
-SPEC = """\
-[job]
-name = "{{job}}"
-runs_dir = "{{runs}}"
-
-[etcd]
-lease_ttl_s = 2.0
-retry_timeout_s = 0.5
-
-[model]
-path = "{model}"
-
-[task]
-name = "arithmetic"
-
+SPEC = """
 [rollout]
 max_batch = 8
 """
@@ -48,7 +34,7 @@ max_batch = 8
 def rollout(tmp_path, etcd, tiny_model_dir, monkeypatch):
     """(store, proc, member value, log path) of one started rollout daemon."""
     job = "rtest"
-    spec = load_spec(write_spec(tmp_path, job, SPEC.format(model=tiny_model_dir)))
+    spec = load_spec(write_spec(tmp_path, job, SPEC, model=tiny_model_dir))
     store = EtcdStore(etcd.endpoints)
     store.put(JobKeys(job).spec, spec.to_dict())
     monkeypatch.setenv("RLFLEET_TORCH_THREADS", "1")

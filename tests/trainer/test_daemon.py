@@ -22,24 +22,11 @@ from rlfleet.common.sockets import ReliableSender
 from rlfleet.daemons.trainer.journal import Journal
 from rlfleet.daemons.trainer.worker import FAILPOINT_ENV
 
-from ..integration.helpers import stop, wait_for
+from ..integration.helpers import stop, wait_for, write_spec
 from .conftest import scored
 
 JOB = "tt"
 SPEC = """\
-[job]
-name = "{job}"
-runs_dir = "{runs}"
-
-[etcd]
-lease_ttl_s = 1.5
-retry_timeout_s = 0.4
-
-[model]
-path = "{model}"
-
-[task]
-name = "arithmetic"
 group_size = 2
 
 [trainer]
@@ -54,8 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def setup(tmp_path, etcd, tiny_model):
     model = tiny_model
-    spec = tmp_path / "tt.toml"
-    spec.write_text(SPEC.format(job=JOB, runs=tmp_path / "runs", model=model))
+    spec = write_spec(tmp_path, JOB, SPEC, model=model)
     store = EtcdStore(etcd.endpoints)
     procs: list[subprocess.Popen] = []
 
