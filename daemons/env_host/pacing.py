@@ -12,12 +12,18 @@ is every prompt being generated, scored, or waiting in the trainer's buffer, acr
 all env-hosts. A claim keeps it at most ``limit``. Without this, env-hosts generate as
 fast as the rollouts allow, the trainer's buffer and the pipeline hold more than
 ``max_staleness`` batches, and the surplus is generated only to be dropped as stale.
+
+Prompts that can never be consumed (an env-host gone for good with its journal) would
+hold the budget forever and stop the whole job; so after STALL_S without trainer
+progress while claims are refused, the outstanding prompts are written off once more
+(a batch of `limit` claims is allowed, with a warning) instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 from rlfleet.common.keys import JobKeys
@@ -25,6 +31,8 @@ from rlfleet.common.spec import JobSpec
 from rlfleet.common.store import Store, StoreUnavailable
 
 log = logging.getLogger("rlfleet.env_host")
+
+STALL_S = 30.0  # without trainer progress while claims are refused: write the outstanding off
 
 
 def claim_limit(spec: JobSpec) -> int | None:
@@ -55,6 +63,8 @@ class ClaimPacer:
         self.store, self.keys, self.limit = store, keys, limit
         self.on_progress = on_progress
         self.consumed = 0
+        self.written_off = 0  # prompts no longer counted as outstanding (STALL_S)
+        self._progress_at = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="claim-pacer", daemon=True)
 
@@ -66,12 +76,21 @@ class ClaimPacer:
         self._stop.set()
 
     def budget(self, next_prompt: int) -> int:
-        return self.limit - (next_prompt - self.consumed)
+        outstanding = next_prompt - self.consumed - self.written_off
+        if outstanding >= self.limit and time.monotonic() - self._progress_at > STALL_S:
+            log.warning("no trainer progress for %.0f s with %d prompts outstanding (limit %d): "
+                        "claiming past them", STALL_S, outstanding, self.limit,
+                        extra={"event": "pacing_stall"})
+            self.written_off += outstanding
+            self._progress_at = time.monotonic()
+            outstanding = 0
+        return min(self.limit, self.limit - outstanding)
 
     def _set(self, value: Any) -> None:
         consumed = consumed_of(value)
         if consumed > self.consumed:  # never backwards: a stale event must not shrink it
             self.consumed = consumed
+            self._progress_at = time.monotonic()
             self.on_progress()
 
     def _follow(self) -> None:

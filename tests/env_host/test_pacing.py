@@ -4,6 +4,7 @@ within the limit, and more are claimed as soon as trainer/progress moves."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -11,6 +12,7 @@ from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.spec import parse_spec
 from rlfleet.daemons.env_host.claims import PromptClaimer
+from rlfleet.daemons.env_host import pacing
 from rlfleet.daemons.env_host.pacing import ClaimPacer, claim_limit, consumed_of
 
 from ..integration.helpers import TINY_MODEL, wait_for
@@ -67,4 +69,21 @@ def test_a_pacer_started_late_reads_the_current_progress(etcd):
             ClaimPacer(store, KEYS, limit=0)
     finally:
         pacer.stop()
+        store.close()
+
+
+def test_prompts_that_never_finish_are_written_off_after_a_stall(etcd, monkeypatch):
+    # An env-host gone for good keeps its prompts outstanding forever; pacing must not
+    # stop the job for that.
+    monkeypatch.setattr(pacing, "STALL_S", 0.5)
+    store = EtcdStore(etcd.endpoints)
+    pacer = ClaimPacer(store, KEYS, limit=4)
+    try:
+        assert pacer.budget(4) == 0                 # 4 outstanding: none now
+        time.sleep(0.6)
+        assert pacer.budget(4) == 4 and pacer.written_off == 4
+        assert pacer.budget(6) == 2                 # counted afresh from the write-off
+        pacer._set({"consumed_groups": 3})          # progress: never more than the limit
+        assert pacer.budget(6) == 4
+    finally:
         store.close()
