@@ -3,7 +3,8 @@
 Thin on purpose (STYLE §9): nothing heavy is imported before the arguments
 and the spec are validated, so `--help` and config errors are instant.
 
-Exit codes: 0 ok, 1 failure, 2 bad usage / bad spec (click's own), 3 etcd unreachable.
+Exit codes are defined in tools/exit_codes.py: 0 ok, 1 failure, 2 bad usage / bad
+spec (click's own), 3 etcd unreachable, and `rlfleet run`'s own outcomes 4–7.
 """
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ import json
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 import click
 
 from rlfleet.common.spec import ROLES, SpecError, load_spec
+from rlfleet.tools.exit_codes import RUN_CODES, Exit
 
-EXIT_SPEC = 2
-EXIT_ETCD = 3
+EXIT_SPEC = Exit.BAD_SPEC
+EXIT_ETCD = Exit.ETCD_UNREACHABLE
+# Tests only: `rlfleet daemon ROLE` exits 1 at once when this is "exit_at_start:ROLE", so an
+# integration test can make one daemon of a real fleet crash-loop without a broken spec.
+DAEMON_FAILPOINT_ENV = "RLFLEET_DAEMON_FAILPOINT"
 DEFAULT_ETCD = os.environ.get("RLFLEET_ETCD", "127.0.0.1:2379")
 
 etcd_option = click.option("--etcd", "etcd", default=DEFAULT_ETCD, show_default=True, metavar="HOST:PORT[,...]",
@@ -65,6 +69,9 @@ def daemon(role: str, job: str, etcd: str, member_id: str | None, host: str, spe
     from rlfleet.common.logs import setup_json_logging
     from rlfleet.daemons import daemon_class
 
+    if os.environ.get(DAEMON_FAILPOINT_ENV) == f"exit_at_start:{role}":
+        click.echo(f"{DAEMON_FAILPOINT_ENV}: {role} exits at start (test failpoint)", err=True)
+        sys.exit(Exit.FAILURE)
     if spec_file:
         try:
             load_spec(spec_file)
@@ -85,23 +92,49 @@ def daemon(role: str, job: str, etcd: str, member_id: str | None, host: str, spe
 
 
 # -- the embedded fleet ---------------------------------------------------------------
-@main.command()
+def _give_up(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, float]:
+    deaths, sep, window = value.partition("/")
+    try:
+        n, window_s = int(deaths), float(window)
+        if sep and n >= 0 and window_s > 0:
+            return n, window_s
+    except ValueError:
+        pass
+    raise click.BadParameter(f"expected DEATHS/SECONDS such as 5/60 (0/60: never give up), got {value!r}")
+
+
+RUN_EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {int(code)}  {text}" for code, text in RUN_CODES.items())
+
+
+@main.command(epilog=RUN_EPILOG)
 @click.argument("spec_file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--etcd", default=None, metavar="HOST:PORT[,...]",
               help="Use this etcd instead of starting a private one.")
-@click.option("--duration", type=float, default=None, help="Stop by itself after this many seconds.")
-@click.option("--no-view", is_flag=True, help="Plain event lines instead of the live table.")
-def run(spec_file: str, etcd: str | None, duration: float | None, no_view: bool) -> None:
-    """Run a whole job on this machine: etcd (private unless --etcd), every daemon, a live view."""
+@click.option("--duration", type=float, default=None,
+              help="Stop by itself after this many seconds (exit 7 unless the trainer finished first).")
+@click.option("--no-view", is_flag=True,
+              help="Plain event lines instead of the live table (the default when stdout is not a terminal).")
+@click.option("--give-up-after", "give_up", default="5/60", show_default=True, metavar="DEATHS/SECONDS",
+              callback=_give_up, help="End the run (exit 5) when one daemon dies this often within the window; "
+                                      "0/60 only reports it and keeps restarting.")
+@click.option("--max-idle-s", type=click.FloatRange(min=0), default=300.0, show_default=True,
+              help="End the run (exit 6) when no training step comes for this long, start-up included; 0: never.")
+def run(spec_file: str, etcd: str | None, duration: float | None, no_view: bool,
+        give_up: tuple[int, float], max_idle_s: float) -> None:
+    """Run a whole job on this machine: etcd (private unless --etcd), every daemon, and a
+    view of it: a live table in a terminal, plain event lines (progress every few seconds,
+    restarts, evaluations) when output goes to a file or a pipe. Ends with a summary and
+    one line saying how the run ended."""
     from rlfleet.tools.supervisor import Supervisor
     try:
         spec = load_spec(spec_file)
     except SpecError as exc:
         click.echo(str(exc), err=True)
         sys.exit(EXIT_SPEC)
-    run_dir = Path(spec.job.runs_dir) / spec.job.name / time.strftime("%Y%m%d-%H%M%S")
-    click.echo(f"run dir: {run_dir}")
-    sys.exit(Supervisor(spec, spec_file, etcd, run_dir, view=not no_view).run(duration))
+    view = not no_view and sys.stdout.isatty()
+    supervisor = Supervisor(spec, spec_file, etcd, Path(spec.job.runs_dir) / spec.job.name, view=view,
+                            give_up=give_up, max_idle_s=max_idle_s)
+    sys.exit(supervisor.run(duration))
 
 
 # -- operator views ----------------------------------------------------------------------
@@ -119,12 +152,14 @@ def _pick_job(store, job: str | None) -> str:
 @etcd_option
 @click.option("--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def status(job: str | None, etcd: str, output: str) -> None:
-    """Members, leaders, nodes and problems of a job (per role)."""
-    from rich.console import Console
+    """Members, leaders, nodes and problems of a job (per role).
 
+    To a terminal: tables at its width, long cells folded. To a file or a pipe: tables
+    as wide as their contents, so ids, addresses and problems are never cut."""
     from rlfleet.common.keys import JobKeys
     from rlfleet.common.store import StoreUnavailable
-    from rlfleet.tools.fleet_view import etcdctl_equivalent, members_table, nodes_table, take_snapshot
+    from rlfleet.tools.fleet_view import (etcdctl_equivalent, members_table, nodes_table, report_console,
+                                          take_snapshot)
 
     store = _store(etcd)
     try:
@@ -141,7 +176,7 @@ def status(job: str | None, etcd: str, output: str) -> None:
     if output == "json":
         click.echo(json.dumps({**snap.to_json(), "relay": relay, "problems": problems}, indent=2, default=str))
         sys.exit(1 if problems else 0)
-    console = Console()
+    console = report_console()
     console.print(members_table(snap))
     console.print(nodes_table(snap))
     console.print(chain_table(relay))

@@ -7,10 +7,12 @@ equivalent (see `etcdctl_equivalent`).
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich.console import Console
 from rich.table import Table
 
 from rlfleet.common.keys import JobKeys
@@ -91,7 +93,7 @@ def _problems(members: list[Member], leaders: dict[str, str], placed: list[tuple
 def members_table(snap: FleetSnapshot, restarts: dict[str, int] | None = None) -> Table:
     table = Table(title=f"job {snap.job}", expand=False)
     for col in ("role", "id", "host", "pid", "state", "leader", "up", "addresses"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # a narrow terminal wraps an id, never cuts it
     if restarts is not None:
         table.add_column("restarts", justify="right")
     by_role = snap.by_role()
@@ -116,13 +118,22 @@ def members_table(snap: FleetSnapshot, restarts: dict[str, int] | None = None) -
 def nodes_table(snap: FleetSnapshot) -> Table:
     table = Table(title="nodes")
     for col in ("host", "cpus", "memory", "gpus"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for host, inv in sorted(snap.nodes.items()):
         inv = inv or {}
         mem = inv.get("memory_bytes", 0) / 2**30
         gpus = ", ".join(g.get("name", "?") for g in inv.get("gpus", [])) or "—"
         table.add_row(host, str(inv.get("cpus_logical", "?")), f"{mem:.1f} GiB", gpus)
     return table
+
+
+def report_console() -> Console:
+    """Where a report goes. A terminal: its own width (columns fold long cells). A file or
+    a pipe: rich would assume 80 columns and cut cells ("resourc…"); there is no screen
+    to fit, so the width is unbounded and every id, address and problem stays whole."""
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=100_000, no_color=True, highlight=False)
 
 
 def etcdctl_equivalent(endpoints: str, prefix: str, keys_only: bool = False) -> str:

@@ -35,22 +35,54 @@ class RunMetrics:
         return total
 
 
+def _add_line(out: RunMetrics, line: str) -> None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        out.bad_lines += 1
+        return
+    if not isinstance(rec, dict) or "time" not in rec or "step" not in rec:
+        out.bad_lines += 1
+        return
+    (out.evals if "eval_success" in rec else out.train).append(rec)
+
+
 def read_metrics(path: Path) -> RunMetrics:
     """Tolerant reader: a torn last line (the trainer was killed mid-write) is skipped, counted."""
     out = RunMetrics()
     if not path.exists():
         return out
     for line in path.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            out.bad_lines += 1
-            continue
-        if not isinstance(rec, dict) or "time" not in rec or "step" not in rec:
-            out.bad_lines += 1
-            continue
-        (out.evals if "eval_success" in rec else out.train).append(rec)
+        _add_line(out, line)
     return out
+
+
+class MetricsTail:
+    """metrics.jsonl followed while the trainer writes it: each `poll()` parses only the
+    lines appended since the last one (the live view polls twice a second, and a long
+    run's file is megabytes). A line without its newline yet is left for the next poll."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.metrics = RunMetrics()
+        self._offset = 0
+
+    def poll(self) -> tuple[int, int]:
+        """Read what was appended; returns (new training lines, new eval lines)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except OSError:  # not written yet
+            return 0, 0
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return 0, 0
+        self._offset += end + 1
+        n_train, n_evals = len(self.metrics.train), len(self.metrics.evals)
+        for line in chunk[:end].decode(errors="replace").splitlines():
+            _add_line(self.metrics, line)
+        return len(self.metrics.train) - n_train, len(self.metrics.evals) - n_evals
 
 
 def throughput(m: RunMetrics) -> dict[str, Any]:
@@ -92,6 +124,41 @@ def summary(m: RunMetrics) -> dict[str, Any]:
     return s
 
 
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last `window` values (fewer at the start), one per value."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def smoothing_window(n: int) -> int:
+    """About 1/20 of the run, at least 1 and at most 50 steps: long enough to show the
+    trend of a batch mean that swings between 0 and 1, short enough to follow it."""
+    return max(1, min(50, n // 20))
+
+
+def draw(ax: Any, m: RunMetrics, axis: str) -> None:
+    """Raw per-step reward (faint), its moving average, and the held-out evaluations
+    as large marked points: the trend and each measurement readable at a glance."""
+    def xs(rows: list[dict[str, Any]]) -> list[float]:
+        return [r["time"] - m.t0 if axis == "time" else r["step"] for r in rows]
+    if m.train:
+        rewards = [r.get("reward_mean", 0.0) for r in m.train]
+        window = smoothing_window(len(rewards))
+        ax.plot(xs(m.train), rewards, color="tab:blue", alpha=0.2, linewidth=0.8,
+                label="train reward (batch mean, raw)")
+        ax.plot(xs(m.train), moving_average(rewards, window), color="tab:blue", linewidth=2.0,
+                label=f"train reward ({window}-step moving average)")
+    if m.evals:
+        ax.plot(xs(m.evals), [r["eval_success"] for r in m.evals], color="tab:red", linestyle="--",
+                linewidth=1.0, marker="D", markersize=6, markeredgecolor="black", zorder=3,
+                label="held-out eval success (each evaluation)")
+
+
 def plot(m: RunMetrics, out_dir: Path, title: str = "") -> list[Path]:
     """reward and eval success against wall-clock and against step (two PNGs)."""
     import matplotlib
@@ -102,20 +169,12 @@ def plot(m: RunMetrics, out_dir: Path, title: str = "") -> list[Path]:
     for axis, xlabel, fname in (("time", "wall-clock (s)", "learning_vs_time.png"),
                                 ("step", "trainer step", "learning_vs_step.png")):
         fig, ax = plt.subplots(figsize=(7, 4))
-
-        def xs(rows: list[dict[str, Any]]) -> list[float]:
-            return [r["time"] - m.t0 if axis == "time" else r["step"] for r in rows]
-        if m.train:
-            ax.plot(xs(m.train), [r.get("reward_mean", 0.0) for r in m.train], label="train reward (batch mean)",
-                    color="tab:blue", alpha=0.7)
-        if m.evals:
-            ax.plot(xs(m.evals), [r["eval_success"] for r in m.evals], "o-", label="eval success (held out)",
-                    color="tab:red")
+        draw(ax, m, axis)
         ax.set_xlabel(xlabel)
         ax.set_ylim(-0.02, 1.02)
         ax.set_ylabel("fraction")
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
+        ax.legend(loc="lower right", fontsize="small")
         ax.set_title(title)
         fig.tight_layout()
         path = out_dir / fname

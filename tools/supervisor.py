@@ -1,8 +1,14 @@
 """The embedded fleet behind `rlfleet run`: a private etcd (unless one is given),
 the spec written to it, every placed daemon as a supervised subprocess, and a
-live view. A daemon that dies is restarted with backoff; one that keeps dying is
-reported with the tail of its log. Ctrl-C stops the daemons (SIGTERM, then
-SIGKILL after a grace period) and etcd last.
+view: the live table on a terminal, plain event lines otherwise.
+
+One loop (`Supervisor.run`) starts and restarts daemons, samples their CPU and
+watches three things that end the run: the trainer reporting `training: done`,
+a daemon that keeps dying (`give_up`: N deaths within a window), and no new
+training step for `max_idle_s`. A daemon that dies is restarted with backoff.
+Ctrl-C stops the daemons (SIGTERM, then SIGKILL after a grace period) and etcd
+last. The run ends with the accounting check, the plots, the end summary and
+an `Outcome`: the exit code (tools/exit_codes.py) and its one-line reason.
 """
 
 from __future__ import annotations
@@ -32,16 +38,20 @@ from rlfleet.common.signals import route_signals
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.tools.etcd_local import EtcdCluster, die_with_parent
+from rlfleet.tools.exit_codes import Exit, Outcome
 from rlfleet.tools.fleet_view import members_table, nodes_table, take_snapshot
-from rlfleet.tools.report import plot, read_metrics, summary
+from rlfleet.tools.report import MetricsTail, RunMetrics, plot, summary
+from rlfleet.tools.run_summary import end_summary, eval_line, progress_line
 
 log = logging.getLogger("rlfleet.supervisor")
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 10.0
 HEALTHY_AFTER_S = 30.0      # a child that lived this long gets its backoff reset
-CRASH_LOOP_RESTARTS = 5     # this many restarts within CRASH_LOOP_WINDOW_S is reported loudly
-CRASH_LOOP_WINDOW_S = 60.0
+CRASH_LOOP_RESTARTS = 5     # this many deaths within CRASH_LOOP_WINDOW_S: the supervisor gives up
+CRASH_LOOP_WINDOW_S = 60.0  # (rlfleet run --give-up-after N/WINDOW; N = 0 only reports them)
+MAX_IDLE_S = 300.0          # no training step for this long ends the run (--max-idle-s; 0: never)
+PROGRESS_EVERY_S = 5.0      # plain mode: a progress line this often while steps advance
 STOP_GRACE_S = 10.0
 TORCH_ROLES = ("trainer", "rollout")  # the processes that compute; they share the cores
 CPU_SAMPLE_S = 1.0          # how often each daemon's CPU time is read (what a kill -9 loses)
@@ -80,6 +90,7 @@ class Child:
     backoff_s: float = BACKOFF_START_S
     next_start_at: float = 0.0
     recent_deaths: deque = field(default_factory=lambda: deque(maxlen=CRASH_LOOP_RESTARTS))
+    last_exit: str = ""
     env: dict[str, str] = field(default_factory=dict)
     cpu_s_ended: float = 0.0    # CPU of this daemon's earlier (dead) processes, as last sampled
     cpu_s_current: float = 0.0  # CPU of the running process at the last sample
@@ -115,19 +126,43 @@ class Child:
             return ""
 
 
+def new_run_dir(base: Path) -> Path:
+    """base/<YYYYmmdd-HHMMSS>, created here and by no one else: mkdir without exist_ok
+    is atomic, so two runs started in the same second get <stamp> and <stamp>-2."""
+    base.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 1000):
+        path = base / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{base}: 999 runs started in second {stamp}")
+
+
 class Supervisor:
-    def __init__(self, spec: JobSpec, spec_path: str, etcd: str | None, run_dir: Path,
-                 host: str | None = None, view: bool = True) -> None:
-        self.spec, self.spec_path, self.run_dir = spec, spec_path, run_dir
+    def __init__(self, spec: JobSpec, spec_path: str, etcd: str | None, runs_dir: Path,
+                 host: str | None = None, view: bool = True,
+                 give_up: tuple[int, float] = (CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_S),
+                 max_idle_s: float = MAX_IDLE_S) -> None:
+        self.spec, self.spec_path, self.runs_dir = spec, spec_path, runs_dir
+        self.run_dir = runs_dir  # the run's own directory once `run` made it
         self.etcd_arg, self.view = etcd, view
         # Which placement hosts this supervisor starts daemons for; default all (one machine).
         self.host = host
+        self.give_up_deaths, self.give_up_window_s = give_up
+        self.max_idle_s = max_idle_s
         self.cluster: EtcdCluster | None = None
         self.children: list[Child] = []
         self.events: deque[str] = deque(maxlen=8)
         self._stop = threading.Event()
         self.cpu_report: dict[str, float] = {}
         self.console = Console(stderr=False)
+        self.accounting: dict | None = None
+        self.plots: list[Path] = []
+        self.metrics: MetricsTail | None = None
+        self._accounting_failure: Outcome | None = None
 
     # -- set-up ------------------------------------------------------------------
     def start_etcd(self) -> str:
@@ -138,7 +173,11 @@ class Supervisor:
 
     def submit_spec(self, endpoints: str) -> EtcdStore:
         store = EtcdStore(endpoints, timeout_s=self.spec.etcd.retry_timeout_s)
-        store.put(JobKeys(self.spec.job.name).spec, self.spec.to_dict())
+        try:
+            store.put(JobKeys(self.spec.job.name).spec, self.spec.to_dict())
+        except BaseException:
+            store.close()
+            raise
         return store
 
     def make_children(self, endpoints: str) -> None:
@@ -162,7 +201,8 @@ class Supervisor:
         if not self.view:
             print(stamped, flush=True)
 
-    def supervise_once(self, env: dict[str, str]) -> None:
+    def supervise_once(self, env: dict[str, str]) -> Outcome | None:
+        """Start what is due, reap what died; an Outcome when a daemon keeps dying."""
         now = time.monotonic()
         for child in self.children:
             if child.proc is None:
@@ -181,14 +221,45 @@ class Supervisor:
             child.restarts += 1
             child.recent_deaths.append(now)
             child.next_start_at = now + child.backoff_s
-            how = f"signal {-code}" if code < 0 else f"exit code {code}"
-            self.note(f"{child.name} died ({how}); restarting in {child.backoff_s:.1f}s")
-            if (len(child.recent_deaths) == CRASH_LOOP_RESTARTS
-                    and now - child.recent_deaths[0] < CRASH_LOOP_WINDOW_S):
-                self.note(f"{child.name} keeps dying: {CRASH_LOOP_RESTARTS} deaths in "
-                          f"{now - child.recent_deaths[0]:.0f}s; log {child.log_path}, last lines:\n"
-                          f"{child.log_tail()}")
+            child.last_exit = f"signal {-code}" if code < 0 else f"exit code {code}"
+            self.note(f"{child.name} died ({child.last_exit}); restarting in {child.backoff_s:.1f}s")
             child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
+            crash_loop = self._crash_loop(child, now)
+            if crash_loop:
+                return crash_loop
+        return None
+
+    def _crash_loop(self, child: Child, now: float) -> Outcome | None:
+        """N deaths within the window: reported with the log's tail, and (N > 0) the end of the run."""
+        n = self.give_up_deaths or CRASH_LOOP_RESTARTS
+        deaths = list(child.recent_deaths)[-n:]
+        if len(deaths) < n or now - deaths[0] >= self.give_up_window_s:
+            return None
+        self.note(f"{child.name} keeps dying: {n} deaths in {now - deaths[0]:.0f}s; "
+                  f"log {child.log_path}, last lines:\n{child.log_tail()}")
+        if not self.give_up_deaths:
+            return None
+        return Outcome(Exit.DAEMON_GAVE_UP,
+                       f"gave up: {child.name} died {n} times in {now - deaths[0]:.0f} s "
+                       f"(last: {child.last_exit}); see {child.log_path}")
+
+    def watch_training(self, last_step_at: float) -> tuple[float, Outcome | None]:
+        """Read new metrics lines: note evaluations (and, in plain mode, progress); an
+        Outcome when no training step came for max_idle_s. Returns the last step's time."""
+        assert self.metrics is not None
+        new_steps, new_evals = self.metrics.poll()
+        now = time.monotonic()
+        m = self.metrics.metrics
+        if new_steps:
+            last_step_at = now
+        if new_evals:
+            self.note(eval_line(m))
+        if (self.max_idle_s and now - last_step_at > self.max_idle_s
+                and any(c.placed.role == "trainer" for c in self.children)):
+            since = f"since step {m.train[-1]['step']}" if m.train else "since the start"
+            return last_step_at, Outcome(Exit.NO_PROGRESS, f"no training step for {self.max_idle_s:.0f} s "
+                                                           f"({since}; --max-idle-s); see {self.run_dir / 'logs'}")
+        return last_step_at, None
 
     def render(self, store: EtcdStore, endpoints: str):
         restarts = {c.name: c.restarts for c in self.children}
@@ -203,17 +274,10 @@ class Supervisor:
         return Group(*parts, *self._events_text())
 
     def _progress_text(self) -> Text:
-        m = read_metrics(self.run_dir / "metrics.jsonl")
-        if not m.train and not m.evals:
+        m = self.metrics.metrics if self.metrics is not None else None
+        if m is None:
             return Text("training: waiting for the first step", style="bold")
-        last = m.train[-1] if m.train else {}
-        ev = m.evals[-1]["eval_success"] if m.evals else None
-        stale = m.staleness()
-        hist = "  ".join(f"{k}:{v}" for k, v in sorted(stale.items())) or "—"
-        return Text(f"step {last.get('step', 0)}/{self.spec.trainer.max_steps}   "
-                    f"reward {last.get('reward_mean', 0.0):.3f}   "
-                    f"eval success {'—' if ev is None else f'{ev:.3f}'}   "
-                    f"{last.get('tokens_per_s', 0.0):.0f} tok/s   staleness {hist}", style="bold")
+        return Text(progress_line(m, self.spec.trainer.max_steps), style="bold")
 
     def trainer_done(self, store: EtcdStore) -> bool:
         try:
@@ -222,26 +286,42 @@ class Supervisor:
             return False
         return any(isinstance(kv.value, dict) and kv.value.get("training") == "done" for kv in kvs)
 
-    def check_accounting(self, store: EtcdStore) -> None:
-        """With every daemon stopped (journals unlocked) and etcd still up."""
+    def check_accounting(self, store: EtcdStore) -> Outcome | None:
+        """With every daemon stopped (journals unlocked) and etcd still up; an Outcome
+        when the invariant is broken or could not be checked."""
         from rlfleet.tools.accounting import check
         try:
             result = check(store, self.spec.job.name, self.run_dir, self.spec.task.group_size)
         except Exception as exc:  # noqa: BLE001 — a report, never a reason to hang the shutdown
             self.note(f"accounting not checked: {exc!r}")
-            return
-        (self.run_dir / "accounting.json").write_text(json.dumps(result.to_json(), indent=2))
+            return Outcome(Exit.ACCOUNTING_FAILED, f"accounting not checked: {exc!r}")
+        self.accounting = result.to_json()
+        (self.run_dir / "accounting.json").write_text(json.dumps(self.accounting, indent=2))
         self.note("accounting: " + result.sentence())
+        if not result.ok:
+            return Outcome(Exit.ACCOUNTING_FAILED, f"accounting invariant broken: {len(result.lost)} prompts lost, "
+                                            f"{len(result.conflicts)} both trained and dropped; see "
+                                            f"{self.run_dir / 'accounting.json'}")
+        return None
 
     def finish_report(self) -> None:
-        m = read_metrics(self.run_dir / "metrics.jsonl")
+        m = self.metrics.metrics if self.metrics is not None else None
+        if m is None:
+            return
+        self.metrics.poll()
         if not m.train and not m.evals:
             return
         result = {**summary(m), "cpu_s": self.cpu_report}
         (self.run_dir / "summary.json").write_text(json.dumps(result, indent=2))
-        for path in plot(m, self.run_dir, title=f"{self.spec.job.name} ({self.spec.task.name})"):
-            self.note(f"wrote {path}")
-        self.note("summary: " + json.dumps(result))
+        self.plots = plot(m, self.run_dir, title=f"{self.spec.job.name} ({self.spec.task.name})")
+
+    def print_end_summary(self, headline: str) -> None:
+        text = end_summary(self.metrics.metrics if self.metrics is not None else RunMetrics(),
+                           job=self.spec.job.name, max_steps=self.spec.trainer.max_steps, headline=headline,
+                           run_dir=self.run_dir, accounting=self.accounting,
+                           restarts={c.name: c.restarts for c in self.children},
+                           cpu_s=self.cpu_report, plots=self.plots)
+        print(text, flush=True)
 
     def cpu_by_daemon(self) -> dict[str, float]:
         """CPU seconds each daemon used (all its restarts, its worker processes included),
@@ -275,57 +355,123 @@ class Supervisor:
     def request_stop(self, *_: object) -> None:
         self._stop.set()
 
+    # -- the run -------------------------------------------------------------------
     def run(self, duration_s: float | None = None) -> int:
+        """The whole run; prints the one-line outcome last and returns its exit code."""
         route_signals({signal.SIGTERM: self.request_stop, signal.SIGINT: self.request_stop})
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        endpoints = self.start_etcd()
+        outcome = self._run(duration_s)
+        if outcome.code == Exit.OK:
+            print(outcome.line(), flush=True)
+        else:
+            print(outcome.line(), file=sys.stderr, flush=True)
+        return int(outcome.code)
+
+    def _run(self, duration_s: float | None) -> Outcome:
         store = None
-        try:
-            store = self.submit_spec(endpoints)
-            self.make_children(endpoints)
-            self.note(f"job {self.spec.job.name}: {len(self.children)} daemons, etcd {endpoints}, "
-                      f"run dir {self.run_dir}")
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            deadline = time.monotonic() + duration_s if duration_s else None
-            live = Live(self.render(store, endpoints), console=self.console, refresh_per_second=2,
-                        transient=False) if self.view else None
-            if live:
-                live.start()
+        if self.etcd_arg:  # an etcd we cannot reach: one line, no run dir left behind
             try:
-                last_render = 0.0
-                last_done_check = 0.0
-                last_cpu_sample = 0.0
-                while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
-                    self.supervise_once(env)
-                    if time.monotonic() - last_cpu_sample > CPU_SAMPLE_S:
-                        last_cpu_sample = time.monotonic()
-                        for child in self.children:
-                            child.sample_cpu()
-                    if time.monotonic() - last_done_check > 2.0:
-                        last_done_check = time.monotonic()
-                        if self.trainer_done(store):
-                            self.note(f"trainer finished {self.spec.trainer.max_steps} steps")
-                            break
-                    if live and time.monotonic() - last_render > 0.5:
-                        live.update(self.render(store, endpoints))
-                        last_render = time.monotonic()
-                    self._stop.wait(0.1)
-            finally:
-                for child in self.children:
-                    child.sample_cpu()
-                self.note("stopping daemons")
-                self.stop_children()
-                self.check_accounting(store)
-                if live:
-                    live.update(self.render(store, endpoints))
-                    live.stop()
-        finally:
+                store = self.submit_spec(self.etcd_arg)
+            except ValueError as exc:
+                return Outcome(Exit.BAD_SPEC, f"--etcd {self.etcd_arg}: {exc}")
+            except StoreUnavailable as exc:
+                return Outcome(Exit.ETCD_UNREACHABLE, f"etcd at {self.etcd_arg} is unreachable: {exc}")
+        self.run_dir = new_run_dir(self.runs_dir)
+        print(f"run dir: {self.run_dir}", flush=True)  # the first line: scripts read it
+        try:
+            endpoints = self.start_etcd()
+            if store is None:
+                store = self.submit_spec(endpoints)
+        except (OSError, RuntimeError, TimeoutError, StoreUnavailable) as exc:
             if store is not None:
                 store.close()
+            self._stop_etcd()
+            return Outcome(Exit.ETCD_UNREACHABLE, f"the private etcd did not start: {exc}")
+        self.metrics = MetricsTail(self.run_dir / "metrics.jsonl")
+        failure: Outcome | None = None
+        finished = False
+        try:
+            self.make_children(endpoints)
+            roles = len({c.placed.role for c in self.children})
+            self.note(f"job {self.spec.job.name}: {len(self.children)} daemons ({roles} roles), "
+                      f"etcd {endpoints}, run dir {self.run_dir}")
+            failure, finished = self._loop(store, endpoints, duration_s)
+        finally:
             self.cpu_report = self.cpu_by_daemon()  # etcd's share must be read before it stops
-            if self.cluster is not None:
-                self.cluster.stop()
-                self.note("etcd stopped")
+            store.close()
+            self._stop_etcd()
         self.finish_report()
-        self.note(f"stopped; logs in {self.run_dir / 'logs'}, results in {self.run_dir}")
-        return 0
+        if failure is None and not finished:
+            failure = Outcome(Exit.STOPPED, self._stopped_reason(duration_s))
+        accounting_failure = self._accounting_failure
+        if failure is None or (failure.code == Exit.STOPPED and accounting_failure is not None):
+            failure = accounting_failure or failure
+        headline = "finished" if failure is None else f"{failure.code.name.lower().replace('_', ' ')} (exit {int(failure.code)})"
+        self.print_end_summary(headline)
+        return failure or Outcome(Exit.OK, f"finished {self.spec.trainer.max_steps} steps; accounting ok; "
+                                           f"results in {self.run_dir}")
+
+    def _stopped_reason(self, duration_s: float | None) -> str:
+        if self._stop.is_set():
+            return "stopped: Ctrl-C or SIGTERM before the trainer finished"
+        return f"stopped: --duration {duration_s:g} s ran out before the trainer finished"
+
+    def _loop(self, store: EtcdStore, endpoints: str, duration_s: float | None) -> tuple[Outcome | None, bool]:
+        """Supervise until the trainer is done, a failure, a stop request or --duration;
+        then stop the daemons and check the accounting. Returns (failure, finished)."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        started = time.monotonic()
+        deadline = started + duration_s if duration_s else None
+        live = Live(self.render(store, endpoints), console=self.console, refresh_per_second=2,
+                    transient=True) if self.view else None
+        if live:
+            live.start()
+        failure: Outcome | None = None
+        finished = False
+        try:
+            last_render = last_done_check = last_cpu_sample = last_progress = 0.0
+            last_step_at, progress_step = started, -1
+            while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
+                failure = self.supervise_once(env)
+                if failure:
+                    break
+                now = time.monotonic()
+                if now - last_cpu_sample > CPU_SAMPLE_S:
+                    last_cpu_sample = now
+                    for child in self.children:
+                        child.sample_cpu()
+                if now - last_done_check > 2.0:
+                    last_done_check = now
+                    if self.trainer_done(store):
+                        self.note(f"trainer finished {self.spec.trainer.max_steps} steps")
+                        finished = True
+                        break
+                if (live and now - last_render > 0.5) or (not live and now - last_progress > PROGRESS_EVERY_S):
+                    last_step_at, failure = self.watch_training(last_step_at)
+                    if failure:
+                        break
+                    if live:
+                        live.update(self.render(store, endpoints))
+                        last_render = now
+                    else:
+                        last_progress = now
+                        m = self.metrics.metrics
+                        if m.train and m.train[-1]["step"] != progress_step:
+                            progress_step = m.train[-1]["step"]
+                            self.note(progress_line(m, self.spec.trainer.max_steps))
+                self._stop.wait(0.1)
+        finally:
+            for child in self.children:
+                child.sample_cpu()
+            if live:
+                live.stop()  # transient: the table goes; what happened is in the summary below
+                for event in self.events:
+                    print(event)
+            self.note("stopping daemons")
+            self.stop_children()
+            self._accounting_failure = self.check_accounting(store)
+        return failure, finished
+
+    def _stop_etcd(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.note("etcd stopped")
