@@ -30,10 +30,11 @@ def progress_line(m: RunMetrics, max_steps: int) -> str:
             f"{last.get('tokens_per_s', 0.0):.0f} tok/s   staleness {staleness_text(m.staleness())}")
 
 
-def eval_line(m: RunMetrics) -> str:
-    """The newest evaluation, against the first and the best so far."""
-    ev = m.evals[-1]
-    first, best = m.evals[0]["eval_success"], max(r["eval_success"] for r in m.evals)
+def eval_line(m: RunMetrics, index: int = -1) -> str:
+    """Evaluation `index` (default the newest), against the first and the best up to it."""
+    upto = m.evals[:index + 1] if index >= 0 else m.evals[:len(m.evals) + index + 1]
+    ev = upto[-1]
+    first, best = upto[0]["eval_success"], max(r["eval_success"] for r in upto)
     return (f"evaluation at step {ev['step']}: held-out success {ev['eval_success']:.3f} "
             f"(first {first:.3f}, best {best:.3f})")
 
@@ -61,11 +62,11 @@ def end_summary(m: RunMetrics, *, job: str, max_steps: int, headline: str, run_d
     """The final screen: what the run did, first the learning, then the machinery."""
     s = summary(m)
     lines = [f"== {job}: {headline} =="]
-    if m.train or m.evals:
+    if m.train:
         lines.append(_row("steps", f"{s['steps']:,} of {max_steps:,} in {s['wall_s']:.1f} s "
                                    f"(first to last metrics line)"))
     else:
-        lines.append(_row("steps", f"none of {max_steps:,}: the trainer wrote no metrics"))
+        lines.append(_row("steps", f"none of {max_steps:,} trained"))
     if m.evals:
         lines.append(_row("held-out success",
                           f"{s['eval_success_first']:.3f} → {s['eval_success_last']:.3f} "

@@ -163,6 +163,7 @@ class Supervisor:
         self.plots: list[Path] = []
         self.metrics: MetricsTail | None = None
         self._accounting_failure: Outcome | None = None
+        self._progress_step = -1  # the step of the last progress line printed
 
     # -- set-up ------------------------------------------------------------------
     def start_etcd(self) -> str:
@@ -252,14 +253,21 @@ class Supervisor:
         m = self.metrics.metrics
         if new_steps:
             last_step_at = now
-        if new_evals:
-            self.note(eval_line(m))
+        for index in range(len(m.evals) - new_evals, len(m.evals)):
+            self.note(eval_line(m, index))
         if (self.max_idle_s and now - last_step_at > self.max_idle_s
                 and any(c.placed.role == "trainer" for c in self.children)):
             since = f"since step {m.train[-1]['step']}" if m.train else "since the start"
             return last_step_at, Outcome(Exit.NO_PROGRESS, f"no training step for {self.max_idle_s:.0f} s "
                                                            f"({since}; --max-idle-s); see {self.run_dir / 'logs'}")
         return last_step_at, None
+
+    def note_progress(self) -> None:
+        """Plain mode: the progress line, when a step was trained since the last one."""
+        m = self.metrics.metrics
+        if m.train and m.train[-1]["step"] != self._progress_step:
+            self._progress_step = m.train[-1]["step"]
+            self.note(progress_line(m, self.spec.trainer.max_steps))
 
     def render(self, store: EtcdStore, endpoints: str):
         restarts = {c.name: c.restarts for c in self.children}
@@ -405,8 +413,8 @@ class Supervisor:
         accounting_failure = self._accounting_failure
         if failure is None or (failure.code == Exit.STOPPED and accounting_failure is not None):
             failure = accounting_failure or failure
-        headline = "finished" if failure is None else f"{failure.code.name.lower().replace('_', ' ')} (exit {int(failure.code)})"
-        self.print_end_summary(headline)
+        self.print_end_summary("finished" if failure is None else
+                               f"{failure.code.name.lower().replace('_', ' ')} (exit {int(failure.code)})")
         return failure or Outcome(Exit.OK, f"finished {self.spec.trainer.max_steps} steps; accounting ok; "
                                            f"results in {self.run_dir}")
 
@@ -428,8 +436,8 @@ class Supervisor:
         failure: Outcome | None = None
         finished = False
         try:
-            last_render = last_done_check = last_cpu_sample = last_progress = 0.0
-            last_step_at, progress_step = started, -1
+            last_watch = last_done_check = last_cpu_sample = last_progress = 0.0
+            last_step_at = started
             while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 failure = self.supervise_once(env)
                 if failure:
@@ -442,22 +450,18 @@ class Supervisor:
                 if now - last_done_check > 2.0:
                     last_done_check = now
                     if self.trainer_done(store):
-                        self.note(f"trainer finished {self.spec.trainer.max_steps} steps")
                         finished = True
                         break
-                if (live and now - last_render > 0.5) or (not live and now - last_progress > PROGRESS_EVERY_S):
+                if now - last_watch > 0.5:
+                    last_watch = now
                     last_step_at, failure = self.watch_training(last_step_at)
                     if failure:
                         break
                     if live:
                         live.update(self.render(store, endpoints))
-                        last_render = now
-                    else:
+                    elif now - last_progress > PROGRESS_EVERY_S:
                         last_progress = now
-                        m = self.metrics.metrics
-                        if m.train and m.train[-1]["step"] != progress_step:
-                            progress_step = m.train[-1]["step"]
-                            self.note(progress_line(m, self.spec.trainer.max_steps))
+                        self.note_progress()
                 self._stop.wait(0.1)
         finally:
             for child in self.children:
@@ -466,6 +470,12 @@ class Supervisor:
                 live.stop()  # transient: the table goes; what happened is in the summary below
                 for event in self.events:
                     print(event)
+                self.view = False  # from here on events are printed as they come
+            self.watch_training(time.monotonic())  # the last evaluations
+            if not live:
+                self.note_progress()
+            if finished:
+                self.note(f"trainer finished {self.spec.trainer.max_steps} steps")
             self.note("stopping daemons")
             self.stop_children()
             self._accounting_failure = self.check_accounting(store)
