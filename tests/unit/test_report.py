@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 
-from rlfleet.tools.report import plot, read_metrics, summary
+from rlfleet.tools.report import MetricsTail, draw, moving_average, plot, read_metrics, smoothing_window, summary
 
 
 def test_summary_and_plots_from_metrics(tmp_path):
@@ -29,3 +29,46 @@ def test_summary_and_plots_from_metrics(tmp_path):
     written = plot(m, tmp_path, title="t")
     assert [p.name for p in written] == ["learning_vs_time.png", "learning_vs_step.png"]
     assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_moving_average_is_trailing_and_keeps_every_point():
+    assert moving_average([0, 1, 0, 1, 1], 2) == [0.0, 0.5, 0.5, 0.5, 1.0]
+    assert moving_average([1.0, 0.0, 0.0], 1) == [1.0, 0.0, 0.0]
+    assert moving_average([], 5) == []
+    assert (smoothing_window(10), smoothing_window(400), smoothing_window(10_000)) == (1, 20, 50)
+
+
+def test_the_plot_draws_raw_reward_its_moving_average_and_marked_evaluations(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = [{"time": 100.0 + i, "step": i, "reward_mean": float(i % 2)} for i in range(1, 201)]
+    lines += [{"time": 100.0, "step": 0, "eval_success": 0.2}, {"time": 300.0, "step": 200, "eval_success": 0.9}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    fig, ax = plt.subplots()
+    draw(ax, read_metrics(path), "step")
+    raw, smooth, evals = ax.get_lines()
+    assert raw.get_label() == "train reward (batch mean, raw)" and raw.get_alpha() < 0.5
+    assert smooth.get_label() == "train reward (10-step moving average)"
+    # The raw batch mean swings 0/1; its moving average shows the trend (0.5) instead.
+    assert list(raw.get_ydata()[-4:]) == [1.0, 0.0, 1.0, 0.0]
+    assert all(abs(y - 0.5) < 1e-9 for y in smooth.get_ydata()[10:])
+    assert evals.get_label() == "held-out eval success (each evaluation)"
+    assert evals.get_marker() == "D" and list(evals.get_xdata()) == [0, 200]
+    plt.close(fig)
+
+
+def test_metrics_tail_reads_only_complete_new_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    tail = MetricsTail(path)
+    assert tail.poll() == (0, 0)  # not written yet
+    with open(path, "w") as f:
+        f.write(json.dumps({"time": 1.0, "step": 0, "eval_success": 0.5}) + "\n" + '{"time": 2.0, "st')
+    assert tail.poll() == (0, 1)
+    with open(path, "a") as f:  # the torn line is completed, and one more comes
+        f.write('ep": 1, "reward_mean": 0.5}\n' + json.dumps({"time": 3.0, "step": 2}) + "\n")
+    assert tail.poll() == (2, 0)
+    assert [r["step"] for r in tail.metrics.train] == [1, 2] and tail.metrics.bad_lines == 0
+    assert tail.poll() == (0, 0)
