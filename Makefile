@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
-#   make demo   train on the FrozenLake example on this machine (private etcd, all daemons, live view)
-#   make test   run the whole test suite (unit + integration with real etcd and real processes)
+#   make demo   train on the FrozenLake example on this machine (private etcd, all daemons, live view);
+#               about 6 minutes on 2 cores, plus about 90 s of set-up the first time
+#   make test   run the whole test suite (unit + integration with real etcd and real processes), ~6 min
 # Both create .venv if missing, install the pinned dependencies and etcd.
 
 PYTHON ?= python3
@@ -15,13 +16,20 @@ PYTEST_ARGS ?=
 setup: $(STAMP) etcd
 
 # torch==2.13.0 must resolve to the machine's CPU wheel: it is installed on its
-# own first so that nothing else can pull a CUDA build (see shared/FINDINGS.md).
+# own first so that nothing else can pull a CUDA build (a plain `torch` pulls a
+# multi-GB CUDA one). pip runs quiet, so each step says first what it installs.
 $(STAMP): pyproject.toml
+	@echo "first-time setup: a virtualenv in $(VENV) with rlfleet's pinned dependencies"
+	@echo "  (about 90 s on 2 cores with a local wheel cache, longer when it downloads; quiet until done)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,ml,bench,ucx]'
+	@echo "[1/3] pip itself"
+	@$(PY) -m pip install --quiet --upgrade pip
+	@echo "[2/3] torch 2.13.0, the CPU build (the largest download)"
+	@$(PY) -m pip install --quiet torch==2.13.0
+	@echo "[3/3] rlfleet (editable) with transformers, TRL, pyzmq, msgspec, etcd client, pytest, ucxx, matplotlib"
+	@$(PY) -m pip install --quiet -e '.[test,ml,bench,ucx]'
 	@touch $(STAMP)
+	@echo "setup done: $(VENV)"
 
 etcd:
 	@if command -v etcd >/dev/null 2>&1 && command -v etcdctl >/dev/null 2>&1; then \
