@@ -35,6 +35,10 @@ RUN_CODES: dict[Exit, str] = {
 }
 
 
+# A benchmark that caps a run with --duration takes either ending as a run whose results count.
+RUN_ENDED = (Exit.OK, Exit.STOPPED)
+
+
 @dataclass(frozen=True)
 class Outcome:
     """How a run ended: the exit code and the one line that explains it."""

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlfleet.tools.exit_codes import RUN_ENDED
 from rlfleet.tools.report import read_metrics
 
 
@@ -32,7 +33,7 @@ def run_task(task: str, budget_s: float, examples: Path) -> dict[str, Any]:
     run_dir = next((line.split("run dir:", 1)[1].strip() for line in proc.stdout.splitlines()
                     if line.startswith("run dir:")), None)
     summary_path = Path(run_dir) / "summary.json" if run_dir else None
-    if proc.returncode != 0 or summary_path is None or not summary_path.exists():
+    if proc.returncode not in RUN_ENDED or summary_path is None or not summary_path.exists():
         raise SystemExit(f"{task}: rlfleet run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     s = json.loads(summary_path.read_text())
     cpu = s.get("cpu_s", {})

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.tools.bench.trl_peer import time_to_level
+from rlfleet.tools.exit_codes import RUN_ENDED
 from rlfleet.tools.report import read_metrics
 
 
@@ -43,7 +44,7 @@ def run_once(spec: Path, budget_s: float, level: float) -> dict[str, Any]:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     run_dir = next((line.split("run dir:", 1)[1].strip() for line in proc.stdout.splitlines()
                     if line.startswith("run dir:")), None)
-    if proc.returncode != 0 or run_dir is None or not (Path(run_dir) / "summary.json").exists():
+    if proc.returncode not in RUN_ENDED or run_dir is None or not (Path(run_dir) / "summary.json").exists():
         raise SystemExit(f"{spec}: rlfleet run failed ({proc.returncode}):\n{proc.stdout[-2000:]}")
     s = json.loads((Path(run_dir) / "summary.json").read_text())
     acc = json.loads((Path(run_dir) / "accounting.json").read_text())

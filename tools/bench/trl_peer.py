@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.common.spec import JobSpec, SpecError, load_spec, parse_spec
+from rlfleet.tools.exit_codes import RUN_ENDED
 from rlfleet.tools.report import RunMetrics, read_metrics
 
 log = logging.getLogger("rlfleet.bench")
@@ -365,7 +366,7 @@ def run_rlfleet(spec_path: str, budget_s: float) -> tuple[Path, float]:
     if not first.startswith("run dir:"):
         raise SystemExit(f"trl_peer: rlfleet run printed no 'run dir:' line (exit {proc.returncode}):\n"
                          f"{(first + rest)[-2000:]}")
-    if proc.returncode != 0:
+    if proc.returncode not in RUN_ENDED:
         raise SystemExit(f"trl_peer: rlfleet run failed (exit {proc.returncode}):\n{(first + rest)[-2000:]}")
     return Path(first.split("run dir:", 1)[1].strip()), launched
 
