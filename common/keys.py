@@ -15,6 +15,10 @@ interface: change them only with a migration note in docs/etcd-keys.md.
     /rlfleet/<job>/relay/layouts/tp<k>             shard layouts readers asked for
     /rlfleet/<job>/prompts/cursor                  claimed prompt ranges
     /rlfleet/<job>/trainer/checkpoint              last checkpoint: version, path
+    /rlfleet/<job>/trainer/progress                groups trained or dropped (paces claims)
+
+The values are parsed in one place too: `common/records.py` (one typed,
+immutable record per key) and `common/cluster.py` (the whole job at once).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import re
 
 ROOT = "/rlfleet"
+ROOT_PREFIX = f"{ROOT}/"  # every job's keys, for tools that list the jobs in an etcd
 
 _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -87,6 +92,11 @@ class JobKeys:
         return f"{self.prefix}weights/latest"
 
     @property
+    def relay_prefix(self) -> str:
+        """Everything the relays coordinate through (chain, master, layouts)."""
+        return f"{self.prefix}relay/"
+
+    @property
     def relay_chain(self) -> str:
         return f"{self.prefix}relay/chain"
 
@@ -97,6 +107,11 @@ class JobKeys:
     @property
     def relay_layouts_prefix(self) -> str:
         return f"{self.prefix}relay/layouts/"
+
+    def relay_layout(self, tp: int) -> str:
+        if type(tp) is not int or tp < 1:
+            raise ValueError(f"invalid layout for an etcd key: {tp!r} (a tensor-parallel degree >= 1)")
+        return f"{self.relay_layouts_prefix}tp{tp}"
 
     @property
     def prompts_cursor(self) -> str:
@@ -119,9 +134,31 @@ class JobKeys:
             raise ValueError(f"not a member key of job {self.job!r}: {key!r}")
         return role, member_id
 
+    def parse_leader(self, key: str) -> str:
+        """'/rlfleet/j/leader/<role>' -> role."""
+        return self._last_component(key, self.leaders_prefix, "leader")
+
+    def parse_node(self, key: str) -> str:
+        """'/rlfleet/j/nodes/<host>' -> host."""
+        return self._last_component(key, self.nodes_prefix, "node")
+
+    def _last_component(self, key: str, prefix: str, what: str) -> str:
+        rest = key.removeprefix(prefix)
+        if rest == key or not rest or "/" in rest:
+            raise ValueError(f"not a {what} key of job {self.job!r}: {key!r}")
+        return rest
+
     def parse_placement(self, key: str) -> tuple[str, str, str]:
         """'/rlfleet/j/placement/<host>/<role>/<id>' -> (host, role, id)."""
         parts = key.removeprefix(self.placement_prefix).split("/")
         if not key.startswith(self.placement_prefix) or len(parts) != 3 or not all(parts):
             raise ValueError(f"not a placement key of job {self.job!r}: {key!r}")
         return parts[0], parts[1], parts[2]
+
+
+def job_of(key: str) -> str | None:
+    """The job a key belongs to ('/rlfleet/<job>/...' -> job), None for keys outside ROOT."""
+    job, sep, _ = key.removeprefix(ROOT_PREFIX).partition("/")
+    if not key.startswith(ROOT_PREFIX) or not sep or not _COMPONENT.match(job):
+        return None
+    return job
