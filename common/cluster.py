@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.members import Leader, Member, Node, Placement
@@ -28,6 +28,9 @@ from rlfleet.common.store import KeyValue, Store
 
 _NO_LEADERS: Mapping[str, Leader] = MappingProxyType({})
 _NO_NODES: Mapping[str, Node] = MappingProxyType({})
+# Cluster field -> the record kept under one fixed key of the job.
+_SINGLE_RECORDS = {"weights": WeightsLatest, "relay_chain": RelayChain, "relay_master": RelayMaster,
+                   "progress": TrainerProgress, "checkpoint": Checkpoint, "cursor": PromptCursor}
 
 
 @dataclass(frozen=True)
@@ -77,13 +80,7 @@ class Cluster:
         nodes: dict[str, Node] = {}
         single: dict[str, Any] = {}
         has_spec = False
-        parsers: dict[str, tuple[str, Callable[[KeyValue], Any]]] = {
-            keys.weights_latest: ("weights", lambda kv: WeightsLatest.parse(kv.value)),
-            keys.relay_chain: ("relay_chain", lambda kv: RelayChain.parse(kv.value)),
-            keys.relay_master: ("relay_master", RelayMaster.from_kv),
-            keys.trainer_progress: ("progress", lambda kv: TrainerProgress.parse(kv.value)),
-            keys.trainer_checkpoint: ("checkpoint", lambda kv: Checkpoint.parse(kv.value)),
-            keys.prompts_cursor: ("cursor", lambda kv: PromptCursor.parse(kv.value))}
+        single_keys = {getattr(keys, record.KEY): (name, record) for name, record in _SINGLE_RECORDS.items()}
         for kv in kvs:
             try:
                 if kv.key == keys.spec:
@@ -102,11 +99,11 @@ class Cluster:
                     record = Placement.from_kv(keys, kv)
                     placement.append(record)
                 elif kv.key.startswith(keys.relay_layouts_prefix):
-                    record = RelayLayoutRequest.parse(kv.value, kv.key.removeprefix(keys.prefix))
+                    record = RelayLayoutRequest.from_kv(keys, kv)
                     layouts.append(record)
-                elif kv.key in parsers:
-                    name, parse = parsers[kv.key]
-                    record = parse(kv)
+                elif kv.key in single_keys:
+                    name, kind = single_keys[kv.key]
+                    record = kind.from_kv(kv)
                     single[name] = record
                 else:
                     continue  # a key this version does not know (newer daemons, owner, state...)

@@ -185,7 +185,7 @@ class Node:
     def from_kv(cls, keys: JobKeys, kv: KeyValue) -> Node:
         return cls.parse(keys.parse_node(kv.key), kv.value)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_value(self) -> dict[str, Any]:
         """The inventory as the resource-manager writes it (daemons/resource_manager/inventory.py)."""
         return {"host": self.host, "cpus_logical": self.cpus_logical, "cpus_physical": self.cpus_physical,
                 "memory_bytes": self.memory_bytes, "memory_available_bytes": self.memory_available_bytes,

@@ -17,11 +17,12 @@ that parsed is usable even when `pid` did not). Keys come from
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping, Self
 
-from rlfleet.common.store import KeyValue
+from rlfleet.common.keys import JobKeys
+from rlfleet.common.store import KeyValue, Store
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -119,11 +120,33 @@ class _Fields:
         return "; ".join(self.problems)
 
 
+class _KeyRecord:
+    """A record stored under one fixed key of the job (`KEY` names the JobKeys property)."""
+
+    KEY: ClassVar[str] = ""
+
+    @classmethod
+    def parse(cls, value: Any) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def from_kv(cls, kv: KeyValue) -> Self:
+        return cls.parse(kv.value)
+
+    @classmethod
+    def read(cls, store: Store, keys: JobKeys) -> Self | None:
+        """The record at its key, or None if the key does not exist. StoreUnavailable propagates."""
+        kv = store.get(getattr(keys, cls.KEY))
+        return None if kv is None else cls.from_kv(kv)
+
+
 # -- weights and the relay chain ----------------------------------------------------------
 
 @dataclass(frozen=True)
-class WeightsLatest:
+class WeightsLatest(_KeyRecord):
     """`weights/latest`: the newest version a master relay holds whole (never moves back)."""
+
+    KEY: ClassVar[str] = "weights_latest"
 
     version: int = -1
     bytes: int = 0
@@ -137,13 +160,15 @@ class WeightsLatest:
         return cls(f.int("version", -1, required=True), f.int("bytes"), f.str("checksum"), f.str("master"),
                    f.problem)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_value(self) -> dict[str, Any]:
         return {"version": self.version, "bytes": self.bytes, "checksum": self.checksum, "master": self.master}
 
 
 @dataclass(frozen=True)
-class RelayChain:
+class RelayChain(_KeyRecord):
     """`relay/chain`: the order the master relay sees, written for operators."""
+
+    KEY: ClassVar[str] = "relay_chain"
 
     master: str | None = None
     order: tuple[str, ...] = ()
@@ -163,30 +188,34 @@ class RelayChain:
         return cls(f.opt_str("master"), tuple(x for x in order if isinstance(x, str)),
                    tuple(x for x in layouts if type(x) is int), f.opt_float("updated"), f.problem)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_value(self) -> dict[str, Any]:
         return {"master": self.master, "order": list(self.order), "layouts": list(self.layouts),
                 "updated": self.updated}
 
 
 @dataclass(frozen=True)
-class RelayMaster:
+class RelayMaster(_KeyRecord):
     """`relay/master`: the elected master relay (bound to its lease) and the newest
     complete version it holds, kept current while it is master."""
+
+    KEY: ClassVar[str] = "relay_master"
 
     id: str = ""
     since: float = 0.0
     newest: int | None = None
-    lease_id: int = 0
+    lease_id: int = 0       # the master's lease: the key disappears with it
+    mod_revision: int = 0   # for a compare-and-swap update by the master itself
     problem: str = ""
 
     @classmethod
-    def parse(cls, value: Any, lease_id: int = 0) -> RelayMaster:
+    def parse(cls, value: Any, lease_id: int = 0, mod_revision: int = 0) -> RelayMaster:
         f = _Fields(value, "relay/master")
-        return cls(f.str("id", required=True), f.float("since"), f.opt_int("newest"), lease_id, f.problem)
+        return cls(f.str("id", required=True), f.float("since"), f.opt_int("newest"), lease_id, mod_revision,
+                   f.problem)
 
     @classmethod
     def from_kv(cls, kv: KeyValue) -> RelayMaster:
-        return cls.parse(kv.value, kv.lease_id)
+        return cls.parse(kv.value, kv.lease_id, kv.mod_revision)
 
     def to_value(self) -> dict[str, Any]:
         return {"id": self.id, "since": self.since, "newest": self.newest}
@@ -206,6 +235,14 @@ class RelayLayoutRequest:
         f = _Fields(value, key)
         return cls(f.int("layout", required=True), f.str("requested_by"), f.float("at"), f.problem)
 
+    @classmethod
+    def from_kv(cls, keys: JobKeys, kv: KeyValue) -> RelayLayoutRequest:
+        return cls.parse(kv.value, kv.key.removeprefix(keys.prefix))
+
+    @classmethod
+    def read_all(cls, store: Store, keys: JobKeys) -> list[RelayLayoutRequest]:
+        return [cls.from_kv(keys, kv) for kv in store.get_prefix(keys.relay_layouts_prefix)]
+
     def to_value(self) -> dict[str, Any]:
         return {"layout": self.layout, "requested_by": self.requested_by, "at": self.at}
 
@@ -213,8 +250,10 @@ class RelayLayoutRequest:
 # -- trainer and prompts ------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class TrainerProgress:
+class TrainerProgress(_KeyRecord):
     """`trainer/progress`: groups trained or dropped, job-wide (env-hosts pace claims by it)."""
+
+    KEY: ClassVar[str] = "trainer_progress"
 
     version: int = 0
     consumed_groups: int = 0   # trained + dropped; 0 when malformed: never more claims than honest
@@ -232,9 +271,11 @@ class TrainerProgress:
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class Checkpoint(_KeyRecord):
     """`trainer/checkpoint`: the last checkpoint the trainer leader wrote (advisory: the
     checkpoint folder is the truth)."""
+
+    KEY: ClassVar[str] = "trainer_checkpoint"
 
     version: int = -1
     path: str = ""
@@ -250,7 +291,7 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
-class PromptCursor:
+class PromptCursor(_KeyRecord):
     """`prompts/cursor`: prompts [0, next) are claimed; `claims` keeps each env-host's
     last ranges (daemons/env_host/claims.py is the protocol that writes it).
 
@@ -259,9 +300,16 @@ class PromptCursor:
     refuse to claim while `problem` is set.
     """
 
+    KEY: ClassVar[str] = "prompts_cursor"
+
     next: int = 0
     claims: Mapping[str, tuple[tuple[int, int], ...]] = _no_fields()
     problem: str = ""
+    mod_revision: int = 0   # the claim protocol's compare-and-swap revision (0: no cursor yet)
+
+    @classmethod
+    def from_kv(cls, kv: KeyValue) -> PromptCursor:
+        return replace(cls.parse(kv.value), mod_revision=kv.mod_revision)
 
     @classmethod
     def parse(cls, value: Any, key: str = "prompts/cursor") -> PromptCursor:

@@ -20,11 +20,12 @@ from typing import Any
 import numpy
 
 from rlfleet.common.keys import JobKeys
+from rlfleet.common.members import Member
+from rlfleet.common.records import RelayMaster, WeightsLatest
 from rlfleet.common.store import Store, StoreUnavailable
 from rlfleet.relay.link import Link, Rejected
 from rlfleet.relay.manifest import FlatSource, Manifest, build_manifest
 from rlfleet.relay.protocol import ProtocolError
-from rlfleet.relay.topology import relay_master_key
 from rlfleet.relay.transport import get_transport, transport_for
 
 log = logging.getLogger("rlfleet.relay")
@@ -81,14 +82,12 @@ class WeightPublisher:
         self._link_to: tuple[str, str] | None = None  # (master id, address)
 
     def _find_master(self) -> tuple[str, str] | None:
-        kv = self.store.get(relay_master_key(self.keys))
-        if kv is None or not isinstance(kv.value, dict) or not kv.value.get("id"):
+        master = RelayMaster.read(self.store, self.keys)
+        if master is None or not master.id:
             return None
-        mid = str(kv.value["id"])
-        member = self.store.get(self.keys.member("relay", mid))
-        if member is None or not isinstance(member.value, dict):
-            return None
-        addr = (member.value.get("addresses") or {}).get("chunks")
+        mid = master.id
+        kv = self.store.get(self.keys.member("relay", mid))
+        addr = Member.from_kv(self.keys, kv).address("chunks") if kv is not None else None
         if not addr:
             return None
         if not addr.startswith(self.transport + "://"):
@@ -163,12 +162,12 @@ class WeightPublisher:
     def _record_latest(self, manifest: Manifest, master: str) -> None:
         """weights/latest = {version, bytes, checksum, master}; never moves backwards."""
         key = self.keys.weights_latest
-        value = {"version": manifest.version, "bytes": manifest.total_bytes,
-                 "checksum": manifest.checksum, "master": master}
+        value = WeightsLatest(manifest.version, manifest.total_bytes, manifest.checksum, master).to_value()
         for _ in range(5):
             try:
                 kv = self.store.get(key)
-                if kv is not None and isinstance(kv.value, dict) and kv.value.get("version", -1) > manifest.version:
+                # A malformed value (version -1) is overwritten: it describes no version.
+                if kv is not None and WeightsLatest.from_kv(kv).version > manifest.version:
                     return
                 if self.store.compare_and_swap(key, kv.mod_revision if kv else 0, value):
                     return
