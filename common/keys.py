@@ -28,6 +28,21 @@ import re
 ROOT = "/rlfleet"
 ROOT_PREFIX = f"{ROOT}/"  # every job's keys, for tools that list the jobs in an etcd
 
+# Key names relative to a job's prefix (also the labels parse problems name keys by).
+SPEC = "spec"
+NODES = "nodes"
+MEMBERS = "members"
+LEADER = "leader"
+PLACEMENT = "placement"
+WEIGHTS_LATEST = "weights/latest"
+RELAY = "relay"
+RELAY_CHAIN = "relay/chain"
+RELAY_MASTER = "relay/master"
+RELAY_LAYOUTS = "relay/layouts"
+PROMPTS_CURSOR = "prompts/cursor"
+TRAINER_CHECKPOINT = "trainer/checkpoint"
+TRAINER_PROGRESS = "trainer/progress"
+
 _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -48,19 +63,19 @@ class JobKeys:
     # -- whole-job -------------------------------------------------------
     @property
     def spec(self) -> str:
-        return f"{self.prefix}spec"
+        return f"{self.prefix}{SPEC}"
 
     # -- liveness (lease-bound) -----------------------------------------
     @property
     def nodes_prefix(self) -> str:
-        return f"{self.prefix}nodes/"
+        return f"{self.prefix}{NODES}/"
 
     def node(self, host: str) -> str:
         return f"{self.nodes_prefix}{_check(host, 'host')}"
 
     @property
     def members_prefix(self) -> str:
-        return f"{self.prefix}members/"
+        return f"{self.prefix}{MEMBERS}/"
 
     def role_members_prefix(self, role: str) -> str:
         return f"{self.members_prefix}{_check(role, 'role')}/"
@@ -70,7 +85,7 @@ class JobKeys:
 
     @property
     def leaders_prefix(self) -> str:
-        return f"{self.prefix}leader/"
+        return f"{self.prefix}{LEADER}/"
 
     def leader(self, role: str) -> str:
         return f"{self.leaders_prefix}{_check(role, 'role')}"
@@ -78,7 +93,7 @@ class JobKeys:
     # -- desired state ---------------------------------------------------
     @property
     def placement_prefix(self) -> str:
-        return f"{self.prefix}placement/"
+        return f"{self.prefix}{PLACEMENT}/"
 
     def host_placement_prefix(self, host: str) -> str:
         return f"{self.placement_prefix}{_check(host, 'host')}/"
@@ -89,24 +104,24 @@ class JobKeys:
     # -- weights, prompts, checkpoints -----------------------------------
     @property
     def weights_latest(self) -> str:
-        return f"{self.prefix}weights/latest"
+        return f"{self.prefix}{WEIGHTS_LATEST}"
 
     @property
     def relay_prefix(self) -> str:
         """Everything the relays coordinate through (chain, master, layouts)."""
-        return f"{self.prefix}relay/"
+        return f"{self.prefix}{RELAY}/"
 
     @property
     def relay_chain(self) -> str:
-        return f"{self.prefix}relay/chain"
+        return f"{self.prefix}{RELAY_CHAIN}"
 
     @property
     def relay_master(self) -> str:
-        return f"{self.prefix}relay/master"
+        return f"{self.prefix}{RELAY_MASTER}"
 
     @property
     def relay_layouts_prefix(self) -> str:
-        return f"{self.prefix}relay/layouts/"
+        return f"{self.prefix}{RELAY_LAYOUTS}/"
 
     def relay_layout(self, tp: int) -> str:
         if type(tp) is not int or tp < 1:
@@ -115,15 +130,15 @@ class JobKeys:
 
     @property
     def prompts_cursor(self) -> str:
-        return f"{self.prefix}prompts/cursor"
+        return f"{self.prefix}{PROMPTS_CURSOR}"
 
     @property
     def trainer_checkpoint(self) -> str:
-        return f"{self.prefix}trainer/checkpoint"
+        return f"{self.prefix}{TRAINER_CHECKPOINT}"
 
     @property
     def trainer_progress(self) -> str:
-        return f"{self.prefix}trainer/progress"
+        return f"{self.prefix}{TRAINER_PROGRESS}"
 
     # -- parsing ---------------------------------------------------------
     def parse_member(self, key: str) -> tuple[str, str]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from rlfleet.common import keys as names
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.records import _EMPTY, _Fields, _no_fields, _short, freeze, thaw
 from rlfleet.common.store import KeyValue
@@ -50,7 +51,7 @@ class Member:
 
     @classmethod
     def parse(cls, role: str, member_id: str, value: Any, lease_id: int = 0) -> Member:
-        f = _Fields(value, f"members/{role}/{member_id}")
+        f = _Fields(value, f"{names.MEMBERS}/{role}/{member_id}")
         if f.value.get("id") not in (None, member_id):
             f.problems.append(f"{f.where}.id: {_short(f.value['id'])} differs from the key")
         info: dict[str, Any] = {}
@@ -141,7 +142,7 @@ class Leader:
 
     @classmethod
     def parse(cls, role: str, value: Any, lease_id: int = 0) -> Leader:
-        f = _Fields(value, f"leader/{role}")
+        f = _Fields(value, f"{names.LEADER}/{role}")
         return cls(role, f.str("id", required=True), f.float("since"), lease_id, f.problem)
 
     @classmethod
@@ -172,10 +173,10 @@ class Node:
 
     @classmethod
     def parse(cls, host: str, value: Any) -> Node:
-        f = _Fields(value, f"nodes/{host}")
+        f = _Fields(value, f"{names.NODES}/{host}")
         gpus = []
         for i, g in enumerate(f.list("gpus")):
-            gf = _Fields(g, f"nodes/{host}.gpus[{i}]")
+            gf = _Fields(g, f"{names.NODES}/{host}.gpus[{i}]")
             gpus.append(Gpu(gf.int("index", i), gf.str("name", "?"), gf.int("memory_bytes")))
             f.problems += gf.problems
         return cls(host, f.int("cpus_logical"), f.int("cpus_physical"), f.int("memory_bytes"),
@@ -209,7 +210,7 @@ class Placement:
         placed = cls(host, role, member_id)
         if kv.value != placed.to_value():
             return cls(host, role, member_id,
-                       f"placement/{host}/{role}/{member_id}: value {_short(kv.value)} does not repeat the key")
+                       f"{names.PLACEMENT}/{host}/{role}/{member_id}: value {_short(kv.value)} does not repeat the key")
         return placed
 
     def to_value(self) -> dict[str, str]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping, Self
 
+from rlfleet.common import keys as names
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.store import KeyValue, Store
 
@@ -156,7 +157,7 @@ class WeightsLatest(_KeyRecord):
 
     @classmethod
     def parse(cls, value: Any) -> WeightsLatest:
-        f = _Fields(value, "weights/latest")
+        f = _Fields(value, names.WEIGHTS_LATEST)
         return cls(f.int("version", -1, required=True), f.int("bytes"), f.str("checksum"), f.str("master"),
                    f.problem)
 
@@ -178,13 +179,13 @@ class RelayChain(_KeyRecord):
 
     @classmethod
     def parse(cls, value: Any) -> RelayChain:
-        f = _Fields(value, "relay/chain")
+        f = _Fields(value, names.RELAY_CHAIN)
         order = f.list("order")
         layouts = f.list("layouts")
         if not all(isinstance(x, str) for x in order):
-            f.problems.append(f"relay/chain.order: expected relay ids, got {_short(thaw(order))}")
+            f.problems.append(f"{names.RELAY_CHAIN}.order: expected relay ids, got {_short(thaw(order))}")
         if not all(type(x) is int for x in layouts):
-            f.problems.append(f"relay/chain.layouts: expected integers, got {_short(thaw(layouts))}")
+            f.problems.append(f"{names.RELAY_CHAIN}.layouts: expected integers, got {_short(thaw(layouts))}")
         return cls(f.opt_str("master"), tuple(x for x in order if isinstance(x, str)),
                    tuple(x for x in layouts if type(x) is int), f.opt_float("updated"), f.problem)
 
@@ -209,7 +210,7 @@ class RelayMaster(_KeyRecord):
 
     @classmethod
     def parse(cls, value: Any, lease_id: int = 0, mod_revision: int = 0) -> RelayMaster:
-        f = _Fields(value, "relay/master")
+        f = _Fields(value, names.RELAY_MASTER)
         return cls(f.str("id", required=True), f.float("since"), f.opt_int("newest"), lease_id, mod_revision,
                    f.problem)
 
@@ -231,7 +232,7 @@ class RelayLayoutRequest:
     problem: str = ""
 
     @classmethod
-    def parse(cls, value: Any, key: str = "relay/layouts") -> RelayLayoutRequest:
+    def parse(cls, value: Any, key: str = names.RELAY_LAYOUTS) -> RelayLayoutRequest:
         f = _Fields(value, key)
         return cls(f.int("layout", required=True), f.str("requested_by"), f.float("at"), f.problem)
 
@@ -264,7 +265,7 @@ class TrainerProgress(_KeyRecord):
 
     @classmethod
     def parse(cls, value: Any) -> TrainerProgress:
-        f = _Fields(value, "trainer/progress")
+        f = _Fields(value, names.TRAINER_PROGRESS)
         consumed = f.int("consumed_groups", required=True)
         return cls(f.int("version"), max(0, consumed), f.int("trained_groups"), f.int("dropped_groups"),
                    f.float("time"), f.problem)
@@ -285,7 +286,7 @@ class Checkpoint(_KeyRecord):
 
     @classmethod
     def parse(cls, value: Any) -> Checkpoint:
-        f = _Fields(value, "trainer/checkpoint")
+        f = _Fields(value, names.TRAINER_CHECKPOINT)
         return cls(f.int("version", -1, required=True), f.str("path", required=True), f.int("step"),
                    f.float("time"), f.problem)
 
@@ -312,7 +313,7 @@ class PromptCursor(_KeyRecord):
         return replace(cls.parse(kv.value), mod_revision=kv.mod_revision)
 
     @classmethod
-    def parse(cls, value: Any, key: str = "prompts/cursor") -> PromptCursor:
+    def parse(cls, value: Any, key: str = names.PROMPTS_CURSOR) -> PromptCursor:
         if not isinstance(value, Mapping):
             return cls(problem=f"{key}: expected an object {{next, claims}}, got {_short(value)}")
         nxt = value.get("next")

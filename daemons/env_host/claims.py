@@ -37,9 +37,9 @@ class ClaimContention(Exception):
     """Lost the compare-and-swap race max_attempts times in a row."""
 
 
-def parse_cursor(value: Any, key: str = "prompts/cursor") -> tuple[int, dict[str, list[list[int]]]]:
+def parse_cursor(value: Any) -> tuple[int, dict[str, list[list[int]]]]:
     """(next, claims) from a cursor value; ClaimError with the reason if malformed."""
-    return _usable(PromptCursor.parse(value, key))
+    return _usable(PromptCursor.parse(value))
 
 
 def _usable(cursor: PromptCursor) -> tuple[int, dict[str, list[list[int]]]]:
