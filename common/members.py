@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from rlfleet.common import keys as names
 from rlfleet.common.keys import JobKeys
-from rlfleet.common.records import _EMPTY, _Fields, _no_fields, _short, freeze, thaw
+from rlfleet.common.records import _Fields, _no_fields, _short, freeze, thaw
 from rlfleet.common.store import KeyValue
 
 # Fields every daemon writes into its registration (common/daemon.py, common/session.py).
