@@ -30,6 +30,11 @@ from rlfleet.relay.transport import get_transport, transport_for
 
 log = logging.getLogger("rlfleet.relay")
 
+# While the link to the master works, etcd is asked who the master is at most this often
+# (two reads per lookup, which at a version per training step were most of the trainer's
+# etcd traffic). A failed push drops the link and looks the master up again at once.
+MASTER_RECHECK_S = 1.0
+
 
 class PublishError(Exception):
     """Base of the publisher's named errors."""
@@ -80,6 +85,16 @@ class WeightPublisher:
         self.window, self.name = window_chunks, name
         self._link: Link | None = None
         self._link_to: tuple[str, str] | None = None  # (master id, address)
+        self._link_checked = 0.0  # monotonic time the link's master was last confirmed in etcd
+
+    def _current_master(self) -> tuple[str, str] | None:
+        now = time.monotonic()
+        if self._link is not None and now - self._link_checked < MASTER_RECHECK_S:
+            return self._link_to
+        target = self._find_master()
+        if target is not None and target == self._link_to:
+            self._link_checked = now
+        return target
 
     def _find_master(self) -> tuple[str, str] | None:
         master = RelayMaster.read(self.store, self.keys)
@@ -100,7 +115,7 @@ class WeightPublisher:
         self._drop_link()
         conn = transport_for(target[1]).connect(target[1], timeout=5.0)
         self._link = Link(conn, self.name, role="publisher", window=self.window)
-        self._link_to = target
+        self._link_to, self._link_checked = target, time.monotonic()
         return self._link
 
     def _drop_link(self) -> None:
@@ -117,7 +132,7 @@ class WeightPublisher:
         attempts, sent, last_error = 0, 0, "no master relay registered"
         while time.monotonic() < deadline:
             try:
-                target = self._find_master()
+                target = self._current_master()
             except StoreUnavailable as exc:
                 target, last_error = None, f"etcd unreachable: {exc}"
             if target is None:
