@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from rlfleet.common import metrics
+from rlfleet.common.cluster import read_spec
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.session import Session
 from rlfleet.common.signals import route_signals
-from rlfleet.common.spec import SINGLETON_ROLES, JobSpec, SpecError, load_spec, parse_spec
+from rlfleet.common.spec import SINGLETON_ROLES, JobSpec, SpecError, load_spec
 from rlfleet.common.store import Store, StoreUnavailable
 
 log = logging.getLogger("rlfleet.daemon")
@@ -37,7 +38,7 @@ class DaemonOptions:
     job: str
     member_id: str
     host: str = socket.gethostname()
-    spec_file: str | None = None  # else the spec is read from /rlfleet/<job>/spec
+    spec_file: str | None = None  # else the spec is read from etcd (`spec`)
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
 
@@ -163,10 +164,10 @@ class Daemon:
     def _fetch_spec(self) -> JobSpec:
         if self.options.spec_file:
             return load_spec(self.options.spec_file)
-        kv = self.store.get(self.keys.spec)
-        if kv is None:
+        spec = read_spec(self.store, self.keys)
+        if spec is None:
             raise LookupError(f"no spec at {self.keys.spec} yet (submit one with `rlfleet job submit`)")
-        return parse_spec(kv.value, source=f"etcd:{self.keys.spec}")
+        return spec
 
     def _load_spec_until_available(self) -> JobSpec | None:
         backoff = 0.1

@@ -15,6 +15,10 @@ interface: change them only with a migration note in docs/etcd-keys.md.
     /rlfleet/<job>/relay/layouts/tp<k>             shard layouts readers asked for
     /rlfleet/<job>/prompts/cursor                  claimed prompt ranges
     /rlfleet/<job>/trainer/checkpoint              last checkpoint: version, path
+    /rlfleet/<job>/trainer/progress                groups trained or dropped (paces claims)
+
+The values are parsed in one place too: `common/records.py` (one typed,
+immutable record per key) and `common/cluster.py` (the whole job at once).
 """
 
 from __future__ import annotations
@@ -22,6 +26,22 @@ from __future__ import annotations
 import re
 
 ROOT = "/rlfleet"
+ROOT_PREFIX = f"{ROOT}/"  # every job's keys, for tools that list the jobs in an etcd
+
+# Key names relative to a job's prefix (also the labels parse problems name keys by).
+SPEC = "spec"
+NODES = "nodes"
+MEMBERS = "members"
+LEADER = "leader"
+PLACEMENT = "placement"
+WEIGHTS_LATEST = "weights/latest"
+RELAY = "relay"
+RELAY_CHAIN = "relay/chain"
+RELAY_MASTER = "relay/master"
+RELAY_LAYOUTS = "relay/layouts"
+PROMPTS_CURSOR = "prompts/cursor"
+TRAINER_CHECKPOINT = "trainer/checkpoint"
+TRAINER_PROGRESS = "trainer/progress"
 
 _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -43,19 +63,19 @@ class JobKeys:
     # -- whole-job -------------------------------------------------------
     @property
     def spec(self) -> str:
-        return f"{self.prefix}spec"
+        return f"{self.prefix}{SPEC}"
 
     # -- liveness (lease-bound) -----------------------------------------
     @property
     def nodes_prefix(self) -> str:
-        return f"{self.prefix}nodes/"
+        return f"{self.prefix}{NODES}/"
 
     def node(self, host: str) -> str:
         return f"{self.nodes_prefix}{_check(host, 'host')}"
 
     @property
     def members_prefix(self) -> str:
-        return f"{self.prefix}members/"
+        return f"{self.prefix}{MEMBERS}/"
 
     def role_members_prefix(self, role: str) -> str:
         return f"{self.members_prefix}{_check(role, 'role')}/"
@@ -65,7 +85,7 @@ class JobKeys:
 
     @property
     def leaders_prefix(self) -> str:
-        return f"{self.prefix}leader/"
+        return f"{self.prefix}{LEADER}/"
 
     def leader(self, role: str) -> str:
         return f"{self.leaders_prefix}{_check(role, 'role')}"
@@ -73,7 +93,7 @@ class JobKeys:
     # -- desired state ---------------------------------------------------
     @property
     def placement_prefix(self) -> str:
-        return f"{self.prefix}placement/"
+        return f"{self.prefix}{PLACEMENT}/"
 
     def host_placement_prefix(self, host: str) -> str:
         return f"{self.placement_prefix}{_check(host, 'host')}/"
@@ -84,31 +104,41 @@ class JobKeys:
     # -- weights, prompts, checkpoints -----------------------------------
     @property
     def weights_latest(self) -> str:
-        return f"{self.prefix}weights/latest"
+        return f"{self.prefix}{WEIGHTS_LATEST}"
+
+    @property
+    def relay_prefix(self) -> str:
+        """Everything the relays coordinate through (chain, master, layouts)."""
+        return f"{self.prefix}{RELAY}/"
 
     @property
     def relay_chain(self) -> str:
-        return f"{self.prefix}relay/chain"
+        return f"{self.prefix}{RELAY_CHAIN}"
 
     @property
     def relay_master(self) -> str:
-        return f"{self.prefix}relay/master"
+        return f"{self.prefix}{RELAY_MASTER}"
 
     @property
     def relay_layouts_prefix(self) -> str:
-        return f"{self.prefix}relay/layouts/"
+        return f"{self.prefix}{RELAY_LAYOUTS}/"
+
+    def relay_layout(self, tp: int) -> str:
+        if type(tp) is not int or tp < 1:
+            raise ValueError(f"invalid layout for an etcd key: {tp!r} (a tensor-parallel degree >= 1)")
+        return f"{self.relay_layouts_prefix}tp{tp}"
 
     @property
     def prompts_cursor(self) -> str:
-        return f"{self.prefix}prompts/cursor"
+        return f"{self.prefix}{PROMPTS_CURSOR}"
 
     @property
     def trainer_checkpoint(self) -> str:
-        return f"{self.prefix}trainer/checkpoint"
+        return f"{self.prefix}{TRAINER_CHECKPOINT}"
 
     @property
     def trainer_progress(self) -> str:
-        return f"{self.prefix}trainer/progress"
+        return f"{self.prefix}{TRAINER_PROGRESS}"
 
     # -- parsing ---------------------------------------------------------
     def parse_member(self, key: str) -> tuple[str, str]:
@@ -119,9 +149,31 @@ class JobKeys:
             raise ValueError(f"not a member key of job {self.job!r}: {key!r}")
         return role, member_id
 
+    def parse_leader(self, key: str) -> str:
+        """'/rlfleet/j/leader/<role>' -> role."""
+        return self._last_component(key, self.leaders_prefix, "leader")
+
+    def parse_node(self, key: str) -> str:
+        """'/rlfleet/j/nodes/<host>' -> host."""
+        return self._last_component(key, self.nodes_prefix, "node")
+
+    def _last_component(self, key: str, prefix: str, what: str) -> str:
+        rest = key.removeprefix(prefix)
+        if rest == key or not rest or "/" in rest:
+            raise ValueError(f"not a {what} key of job {self.job!r}: {key!r}")
+        return rest
+
     def parse_placement(self, key: str) -> tuple[str, str, str]:
         """'/rlfleet/j/placement/<host>/<role>/<id>' -> (host, role, id)."""
         parts = key.removeprefix(self.placement_prefix).split("/")
         if not key.startswith(self.placement_prefix) or len(parts) != 3 or not all(parts):
             raise ValueError(f"not a placement key of job {self.job!r}: {key!r}")
         return parts[0], parts[1], parts[2]
+
+
+def job_of(key: str) -> str | None:
+    """The job a key belongs to ('/rlfleet/<job>/...' -> job), None for keys outside ROOT."""
+    job, sep, _ = key.removeprefix(ROOT_PREFIX).partition("/")
+    if not key.startswith(ROOT_PREFIX) or not sep or not _COMPONENT.match(job):
+        return None
+    return job

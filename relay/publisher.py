@@ -20,14 +20,20 @@ from typing import Any
 import numpy
 
 from rlfleet.common.keys import JobKeys
+from rlfleet.common.members import Member
+from rlfleet.common.records import RelayMaster, WeightsLatest
 from rlfleet.common.store import Store, StoreUnavailable
 from rlfleet.relay.link import Link, Rejected
 from rlfleet.relay.manifest import FlatSource, Manifest, build_manifest
 from rlfleet.relay.protocol import ProtocolError
-from rlfleet.relay.topology import relay_master_key
 from rlfleet.relay.transport import get_transport, transport_for
 
 log = logging.getLogger("rlfleet.relay")
+
+# While the link to the master works, etcd is asked who the master is at most this often
+# (two reads per lookup, which at a version per training step were most of the trainer's
+# etcd traffic). A failed push drops the link and looks the master up again at once.
+MASTER_RECHECK_S = 1.0
 
 
 class PublishError(Exception):
@@ -79,16 +85,24 @@ class WeightPublisher:
         self.window, self.name = window_chunks, name
         self._link: Link | None = None
         self._link_to: tuple[str, str] | None = None  # (master id, address)
+        self._link_checked = 0.0  # monotonic time the link's master was last confirmed in etcd
+
+    def _current_master(self) -> tuple[str, str] | None:
+        now = time.monotonic()
+        if self._link is not None and now - self._link_checked < MASTER_RECHECK_S:
+            return self._link_to
+        target = self._find_master()
+        if target is not None and target == self._link_to:
+            self._link_checked = now
+        return target
 
     def _find_master(self) -> tuple[str, str] | None:
-        kv = self.store.get(relay_master_key(self.keys))
-        if kv is None or not isinstance(kv.value, dict) or not kv.value.get("id"):
+        master = RelayMaster.read(self.store, self.keys)
+        if master is None or not master.id:
             return None
-        mid = str(kv.value["id"])
-        member = self.store.get(self.keys.member("relay", mid))
-        if member is None or not isinstance(member.value, dict):
-            return None
-        addr = (member.value.get("addresses") or {}).get("chunks")
+        mid = master.id
+        kv = self.store.get(self.keys.member("relay", mid))
+        addr = Member.from_kv(self.keys, kv).address("chunks") if kv is not None else None
         if not addr:
             return None
         if not addr.startswith(self.transport + "://"):
@@ -101,7 +115,7 @@ class WeightPublisher:
         self._drop_link()
         conn = transport_for(target[1]).connect(target[1], timeout=5.0)
         self._link = Link(conn, self.name, role="publisher", window=self.window)
-        self._link_to = target
+        self._link_to, self._link_checked = target, time.monotonic()
         return self._link
 
     def _drop_link(self) -> None:
@@ -118,7 +132,7 @@ class WeightPublisher:
         attempts, sent, last_error = 0, 0, "no master relay registered"
         while time.monotonic() < deadline:
             try:
-                target = self._find_master()
+                target = self._current_master()
             except StoreUnavailable as exc:
                 target, last_error = None, f"etcd unreachable: {exc}"
             if target is None:
@@ -163,12 +177,12 @@ class WeightPublisher:
     def _record_latest(self, manifest: Manifest, master: str) -> None:
         """weights/latest = {version, bytes, checksum, master}; never moves backwards."""
         key = self.keys.weights_latest
-        value = {"version": manifest.version, "bytes": manifest.total_bytes,
-                 "checksum": manifest.checksum, "master": master}
+        value = WeightsLatest(manifest.version, manifest.total_bytes, manifest.checksum, master).to_value()
         for _ in range(5):
             try:
                 kv = self.store.get(key)
-                if kv is not None and isinstance(kv.value, dict) and kv.value.get("version", -1) > manifest.version:
+                # A malformed value (version -1) is overwritten: it describes no version.
+                if kv is not None and WeightsLatest.from_kv(kv).version > manifest.version:
                     return
                 if self.store.compare_and_swap(key, kv.mod_revision if kv else 0, value):
                     return

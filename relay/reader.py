@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 
 from rlfleet.common.keys import JobKeys
+from rlfleet.common.members import RelayMember, members_from
+from rlfleet.common.records import RelayLayoutRequest
 from rlfleet.common.store import Store
 from rlfleet.relay.manifest import Manifest, digest, tensor_views
 from rlfleet.relay.shm import object_stem, parse_stem
-from rlfleet.relay.topology import relay_layouts_prefix
 
 
 class WeightsUnavailable(LookupError):
@@ -58,8 +59,8 @@ class WeightReader:
         self._resolved_at = 0.0
         if layout > 1:
             # Ask the master to compute this layout for every version from now on.
-            store.put(f"{relay_layouts_prefix(self.keys)}tp{layout}",
-                      {"layout": layout, "requested_by": host, "at": round(time.time(), 3)})
+            store.put(self.keys.relay_layout(layout),
+                      RelayLayoutRequest(layout, host, round(time.time(), 3)).to_value())
 
     # ------------------------------------------------------------ locating
     def _relay_dir(self) -> Path | None:
@@ -69,11 +70,9 @@ class WeightReader:
             return None
         self._resolved_at = time.monotonic()
         found = None
-        for kv in self.store.get_prefix(self.keys.role_members_prefix("relay")):
-            v = kv.value if isinstance(kv.value, dict) else {}
-            mid = kv.key.rsplit("/", 1)[-1]
-            if (self.relay_id is None and v.get("host") == self.host) or mid == self.relay_id:
-                found = v.get("shm_dir")
+        for m in members_from(self.keys, self.store.get_prefix(self.keys.role_members_prefix("relay"))):
+            if (self.relay_id is None and m.host == self.host) or m.id == self.relay_id:
+                found = RelayMember.of(m).shm_dir
                 break
         self._dir = Path(found) if found else None
         return self._dir if self._dir is not None and self._dir.is_dir() else None

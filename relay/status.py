@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from rlfleet.common.keys import JobKeys
+from rlfleet.common.records import RelayChain, WeightsLatest
 from rlfleet.common.store import Store
 from rlfleet.relay.protocol import Status, StatusQuery
 from rlfleet.relay.topology import read_chain
@@ -60,19 +61,18 @@ def lagging(relays: list[dict[str, Any]], latest: int, now: float) -> tuple[list
 def chain_status(store: Store, job: str, live: bool = True) -> dict[str, Any]:
     keys = JobKeys(job)
     chain = read_chain(store, keys)
-    written = store.get(keys.relay_chain)
-    latest = store.get(keys.weights_latest)
-    latest_v = latest.value if latest is not None and isinstance(latest.value, dict) else None
+    written = RelayChain.read(store, keys)
+    latest = WeightsLatest.read(store, keys)
     relays, versions = [], {}
     for rid in list(chain.order) + sorted(set(chain.members) - set(chain.order)):
         m = chain.members[rid]
         stats = query_relay(m.address) if live and m.address else None
         row = {"id": rid, "host": m.host, "address": m.address, "state": m.state,
-               "master": rid == chain.master, "successor": m.raw.get("successor"),
-               "newest": m.newest, "newest_at": m.raw.get("newest_at"),
-               "versions": m.raw.get("versions", []), "live": stats}
+               "master": rid == chain.master, "successor": m.successor,
+               "newest": m.newest, "newest_at": m.newest_at,
+               "versions": [list(pair) for pair in m.versions], "live": stats}
         relays.append(row)
-        for v, lay in m.raw.get("versions", []):
+        for v, lay in m.versions:
             versions.setdefault(f"{v}/tp{lay}", {"complete": [], "partial": {}})["complete"].append(rid)
         for key, (have, total) in ((stats or {}).get("progress") or {}).items():
             entry = versions.setdefault(key, {"complete": [], "partial": {}})
@@ -82,13 +82,15 @@ def chain_status(store: Store, job: str, live: bool = True) -> dict[str, Any]:
     if chain.order and chain.master is None:
         problems.append("relay: no master elected")
     in_transit: list[str] = []
-    if latest_v is not None:
-        stuck, in_transit = lagging(relays, latest_v.get("version", -1), time.time())
+    problems += [p for p in (written.problem if written else "", latest.problem if latest else "") if p]
+    if latest is not None and not latest.problem:
+        stuck, in_transit = lagging(relays, latest.version, time.time())
         if stuck:
-            problems.append(f"relay: {', '.join(stuck)} not at version {latest_v.get('version')} "
+            problems.append(f"relay: {', '.join(stuck)} not at version {latest.version} "
                             f"and no new version for {STUCK_AFTER_S:.0f}s or more")
     return {"job": job, "master": chain.master, "order": list(chain.order), "in_transit": in_transit,
-            "written_chain": written.value if written is not None else None, "latest": latest_v,
+            "written_chain": written.to_value() if written is not None else None,
+            "latest": latest.to_value() if latest is not None else None,
             "layouts": sorted(chain.layouts), "relays": relays,
             "versions": dict(sorted(versions.items(), key=lambda kv: (-int(kv[0].split("/")[0]), kv[0]))),
             "problems": problems}

@@ -15,40 +15,19 @@ older version than a survivor has.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rlfleet.common.keys import JobKeys
-from rlfleet.common.store import Store
+from rlfleet.common.members import RelayMember, members_from
+from rlfleet.common.records import RelayLayoutRequest, RelayMaster
+from rlfleet.common.store import KeyValue, Store
 
-
-def relay_master_key(keys: JobKeys) -> str:
-    # Falls back to spelling the key here until common/keys.py grows `relay_master`.
-    return getattr(keys, "relay_master", None) or f"{keys.prefix}relay/master"
-
-
-def relay_layouts_prefix(keys: JobKeys) -> str:
-    return getattr(keys, "relay_layouts_prefix", None) or f"{keys.prefix}relay/layouts/"
-
-
-def relay_prefix(keys: JobKeys) -> str:
-    return f"{keys.prefix}relay/"
+__all__ = ["ChainView", "RelayMember", "derive", "natural_key", "parse_members", "read_chain"]
 
 
 def natural_key(s: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
-
-
-@dataclass(frozen=True)
-class RelayMember:
-    id: str
-    host: str
-    address: str
-    shm_dir: str
-    newest: int            # newest complete unsharded version, -1 if none
-    state: str
-    started: float
-    raw: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -80,17 +59,9 @@ class ChainView:
         return {"master": self.master, "order": list(self.order)}
 
 
-def parse_members(keys: JobKeys, kvs: list[Any]) -> dict[str, RelayMember]:
-    out = {}
-    for kv in kvs:
-        v = kv.value if isinstance(kv.value, dict) else {}
-        mid = kv.key.rsplit("/", 1)[-1]
-        addr = (v.get("addresses") or {}).get("chunks", "")
-        newest = v.get("newest")
-        out[mid] = RelayMember(mid, str(v.get("host", "")), str(addr), str(v.get("shm_dir", "")),
-                               newest if isinstance(newest, int) else -1, str(v.get("state", "")),
-                               float(v.get("started", 0) or 0), v)
-    return out
+def parse_members(keys: JobKeys, kvs: list[KeyValue]) -> dict[str, RelayMember]:
+    """{relay id: its typed registration} from `get_prefix(members/relay/)`."""
+    return {m.id: RelayMember.of(m) for m in members_from(keys, kvs) if m.role == "relay"}
 
 
 def derive(master: str | None, members: dict[str, RelayMember], layouts: frozenset[int] = frozenset()) -> ChainView:
@@ -102,11 +73,6 @@ def derive(master: str | None, members: dict[str, RelayMember], layouts: frozens
 def read_chain(store: Store, keys: JobKeys) -> ChainView:
     """One consistent-enough look at etcd (three reads; the watch corrects any race)."""
     members = parse_members(keys, store.get_prefix(keys.role_members_prefix("relay")))
-    kv = store.get(relay_master_key(keys))
-    master = (kv.value or {}).get("id") if kv is not None and isinstance(kv.value, dict) else None
-    layouts = set()
-    for lkv in store.get_prefix(relay_layouts_prefix(keys)):
-        lay = (lkv.value or {}).get("layout") if isinstance(lkv.value, dict) else None
-        if isinstance(lay, int) and lay > 1:
-            layouts.add(lay)
-    return derive(master, members, frozenset(layouts))
+    master = RelayMaster.read(store, keys)
+    layouts = {req.layout for req in RelayLayoutRequest.read_all(store, keys) if req.layout > 1}
+    return derive((master.id or None) if master else None, members, frozenset(layouts))

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.common.keys import JobKeys
+from rlfleet.common.records import PromptCursor
 from rlfleet.common.store import Store
 
 
@@ -48,12 +49,13 @@ class Accounting:
 
 
 def check(store: Store, job: str, run_dir: Path, group_size: int) -> Accounting:
-    from rlfleet.daemons.env_host.claims import parse_cursor
     from rlfleet.daemons.env_host.journal import Journal as EnvJournal
     from rlfleet.daemons.trainer.journal import Journal as TrainerJournal
 
-    kv = store.get(JobKeys(job).prompts_cursor)
-    claimed = parse_cursor(kv.value)[0] if kv is not None else 0
+    cursor = PromptCursor.read(store, JobKeys(job))
+    if cursor is not None and cursor.problem:
+        raise ValueError(f"cannot tell how many prompts were claimed: {cursor.problem}")
+    claimed = cursor.next if cursor is not None else 0
 
     trained: set[str] = set()
     dropped: dict[str, str] = {}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+from rlfleet.common.keys import ROOT_PREFIX, job_of
 from rlfleet.common.spec import ROLES, SpecError, load_spec
 from rlfleet.tools.exit_codes import RUN_CODES, Exit
 
@@ -52,7 +53,7 @@ def main() -> None:
 # -- daemons ------------------------------------------------------------------------
 @main.command()
 @click.argument("role", type=click.Choice(ROLES))
-@click.option("--job", required=True, help="Job name (the /rlfleet/<job>/ prefix in etcd).")
+@click.option("--job", required=True, help=f"Job name (the {ROOT_PREFIX}<job>/ prefix in etcd).")
 @etcd_option
 @click.option("--id", "member_id", default=None, help="Member id; default <host>-<role>-<pid>.")
 @click.option("--host", default=socket.gethostname(), show_default=True, help="Host name this daemon reports.")
@@ -141,7 +142,7 @@ def run(spec_file: str, etcd: str | None, duration: float | None, no_view: bool,
 def _pick_job(store, job: str | None) -> str:
     if job:
         return job
-    jobs = sorted({kv.key.split("/")[2] for kv in store.get_prefix("/rlfleet/") if kv.key.count("/") >= 3})
+    jobs = sorted({job for job in (job_of(kv.key) for kv in store.get_prefix(ROOT_PREFIX)) if job})
     if len(jobs) != 1:
         raise click.UsageError(f"--job is required: etcd holds {len(jobs)} jobs ({', '.join(jobs) or 'none'})")
     return jobs[0]
@@ -192,7 +193,7 @@ def status(job: str | None, etcd: str, output: str) -> None:
 
 
 @main.command()
-@click.argument("prefix", default="/rlfleet/")
+@click.argument("prefix", default=ROOT_PREFIX)
 @etcd_option
 @click.option("--keys-only", is_flag=True)
 def keys(prefix: str, etcd: str, keys_only: bool) -> None:
@@ -216,6 +217,7 @@ def keys(prefix: str, etcd: str, keys_only: bool) -> None:
 @click.option("--group-size", type=int, default=None, help="Default: the spec's task.group_size from etcd.")
 def accounting(run_dir: str, job: str, etcd: str, group_size: int | None) -> None:
     """Check that every claimed prompt is trained, dropped with a reason, or in flight."""
+    from rlfleet.common.cluster import read_spec
     from rlfleet.common.keys import JobKeys
     from rlfleet.common.store import StoreUnavailable
     from rlfleet.tools.accounting import check
@@ -223,10 +225,14 @@ def accounting(run_dir: str, job: str, etcd: str, group_size: int | None) -> Non
     store = _store(etcd)
     try:
         if group_size is None:
-            kv = store.get(JobKeys(job).spec)
-            if kv is None:
+            try:
+                stored = read_spec(store, JobKeys(job))
+            except SpecError as exc:
+                raise click.UsageError(f"the spec of job {job!r} in etcd does not validate ({exc}); "
+                                       "pass --group-size") from None
+            if stored is None:
                 raise click.UsageError(f"no spec for job {job!r} in etcd; pass --group-size")
-            group_size = int(kv.value["task"]["group_size"])
+            group_size = stored.task.group_size
         result = check(store, job, Path(run_dir), group_size)
     except StoreUnavailable as exc:
         _fail_unreachable(exc, etcd)

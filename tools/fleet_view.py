@@ -8,14 +8,13 @@ equivalent (see `etcdctl_equivalent`).
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from rlfleet.common.keys import JobKeys
+from rlfleet.common.cluster import Cluster
 from rlfleet.common.spec import ROLES, SINGLETON_ROLES
 from rlfleet.common.store import Store
 
@@ -42,6 +41,7 @@ class FleetSnapshot:
     nodes: dict[str, dict[str, Any]]        # host -> inventory
     placed: list[tuple[str, str, str]]      # (host, role, id)
     problems: list[str] = field(default_factory=list)
+    cluster: Cluster | None = field(default=None, compare=False)  # everything else etcd said (progress, weights...)
 
     def by_role(self) -> dict[str, list[Member]]:
         out: dict[str, list[Member]] = {r: [] for r in ROLES}
@@ -62,21 +62,16 @@ class FleetSnapshot:
 
 
 def take_snapshot(store: Store, job: str) -> FleetSnapshot:
-    keys = JobKeys(job)
-    members = []
-    for kv in store.get_prefix(keys.members_prefix):
-        role, member_id = keys.parse_member(kv.key)
-        v = kv.value if isinstance(kv.value, dict) else {}
-        members.append(Member(role, member_id, str(v.get("host", "?")), int(v.get("pid", 0) or 0),
-                              str(v.get("state", "?")), bool(v.get("leader", False)),
-                              dict(v.get("addresses") or {}), str(v.get("metrics", "")),
-                              float(v.get("started", 0) or 0)))
-    leaders = {kv.key.rsplit("/", 1)[-1]: (kv.value or {}).get("id", "?")
-               for kv in store.get_prefix(keys.leaders_prefix)}
-    nodes = {kv.key.rsplit("/", 1)[-1]: kv.value for kv in store.get_prefix(keys.nodes_prefix)}
-    placed = sorted(keys.parse_placement(kv.key) for kv in store.get_prefix(keys.placement_prefix))
-    return FleetSnapshot(job, time.time(), members, leaders, nodes, placed,
-                         _problems(members, leaders, placed))
+    """One read of the job's keys (common/cluster.py), in the shape the views render;
+    values etcd holds in a malformed shape are listed among the problems."""
+    cluster = Cluster.read(store, job)
+    members = [Member(m.role, m.id, m.host or "?", m.pid, m.state or "?", m.leader, dict(m.addresses),
+                      m.metrics, m.started) for m in cluster.members()]
+    leaders = {role: lead.id or "?" for role, lead in cluster.leaders.items()}
+    nodes = {host: node.to_value() for host, node in cluster.nodes.items()}
+    placed = [(p.host, p.role, p.id) for p in cluster.placement]
+    return FleetSnapshot(job, cluster.taken_at, members, leaders, nodes, placed,
+                         _problems(members, leaders, placed) + list(cluster.problems), cluster)
 
 
 def _problems(members: list[Member], leaders: dict[str, str], placed: list[tuple[str, str, str]]) -> list[str]:

@@ -33,6 +33,7 @@ from rich.text import Text
 
 from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
+from rlfleet.common.members import members_from
 from rlfleet.common.placement import Placed, placement_from_spec
 from rlfleet.common.signals import route_signals
 from rlfleet.common.spec import JobSpec
@@ -288,11 +289,12 @@ class Supervisor:
         return Text(progress_line(m, self.spec.trainer.max_steps), style="bold")
 
     def trainer_done(self, store: EtcdStore) -> bool:
+        keys = JobKeys(self.spec.job.name)
         try:
-            kvs = store.get_prefix(JobKeys(self.spec.job.name).role_members_prefix("trainer"))
+            trainers = members_from(keys, store.get_prefix(keys.role_members_prefix("trainer")))
         except StoreUnavailable:
             return False
-        return any(isinstance(kv.value, dict) and kv.value.get("training") == "done" for kv in kvs)
+        return any(m.info.get("training") == "done" for m in trainers)
 
     def check_accounting(self, store: EtcdStore) -> Outcome | None:
         """With every daemon stopped (journals unlocked) and etcd still up; an Outcome

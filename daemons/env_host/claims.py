@@ -1,6 +1,6 @@
 """Prompt claims: env-hosts take disjoint ranges of prompt ids through one etcd key.
 
-`/rlfleet/<job>/prompts/cursor` holds (JSON, readable with etcdctl)::
+`prompts/cursor` (common/records.PromptCursor) holds (JSON, readable with etcdctl)::
 
     {"next": 96, "claims": {"env-host-0": [[64, 72], [80, 88]], "env-host-1": [[88, 96]]}}
 
@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 from rlfleet.common.keys import JobKeys
+from rlfleet.common.records import PromptCursor
 from rlfleet.common.store import Store
 
 log = logging.getLogger("rlfleet.env_host")
@@ -36,25 +37,18 @@ class ClaimContention(Exception):
     """Lost the compare-and-swap race max_attempts times in a row."""
 
 
-def parse_cursor(value: Any, key: str = "prompts/cursor") -> tuple[int, dict[str, list[list[int]]]]:
+def parse_cursor(value: Any) -> tuple[int, dict[str, list[list[int]]]]:
     """(next, claims) from a cursor value; ClaimError with the reason if malformed."""
-    if not isinstance(value, dict):
-        raise ClaimError(f"{key}: expected an object {{next, claims}}, got {value!r:.80}")
-    nxt = value.get("next")
-    if type(nxt) is not int or nxt < 0:
-        raise ClaimError(f"{key}.next: expected an integer >= 0, got {nxt!r:.40}")
-    claims = value.get("claims", {})
-    if not isinstance(claims, dict):
-        raise ClaimError(f"{key}.claims: expected an object, got {claims!r:.80}")
-    out: dict[str, list[list[int]]] = {}
-    for owner, ranges in claims.items():
-        if not isinstance(ranges, list) or not all(
-                isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)
-                and 0 <= r[0] <= r[1] <= nxt for r in ranges):
-            raise ClaimError(f"{key}.claims.{owner}: expected [[start, end], ...] within "
-                             f"[0, {nxt}], got {ranges!r:.80}")
-        out[owner] = [list(r) for r in ranges]
-    return nxt, out
+    return _usable(PromptCursor.parse(value))
+
+
+def _usable(cursor: PromptCursor) -> tuple[int, dict[str, list[list[int]]]]:
+    """(next, claims) in the mutable form `_record` edits; ClaimError for a malformed
+    cursor, which a claim must never write over (it would repeat or lose prompts)."""
+    if cursor.problem:
+        raise ClaimError(cursor.problem)
+    value = cursor.to_value()
+    return value["next"], value["claims"]
 
 
 def _record(claims: dict[str, list[list[int]]], owner: str, start: int, end: int) -> None:
@@ -88,12 +82,9 @@ class PromptClaimer:
             raise ValueError(f"k: must be >= 1, got {k}")
         key = self.keys.prompts_cursor
         for attempt in range(self.max_attempts):
-            kv = self.store.get(key)
-            if kv is None:
-                nxt, claims, revision = 0, {}, 0
-            else:
-                nxt, claims = parse_cursor(kv.value, key)
-                revision = kv.mod_revision
+            cursor = PromptCursor.read(self.store, self.keys) or PromptCursor()  # none yet: from 0
+            nxt, claims = _usable(cursor)
+            revision = cursor.mod_revision
             n = k if self.budget is None else min(k, self.budget(nxt))
             if n <= 0:
                 return range(nxt, nxt)
@@ -107,8 +98,8 @@ class PromptClaimer:
 
     def recent(self) -> list[range]:
         """The ranges the cursor records for this env-host (most recent last)."""
-        kv = self.store.get(self.keys.prompts_cursor)
-        if kv is None:
+        cursor = PromptCursor.read(self.store, self.keys)
+        if cursor is None:
             return []
-        _, claims = parse_cursor(kv.value, self.keys.prompts_cursor)
+        _, claims = _usable(cursor)
         return [range(a, b) for a, b in claims.get(self.owner, [])]

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from rlfleet.common.daemon import Daemon
+from rlfleet.common.members import Member, members_from
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.common.wire import Trajectory
 
@@ -39,14 +40,14 @@ DRAIN_ACK_WAIT_S = 3.0  # on SIGTERM, how long to wait for acks of finished traj
 SETUP_RETRY_S = 10.0
 
 
-def peer_addresses(members: list[Any], address_name: str) -> dict[str, str]:
-    """{member id: address} of running members that publish `address_name`."""
+def peer_addresses(members: list[Member], address_name: str) -> dict[str, str]:
+    """{member id: address} of running members that publish `address_name` (a member
+    that states no state counts as running, as before states existed)."""
     out = {}
-    for kv in members:
-        value = kv.value if isinstance(kv.value, dict) else {}
-        address = (value.get("addresses") or {}).get(address_name)
-        if value.get("state", "running") == "running" and isinstance(address, str) and address:
-            out[str(value.get("id") or kv.key.rsplit("/", 1)[-1])] = address
+    for m in members:
+        address = m.address(address_name)
+        if m.state in ("running", "") and address:
+            out[m.id] = address
     return out
 
 
@@ -115,10 +116,8 @@ class EnvHost(Daemon):
             self.request_stop()  # the supervisor restarts us; the journal resumes the work
             return f"env loop died ({self.runner.error!r}); stopping"
         try:
-            rollouts = peer_addresses(self.store.get_prefix(self.keys.role_members_prefix("rollout")),
-                                      "requests")
-            reward_hosts = peer_addresses(
-                self.store.get_prefix(self.keys.role_members_prefix("reward-host")), "trajectories")
+            rollouts = peer_addresses(self._members("rollout"), "requests")
+            reward_hosts = peer_addresses(self._members("reward-host"), "trajectories")
         except StoreUnavailable:
             return None  # the session already said "etcd unreachable"; keep the current peers
         said = []
@@ -130,6 +129,9 @@ class EnvHost(Daemon):
             said.append(f"reward-hosts: {', '.join(sorted(reward_hosts)) or 'none'}")
         self._peers = (rollouts, reward_hosts)
         return "; ".join(said) or None
+
+    def _members(self, role: str) -> list[Member]:
+        return members_from(self.keys, self.store.get_prefix(self.keys.role_members_prefix(role)))
 
     def drain(self) -> str | None:
         if self.runner is None:

@@ -230,8 +230,9 @@ class EnvManager:
 
     async def _start(self) -> tuple[TaskEnv, str, bool]:
         """A reset environment, brought to the end of the journaled turns if there are any."""
-        env = await self._env_call("make_env", self.task.make_env)  # may be slow: off the loop
-        obs = await self._env_call("reset", env.reset, self.prompt)
+        # Both may be slow: off the loop, in one call (one thread hop per episode start
+        # instead of two; a hop costs the loop more than a small env's make_env + reset).
+        env, obs = await self._env_call("make_env/reset", self._new_env)
         if not isinstance(obs, str):
             raise Dropped("env_error", f"reset returned {type(obs).__name__}, not str")
         resume, self.resume = self.resume, []
@@ -248,6 +249,10 @@ class EnvManager:
             if done:
                 return env, obs, True
         return env, obs, False
+
+    def _new_env(self) -> tuple[TaskEnv, Any]:
+        env = self.task.make_env()
+        return env, env.reset(self.prompt)
 
     async def _append(self, turn: Turn, reward: float) -> None:
         if self.on_turn is not None:

@@ -1,7 +1,7 @@
 """Claim pacing: no more prompts claimed and not yet consumed than the staleness
 bound can use (ROLL Flash's bounded asynchrony, AReaL's staleness control).
 
-The trainer writes `/rlfleet/<job>/trainer/progress` =
+The trainer writes `trainer/progress` (common/records.TrainerProgress) =
 ``{version, consumed_groups, trained_groups, dropped_groups, time}`` whenever it
 trains or drops a group; ``consumed_groups`` counts groups trained or dropped, job-wide.
 A prompt is one group and the cursor's ``next`` counts prompts claimed job-wide, so
@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable
 
 from rlfleet.common.keys import JobKeys
+from rlfleet.common.records import TrainerProgress
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.store import Store, StoreUnavailable
 
@@ -46,10 +47,8 @@ def claim_limit(spec: JobSpec) -> int | None:
 
 def consumed_of(value: Any) -> int:
     """consumed_groups from a trainer/progress value; 0 for anything malformed (never
-    more claims than an honest value would allow)."""
-    if isinstance(value, dict) and isinstance(value.get("consumed_groups"), int):
-        return max(0, value["consumed_groups"])
-    return 0
+    more claims than an honest value would allow: TrainerProgress's default)."""
+    return TrainerProgress.parse(value).consumed_groups
 
 
 class ClaimPacer:
@@ -86,8 +85,8 @@ class ClaimPacer:
             outstanding = 0
         return min(self.limit, self.limit - outstanding)
 
-    def _set(self, value: Any) -> None:
-        consumed = consumed_of(value)
+    def _set(self, progress: TrainerProgress) -> None:
+        consumed = progress.consumed_groups
         if consumed > self.consumed:  # never backwards: a stale event must not shrink it
             self.consumed = consumed
             self._progress_at = time.monotonic()
@@ -101,11 +100,11 @@ class ClaimPacer:
                 if watch is None:
                     kv = self.store.get(key)
                     if kv is not None:
-                        self._set(kv.value)
+                        self._set(TrainerProgress.from_kv(kv))
                     watch = self.store.watch_prefix(key, start_revision=(kv.mod_revision + 1) if kv else None)
                 event = watch.get(timeout=0.5)
                 if event is not None and event.key == key and event.kind == "put":
-                    self._set(event.value)
+                    self._set(TrainerProgress.parse(event.value))
             except StoreUnavailable as exc:
                 log.warning("claim pacing: etcd unreachable (%s); claims wait for the trainer's "
                             "progress", exc)

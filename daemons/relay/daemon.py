@@ -21,9 +21,10 @@ import time
 from typing import Any
 
 from rlfleet.common.daemon import Daemon
+from rlfleet.common.records import RelayMaster
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.relay.node import NodeConfig, RelayNode
-from rlfleet.relay.topology import ChainView, read_chain, relay_master_key, relay_prefix
+from rlfleet.relay.topology import ChainView, read_chain
 
 log = logging.getLogger("rlfleet.relay")
 
@@ -39,6 +40,7 @@ class Relay(Daemon):
     _written_chain: dict[str, Any] | None = None
     _said_successor: str | None = None
     _was_master = False
+    _master_newest: int | None | str = "unwritten"  # the `newest` our relay/master value says
     _last_full_read = 0.0
 
     # ------------------------------------------------------------ lifecycle
@@ -64,7 +66,7 @@ class Relay(Daemon):
         if self.node is not None:
             if self.node.is_master and self.session is not None and self.session.lease is not None:
                 try:
-                    self.store.resign(relay_master_key(self.keys), self.session.lease)
+                    self.store.resign(self.keys.relay_master, self.session.lease)
                     said.append("resigned as relay master")
                 except StoreUnavailable:
                     pass
@@ -116,11 +118,13 @@ class Relay(Daemon):
             if chain.master is None:
                 newest = node.store.newest_complete()
                 if chain.eligible_master(me, -1 if newest is None else newest):
-                    if self.store.campaign(relay_master_key(self.keys), {"id": me, "since": time.time(),
-                                                                         "newest": newest}, self.session.lease):
+                    if self.store.campaign(self.keys.relay_master,
+                                           RelayMaster(me, time.time(), newest).to_value(), self.session.lease):
                         said.append(f"became relay master (holding version {newest})")
+                        self._master_newest = newest
                         self._refresh.set()
             if chain.master == me:
+                self._keep_master_newest(node.store.newest_complete())
                 value = {"master": me, "order": list(chain.order), "layouts": sorted(chain.layouts)}
                 if value != self._written_chain:
                     self.store.put(self.keys.relay_chain, {**value, "updated": round(time.time(), 3)})
@@ -128,11 +132,26 @@ class Relay(Daemon):
                     said.append("chain: " + " -> ".join(chain.order))
                 self._was_master = True
             elif self._was_master:
-                self._was_master, self._written_chain = False, None
+                self._was_master, self._written_chain, self._master_newest = False, None, "unwritten"
                 said.append("no longer relay master")
         except StoreUnavailable as exc:
             said.append(f"etcd unreachable, keeping the current chain: {exc}")
         return said
+
+    def _keep_master_newest(self, newest: int | None) -> None:
+        """Keep relay/master's `newest` equal to the newest complete version this master
+        holds: written once at election it said null for the whole job (a master elected
+        before the first publish), while the relays held version 120."""
+        assert self.session is not None and self.session.lease is not None
+        if newest == self._master_newest:
+            return
+        current = RelayMaster.read(self.store, self.keys)
+        if current is None or current.lease_id != self.session.lease.id:
+            return  # not (or no longer) ours: the next election writes its own
+        value = RelayMaster(current.id, current.since, newest).to_value()
+        if self.store.compare_and_swap(self.keys.relay_master, current.mod_revision, value,
+                                       lease=self.session.lease):
+            self._master_newest = newest
 
     def _watch_topology(self) -> None:
         """Re-derive the chain whenever relay members or relay/ keys change."""
@@ -141,7 +160,7 @@ class Relay(Daemon):
             try:
                 if not watches:
                     watches = [self.store.watch_prefix(self.keys.role_members_prefix("relay")),
-                               self.store.watch_prefix(relay_prefix(self.keys))]
+                               self.store.watch_prefix(self.keys.relay_prefix)]
                     self._refresh.set()
                 changed = False
                 for w in watches:

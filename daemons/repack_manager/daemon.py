@@ -19,6 +19,7 @@ from typing import Any
 from prometheus_client import Gauge
 
 from rlfleet.common.daemon import Daemon
+from rlfleet.common.members import members_from
 from rlfleet.common.run_dir import job_run_dir
 from rlfleet.common.sockets import PeerTimeout, RequestClient
 from rlfleet.common.store import StoreUnavailable
@@ -50,11 +51,10 @@ class RepackManager(Daemon):
         if not self.is_leader:
             return None
         try:
-            members = self.store.get_prefix(self.keys.role_members_prefix("rollout"))
+            members = members_from(self.keys, self.store.get_prefix(self.keys.role_members_prefix("rollout")))
         except StoreUnavailable:
             return None  # the session already reported etcd as unreachable
-        found = {kv.value["id"]: kv.value.get("addresses", {}).get("requests")
-                 for kv in members if isinstance(kv.value, dict)}
+        found = {m.id: m.address("requests") for m in members}
         with self._lock:
             changed = found != self._rollouts
             self._rollouts = {k: v for k, v in found.items() if v}

@@ -1,19 +1,31 @@
 """The resource-manager daemon.
 
 Every instance records the inventory of its own machine under
-/rlfleet/<job>/nodes/<host> (bound to its lease, so a machine whose manager
+`nodes/<host>` (bound to its lease, so a machine whose manager
 died drops out). The elected leader also reconciles
-/rlfleet/<job>/placement/... with the spec: what should run where.
+`placement/...` with the spec: what should run where.
 """
 
 from __future__ import annotations
 
 from rlfleet.common.daemon import Daemon
+from rlfleet.common.keys import JobKeys
+from rlfleet.common.members import Placement
 from rlfleet.common.placement import placement_from_spec
 from rlfleet.common.spec import JobSpec
+from rlfleet.common.store import KeyValue
 from rlfleet.daemons.resource_manager.inventory import machine_inventory
 
 RECONCILE_EVERY_CYCLES = 10
+
+
+def _placed(keys: JobKeys, kv: KeyValue) -> Placement | None:
+    """The placement record, or None for a key under placement/ that names no daemon
+    (it is not desired, so reconciling deletes it)."""
+    try:
+        return Placement.from_kv(keys, kv)
+    except ValueError:
+        return None
 
 
 class ResourceManager(Daemon):
@@ -40,14 +52,14 @@ class ResourceManager(Daemon):
         """Make the placement keys equal the spec's placement; says what changed."""
         from rlfleet.common.store import StoreUnavailable
         assert self.spec is not None
-        desired = {self.keys.placement(p.host, p.role, p.member_id): {"host": p.host, "role": p.role, "id": p.member_id}
+        desired = {self.keys.placement(p.host, p.role, p.member_id): Placement(p.host, p.role, p.member_id)
                    for p in placement_from_spec(self.spec)}
         try:
-            current = {kv.key: kv.value for kv in self.store.get_prefix(self.keys.placement_prefix)}
-            added = [k for k, v in desired.items() if current.get(k) != v]
+            current = {kv.key: _placed(self.keys, kv) for kv in self.store.get_prefix(self.keys.placement_prefix)}
+            added = [k for k, p in desired.items() if current.get(k) != p]  # a malformed value is rewritten
             removed = [k for k in current if k not in desired]
             for key in added:
-                self.store.put(key, desired[key])
+                self.store.put(key, desired[key].to_value())
             for key in removed:
                 self.store.delete(key)
         except StoreUnavailable as exc:

@@ -18,6 +18,7 @@ import threading
 from typing import Any
 
 from rlfleet.common.daemon import Daemon
+from rlfleet.common.members import Leader, Member, members_from
 from rlfleet.common.sockets import ReliableReceiver
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.common.wire import Trajectory
@@ -27,14 +28,13 @@ from .service import RewardService
 from .workers import RewardPool
 
 
-def trainer_address(members: list[Any], leader_id: str | None) -> str | None:
+def trainer_address(members: list[Member], leader_id: str | None) -> str | None:
     """The trajectories address of the trainer leader, or None if there is none."""
     leaders = {}
-    for kv in members:
-        value = kv.value if isinstance(kv.value, dict) else {}
-        address = (value.get("addresses") or {}).get("trajectories")
-        if value.get("leader") is True and isinstance(address, str) and address:
-            leaders[str(value.get("id") or kv.key.rsplit("/", 1)[-1])] = address
+    for m in members:
+        address = m.address("trajectories")
+        if m.leader and address:
+            leaders[m.id] = address
     if len(leaders) > 1 and leader_id in leaders:
         return leaders[leader_id]  # a deposed leader whose registration is not updated yet
     return next(iter(sorted(leaders.items())), (None, None))[1]
@@ -64,11 +64,11 @@ class RewardHost(Daemon):
             self.request_stop()
             return "reward service thread died; stopping (env-hosts re-send what was not acked)"
         try:
-            members = self.store.get_prefix(self.keys.role_members_prefix("trainer"))
+            members = members_from(self.keys, self.store.get_prefix(self.keys.role_members_prefix("trainer")))
             leader = self.store.get(self.keys.leader("trainer"))
         except StoreUnavailable:
             return None  # keep the trainer we know
-        leader_id = leader.value.get("id") if leader and isinstance(leader.value, dict) else None
+        leader_id = (Leader.from_kv(self.keys, leader).id or None) if leader is not None else None
         address = trainer_address(members, leader_id)
         if address == self._trainer:
             return None

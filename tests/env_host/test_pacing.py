@@ -13,6 +13,7 @@ from rlfleet.common.keys import JobKeys
 from rlfleet.common.spec import parse_spec
 from rlfleet.daemons.env_host.claims import PromptClaimer
 from rlfleet.daemons.env_host import pacing
+from rlfleet.common.records import TrainerProgress
 from rlfleet.daemons.env_host.pacing import ClaimPacer, claim_limit, consumed_of
 
 from ..integration.helpers import TINY_MODEL, wait_for
@@ -83,7 +84,7 @@ def test_prompts_that_never_finish_are_written_off_after_a_stall(etcd, monkeypat
         time.sleep(0.6)
         assert pacer.budget(4) == 4 and pacer.written_off == 4
         assert pacer.budget(6) == 2                 # counted afresh from the write-off
-        pacer._set({"consumed_groups": 3})          # progress: never more than the limit
+        pacer._set(TrainerProgress(consumed_groups=3))  # progress: never more than the limit
         assert pacer.budget(6) == 4
     finally:
         store.close()

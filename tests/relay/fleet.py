@@ -17,7 +17,8 @@ from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.spec import load_spec
 from rlfleet.relay.status import query_relay
-from rlfleet.relay.topology import read_chain, relay_master_key
+from rlfleet.common.records import RelayMaster
+from rlfleet.relay.topology import read_chain
 from tests.integration.helpers import stop, wait_for, write_spec
 
 RELAY_SECTION = """
@@ -90,8 +91,8 @@ class RelayFleet:
         proc.wait()
 
     def master(self) -> str | None:
-        kv = self.store.get(relay_master_key(self.keys))
-        return kv.value.get("id") if kv is not None else None
+        master = RelayMaster.read(self.store, self.keys)
+        return master.id if master is not None else None
 
     def chain(self):
         return read_chain(self.store, self.keys)

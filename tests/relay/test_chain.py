@@ -7,6 +7,7 @@ import time
 import numpy as np
 import torch
 
+from rlfleet.common.records import RelayMaster
 from rlfleet.relay.publisher import WeightPublisher
 from rlfleet.relay.reader import WeightReader
 from rlfleet.relay.status import chain_status, chain_table, versions_table
@@ -52,6 +53,10 @@ def test_versions_reach_every_relay_and_the_trainer_does_not_wait_for_the_chain(
         reader = WeightReader(fleet.store, fleet.job, f"host-{rid}")
         wait_for(f"{rid} to free version 1", lambda: 1 not in reader.versions(), 10)
         assert reader.newest() == 3
+    # relay/master describes the running chain: relay-0 was elected holding nothing
+    # (newest null, issue 10 point 6), and its value follows the versions it holds.
+    wait_for("relay/master to say version 3",
+             lambda: RelayMaster.read(fleet.store, fleet.keys).newest == 3, 10)
 
     status = chain_status(fleet.store, fleet.job)
     assert status["master"] == "relay-0" and status["order"] == ids

@@ -14,7 +14,7 @@ What is the same: the model folder, the prompt text and tokenization (task.forma
 the env's first observation, encoded exactly as tools/evaluate.py does), the
 train prompt stream (make_prompts("train", n, job.seed), in order: no shuffling), the
 rule reward, group size, completions per step (trainer.batch_size, one optimizer step per
-batch), learning rate and its schedule (AdamW, no weight decay, grad-norm clip 1.0), sampling
+batch), learning rate and its schedule (fused AdamW, no weight decay, grad-norm clip 1.0), sampling
 temperature/top_p, the per-turn token budget (task.max_new_tokens + 1, as the env-host
 asks), PPO-clip eps, no KL term (beta=0), token-level loss aggregation (TRL "dapo" =
 rlfleet "token"), and greedy held-out eval every task.eval_every_steps on eval_size
@@ -319,7 +319,7 @@ def run_trl(spec: JobSpec, out: Path, budget_s: float, *, max_steps: int | None 
         num_generations=g, num_iterations=1, shuffle_dataset=False,
         # The same schedule: "constant"/"linear" with warmup mean the same in TRL (HF).
         learning_rate=t.learning_rate, lr_scheduler_type=t.lr_schedule, warmup_steps=t.warmup_steps,
-        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
+        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch_fused",
         beta=0.0, epsilon=t.clip_eps, loss_type="dapo", scale_rewards="group",
         temperature=spec.rollout.temperature, top_p=spec.rollout.top_p, top_k=0,
         max_completion_length=task.max_new_tokens + 1,  # + the end token, as the env-host asks
