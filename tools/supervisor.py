@@ -239,7 +239,7 @@ class Supervisor:
             return
         result = {**summary(m), "cpu_s": self.cpu_report}
         (self.run_dir / "summary.json").write_text(json.dumps(result, indent=2))
-        for path in plot(m, self.run_dir, title=f"{self.spec.job.name} ({self.spec.task.name})"):
+        for path in plot(m, self.run_dir, title=f"{self.spec.job.name} ({self.spec.task.env.kind})"):
             self.note(f"wrote {path}")
         self.note("summary: " + json.dumps(result))
 

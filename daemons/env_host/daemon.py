@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from rlfleet.common.daemon import Daemon
+from rlfleet.common.seams import ENV_ROUTERS
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.common.wire import Trajectory
 
@@ -93,7 +94,8 @@ class EnvHost(Daemon):
             config=ManagerConfig.from_spec(spec), group_size=spec.task.group_size,
             max_concurrent=spec.env_host.max_concurrent, journal=self.journal,
             claim=self.claimer.claim, recent_claims=self.claimer.recent,
-            submit=self._submit, name=member_id)
+            submit=self._submit, name=member_id,
+            routing=ENV_ROUTERS.build(spec.env_host.routing))
         self.outbox.start()
         self.runner.start()
         if self.pacer is not None:
