@@ -411,8 +411,8 @@ def parse_spec(data: dict, source: str = "<spec>", base_dir: Path | None = None)
                 errors.append(((name, *loc), msg))
     errors.extend(_cross_errors(valid))
     # An old key already said where to write it: "required ... missing" there is noise.
-    said = {(name, key) for (name, key) in MOVED if isinstance(data.get(name), dict) and key in data[name]}
-    covered = {_REQUIRED_BY_MOVED[k] for k in said if k in _REQUIRED_BY_MOVED}
+    covered = {table for (name, key), table in _REQUIRED_BY_MOVED.items()
+               if isinstance(data.get(name), dict) and key in data[name]}
     errors = [(loc, msg) for loc, msg in errors
               if not (tuple(loc[:2]) in covered and msg.startswith("required"))]
 
