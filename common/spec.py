@@ -5,17 +5,23 @@ once and each line naming the file, the dotted key and the offending value::
 
     examples/bad.toml: trainer.batch_size: must be > 0, got -4
     examples/bad.toml: trainer.batch_sise: unknown key (did you mean 'batch_size'?)
+    examples/bad.toml: rollout.engine.kind: unknown kind 'vllm' (registered: 'torch')
 
 Each TOML table is validated by its own pydantic model, so an error in one
 section does not hide errors in the others; cross-section checks then run on
 the sections that did validate. Pydantic's error types are translated into
-the short phrases above (``_describe``).
+the short phrases above (``spec_errors``).
+
+Where a capability comes in variants (engine, loss, reward backend, task,
+schedulers) its table is tagged: ``kind = "..."`` plus only that kind's keys,
+the kinds coming from the registries in ``common/seams.py`` (docs/seams.md).
+Keys that an earlier spec had and that moved or went away are refused with
+where they went (``MOVED``), so an old spec never half-works.
 """
 
 from __future__ import annotations
 
-import difflib
-import math
+import json
 import os
 import re
 import tomllib
@@ -25,9 +31,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BeforeValidator,
     BaseModel,
-    ConfigDict,
     Field,
     StrictInt,
     StrictStr,
@@ -36,9 +40,14 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+
+from .registry import KindSlot
+from .seams import ENV_ROUTERS, POLICY_LOSSES, REPACK_PLANNERS, REWARD_BACKENDS, REWARD_DISPATCH, ROLLOUT_ENGINES, TASKS
+from .spec_errors import describe, dotted, suggest, toml_error
+from .spec_fields import Host, NonNegInt, PosFloat, PosInt, Section, fail, show
 
 __all__ = [
+    "MOVED",
     "ROLES",
     "SINGLETON_ROLES",
     "JobSpec",
@@ -64,12 +73,34 @@ DEFAULT_PLACEMENT: dict[str, int] = {
     "reward-host": 1,
 }
 
-# Our own error type: its message is already in the final phrasing.
-_SPEC_ERROR = "rlfleet_spec"
+# Keys of earlier specs -> where they went. Refused with this text rather than as an
+# "unknown key", so whoever upgrades a spec is told what to write instead.
+MOVED: dict[tuple[str, str], str] = {
+    ("etcd", "endpoints"): "removed: daemons and tools take the etcd endpoints from --etcd "
+                           "(`rlfleet run` starts its own etcd), so a stored spec cannot name "
+                           "another cluster than the one the job runs on",
+    ("rollout", "max_batch"): "moved to [rollout.engine] max_batch",
+    ("rollout", "max_new_tokens"): "removed: each task sets its own per-turn token budget "
+                                   "(arithmetic: digits + 2, frozenlake: 1)",
+    ("trainer", "clip_eps"): "moved to [trainer.loss] clip_eps (kind = 'ppo_clip')",
+    ("task", "name"): "replaced by [task.env] kind (e.g. kind = 'arithmetic')",
+    ("task", "difficulty"): "replaced by [task.env]: the task's own keys next to its kind "
+                            "(e.g. digits = 2)",
+    ("reward_host", "workers"): "moved to [reward_host.backend] workers",
+    ("reward_host", "timeout_s"): "moved to [reward_host.backend] timeout_s",
+}
 
+# The required table an old key is now written as.
+_REQUIRED_BY_MOVED = {("task", "name"): ("task", "env"), ("task", "difficulty"): ("task", "env")}
 
-def _fail(message: str) -> PydanticCustomError:
-    return PydanticCustomError(_SPEC_ERROR, message)
+# A seam's table, typed from its registry (the kinds are found through entry points).
+EngineConfig = ROLLOUT_ENGINES.config_type()
+LossConfig = POLICY_LOSSES.config_type()
+RewardBackendConfig = REWARD_BACKENDS.config_type()
+RewardDispatchConfig = REWARD_DISPATCH.config_type()
+TaskEnvConfig = TASKS.config_type()
+RoutingConfig = ENV_ROUTERS.config_type()
+PlannerConfig = REPACK_PLANNERS.config_type()
 
 
 class SpecError(Exception):
@@ -80,85 +111,55 @@ class SpecError(Exception):
         super().__init__("\n".join(self.errors))
 
 
-# ---------------------------------------------------------------- field types
-# Strict: TOML `true` is not a number and "3" is not an integer. Floats accept
-# integers (TOML `lease_ttl_s = 3`) but never NaN/inf.
-Int = StrictInt
-PosInt = Annotated[StrictInt, Field(gt=0)]
-NonNegInt = Annotated[StrictInt, Field(ge=0)]
-PosFloat = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
-
-
-def _knob(value: Any) -> Any:
-    # One clear message instead of one per member of a union type.
-    ok = (isinstance(value, (int, float, str)) and not isinstance(value, bool)
-          and not (isinstance(value, float) and not math.isfinite(value)))
-    if not ok:
-        raise PydanticCustomError("knob_type", "expected an integer, a number or a string")
-    return value
-
-
-Knob = Annotated[Any, BeforeValidator(_knob)]
-Host = Annotated[StrictStr, Field(min_length=1)]
-
 _JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-# host:port, host a DNS name / IPv4 or a bracketed IPv6 literal; no scheme.
-_ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
+
+# A lease outlives its daemon by up to one TTL: that long a dead trainer keeps its
+# leadership, a dead env-host its prompt claims, a dead rollout its place in every
+# router. 60 s bounds that stall; beyond it a crash looks like a hung job (Patroni's
+# default TTL is 30 s). At least 1 s: refreshes come every ttl/3.
+MAX_LEASE_TTL_S = 60.0
 
 
 def _check_job_name(name: str) -> str:
     if not _JOB_NAME.match(name):
-        raise _fail(
+        raise fail(
             "must be 1-63 lowercase letters, digits or '-', starting with a letter or digit "
-            f"(it is an etcd key component), got {_show(name)}"
+            f"(it is an etcd key component), got {show(name)}"
         )
     return name
-
-
-def _check_endpoint(endpoint: str) -> str:
-    m = _ENDPOINT.match(endpoint)
-    if not m or not 1 <= int(m.group(2)) <= 65535:
-        raise _fail(f"must be 'host:port' with port 1..65535, got {_show(endpoint)}")
-    return endpoint
 
 
 def _check_host_name(name: str) -> str:
     # Host names become etcd key components (/rlfleet/<job>/nodes/<host>).
     if "/" in name or any(c.isspace() for c in name):
-        raise _fail(f"must not contain '/' or whitespace, got {_show(name)}")
+        raise fail(f"must not contain '/' or whitespace, got {show(name)}")
     return name
 
 
+def _check_group_size(n: int) -> int:
+    if n < 2:
+        raise fail("must be >= 2: a GRPO advantage is a reward minus its group's mean, so in "
+                   f"a group of one every advantage is 0 and nothing is learned, got {n}")
+    return n
+
+
 # ------------------------------------------------------------------- sections
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class JobSection(_Section):
+class JobSection(Section):
     name: Annotated[StrictStr, AfterValidator(_check_job_name)]
     runs_dir: StrictStr = "runs"  # left as written; the runner decides what it is relative to
     seed: NonNegInt = 0
 
 
-class EtcdSection(_Section):
-    endpoints: tuple[Annotated[StrictStr, AfterValidator(_check_endpoint)], ...] = (
-        "127.0.0.1:2379",
-    )
-    lease_ttl_s: Annotated[float, Field(strict=True, ge=1, allow_inf_nan=False)] = 3.0
+class EtcdSection(Section):
+    # Endpoints are not here: every daemon and tool gets them from --etcd (MOVED).
+    lease_ttl_s: Annotated[float, Field(strict=True, ge=1, le=MAX_LEASE_TTL_S,
+                                        allow_inf_nan=False)] = 3.0
     retry_timeout_s: PosFloat = 1.0
 
     @property
     def refresh_interval_s(self) -> float:
         """How often a daemon refreshes its lease (Patroni: loop_wait ~ ttl/3)."""
         return self.lease_ttl_s / 3
-
-    @field_validator("endpoints")
-    @classmethod
-    def _not_empty(cls, endpoints: tuple[str, ...]) -> tuple[str, ...]:
-        # Not min_length: that also fires when an endpoint is bad, as a second error.
-        if not endpoints:
-            raise _fail("must not be empty, got []")
-        return endpoints
 
     @field_validator("retry_timeout_s")
     @classmethod
@@ -167,14 +168,14 @@ class EtcdSection(_Section):
         # lease expires, or a healthy daemon loses its keys (and leadership).
         ttl = info.data.get("lease_ttl_s")
         if ttl is not None and ttl / 3 + retry >= ttl:
-            raise _fail(
+            raise fail(
                 f"refresh interval (lease_ttl_s/3 = {ttl / 3:g}) + retry_timeout_s ({retry:g}) "
                 f"must be < lease_ttl_s ({ttl:g})"
             )
         return retry
 
 
-class ModelSection(_Section):
+class ModelSection(Section):
     path: Path  # absolute once validated
     dtype: Literal["float32", "bfloat16"] = "float32"
 
@@ -182,27 +183,40 @@ class ModelSection(_Section):
     @classmethod
     def _resolve(cls, value: Any, info: ValidationInfo) -> Path:
         if not isinstance(value, (str, os.PathLike)):
-            raise _fail(f"expected a string, got {_show(value)}")
+            raise fail(f"expected a string, got {show(value)}")
         base = (info.context or {}).get("base_dir") or Path.cwd()
         path = (Path(base) / Path(value).expanduser()).resolve()
+        if path.is_file():
+            raise fail(f"is a file, not a directory: {path} (model.path names the HF model folder)")
         if not path.is_dir():
-            raise _fail(f"directory does not exist: {path}")
+            raise fail(f"directory does not exist: {path}")
         if not (path / "config.json").is_file():
-            raise _fail(f"not a model directory (no config.json): {path}")
+            raise fail(f"not a model directory (no config.json): {path}")
+        # Every role that holds weights (trainer, rollout) loads safetensors; a folder
+        # with only a tokenizer would validate and then crash-loop those daemons.
+        if not any(path.glob("*.safetensors")):
+            raise fail(f"no weights in {path}: it has no *.safetensors file "
+                       "(an HF model folder holds config.json, model*.safetensors and the tokenizer)")
         return path
 
+    def config(self) -> dict[str, Any]:
+        """The model's config.json ({} when it cannot be read as a JSON object)."""
+        try:
+            data = json.loads((self.path / "config.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
 
-class TaskSection(_Section):
-    name: Literal["arithmetic", "frozenlake"]
-    group_size: PosInt = 8  # GRPO samples per prompt
+
+class TaskSection(Section):
+    env: TaskEnvConfig  # which task, with its own typed knobs (daemons/tasks)
+    group_size: Annotated[StrictInt, AfterValidator(_check_group_size)] = 8  # GRPO samples per prompt
     max_turns: PosInt = 1
     eval_size: PosInt = 64
     eval_every_steps: PosInt = 5
-    # per-task knobs, read by the env (digits = 2, p = 0.75, ops = "+-")
-    difficulty: dict[str, Knob] = Field(default_factory=dict)
 
 
-class TrainerSection(_Section):
+class TrainerSection(Section):
     batch_size: PosInt = 32  # trajectories per step
     learning_rate: PosFloat = 1e-4
     # "linear": learning_rate after warmup_steps, falling linearly to 0 at max_steps, so
@@ -212,20 +226,19 @@ class TrainerSection(_Section):
     max_steps: PosInt = 100
     checkpoint_every: PosInt = 10
     max_staleness: NonNegInt | None = None  # the bound α in versions; None = unbounded
-    clip_eps: PosFloat = 0.2
+    loss: LossConfig = POLICY_LOSSES.field()
     bind_host: Host = "127.0.0.1"
 
 
-class RolloutSection(_Section):
-    engine: Literal["torch", "vllm", "sim"] = "torch"
-    max_batch: PosInt = 32
+class RolloutSection(Section):
+    engine: EngineConfig = ROLLOUT_ENGINES.field()
+    # Sampling: the env-host puts these in every request, whatever the engine.
     temperature: PosFloat = 1.0
     top_p: Annotated[float, Field(strict=True, gt=0, le=1, allow_inf_nan=False)] = 1.0
-    max_new_tokens: PosInt = 16
     bind_host: Host = "127.0.0.1"
 
 
-class RelaySection(_Section):
+class RelaySection(Section):
     transport: Literal["tcp", "ucx"] = "tcp"
     chunk_mib: PosInt = 32
     keep_versions: Annotated[StrictInt, Field(ge=1)] = 2
@@ -233,7 +246,7 @@ class RelaySection(_Section):
     bind_host: Host = "127.0.0.1"
 
 
-class EnvHostSection(_Section):
+class EnvHostSection(Section):
     max_concurrent: PosInt = 64
     turn_timeout_s: PosFloat = 30.0
     trajectory_timeout_s: PosFloat = 300.0
@@ -241,6 +254,7 @@ class EnvHostSection(_Section):
     # Claim no more prompts than trainer.max_staleness batches ahead of what the trainer
     # has consumed (docs/dataflow.md); false: claim as fast as max_concurrent allows.
     pace_claims: bool = True
+    routing: RoutingConfig = ENV_ROUTERS.field()  # which rollout gets a turn
     bind_host: Host = "127.0.0.1"
 
     @field_validator("trajectory_timeout_s")
@@ -248,17 +262,21 @@ class EnvHostSection(_Section):
     def _covers_a_turn(cls, total: float, info: ValidationInfo) -> float:
         turn = info.data.get("turn_timeout_s")
         if turn is not None and total < turn:
-            raise _fail(f"must be >= turn_timeout_s ({turn:g}), got {total:g}")
+            raise fail(f"must be >= turn_timeout_s ({turn:g}), got {total:g}")
         return total
 
 
-class RewardHostSection(_Section):
-    workers: PosInt = 2
-    timeout_s: PosFloat = 10.0
+class RewardHostSection(Section):
+    backend: RewardBackendConfig = REWARD_BACKENDS.field()  # what scores a trajectory
+    dispatch: RewardDispatchConfig = REWARD_DISPATCH.field()  # in which order waiting ones go
     bind_host: Host = "127.0.0.1"
 
 
-class HostPlacement(_Section):
+class RepackManagerSection(Section):
+    planner: PlannerConfig = REPACK_PLANNERS.field()
+
+
+class HostPlacement(Section):
     name: Annotated[StrictStr, Field(min_length=1), AfterValidator(_check_host_name)]
     roles: dict[Role, NonNegInt]
 
@@ -267,7 +285,7 @@ def _default_hosts() -> tuple[HostPlacement, ...]:
     return (HostPlacement(name="localhost", roles=DEFAULT_PLACEMENT),)
 
 
-class PlacementSection(_Section):
+class PlacementSection(Section):
     hosts: tuple[HostPlacement, ...] = Field(default_factory=_default_hosts)
 
     @model_validator(mode="after")
@@ -275,11 +293,11 @@ class PlacementSection(_Section):
         names = [h.name for h in self.hosts]
         dups = sorted({n for n in names if names.count(n) > 1})
         if dups:
-            raise _fail(f"duplicate host name(s): {', '.join(map(repr, dups))}")
+            raise fail(f"duplicate host name(s): {', '.join(map(repr, dups))}")
         totals = {role: sum(h.roles.get(role, 0) for h in self.hosts) for role in ROLES}
         missing = [role for role, n in totals.items() if n < 1]
         if missing:
-            raise _fail(
+            raise fail(
                 "every role needs at least one instance; none placed for "
                 + ", ".join(map(repr, missing))
             )
@@ -299,10 +317,18 @@ def _cross_errors(sections: dict[str, BaseModel]) -> list[tuple[tuple, str]]:
                 f"must be a multiple of task.group_size ({task.group_size}), "
                 f"got {trainer.batch_size}",
             ))
+    # Each kind checks itself against the rest (e.g. an engine's KV cache vs the model).
+    for name, section in sections.items():
+        for field_name, field in type(section).model_fields.items():
+            slot = next((m for m in field.metadata if isinstance(m, KindSlot)), None)
+            if slot is not None:
+                config = getattr(section, field_name)
+                for loc, msg in slot.registry.get(config.kind).check(config, sections):
+                    errors.append(((name, field_name, *loc), msg))
     return errors
 
 
-class JobSpec(_Section):
+class JobSpec(Section):
     job: JobSection
     etcd: EtcdSection = Field(default_factory=EtcdSection)
     model: ModelSection
@@ -312,6 +338,7 @@ class JobSpec(_Section):
     relay: RelaySection = Field(default_factory=RelaySection)
     env_host: EnvHostSection = Field(default_factory=EnvHostSection)
     reward_host: RewardHostSection = Field(default_factory=RewardHostSection)
+    repack_manager: RepackManagerSection = Field(default_factory=RepackManagerSection)
     placement: PlacementSection = Field(default_factory=PlacementSection)
 
     @model_validator(mode="after")
@@ -319,7 +346,7 @@ class JobSpec(_Section):
         # parse_spec reports these with their paths; this guards direct construction.
         errors = _cross_errors(dict(self))
         if errors:
-            raise _fail("; ".join(f"{_dotted(loc)}: {msg}" for loc, msg in errors))
+            raise fail("; ".join(f"{dotted(loc)}: {msg}" for loc, msg in errors))
         return self
 
     def to_dict(self) -> dict:
@@ -353,143 +380,58 @@ def load_spec(path: str | os.PathLike) -> JobSpec:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise SpecError([f"{source}: {_toml_error(str(e))}"]) from None
+        raise SpecError([f"{source}: {toml_error(str(e))}"]) from None
     return parse_spec(data, source=source, base_dir=Path(path).absolute().parent)
 
 
 def parse_spec(data: dict, source: str = "<spec>", base_dir: Path | None = None) -> JobSpec:
     """Validate an already-parsed spec (e.g. fetched from etcd); raises SpecError."""
     if not isinstance(data, dict):
-        raise SpecError([f"{source}: expected a table at top level, got {_show(data)}"])
+        raise SpecError([f"{source}: expected a table at top level, got {show(data)}"])
     sections = JobSpec.model_fields
     errors: list[tuple[tuple, str]] = []
     for key in data:
         if key not in sections:
-            errors.append(((key,), "unknown section" + _suggest(key, sections)))
+            errors.append(((key,), "unknown section" + suggest(key, sections)))
 
     context = {"base_dir": base_dir}
     valid: dict[str, BaseModel] = {}
     for name, field in sections.items():
         raw = data.get(name, {})  # absent: defaults, or "required key missing" inside
         if not isinstance(raw, dict):
-            errors.append(((name,), f"expected a table, got {_show(raw)}"))
+            errors.append(((name,), f"expected a table, got {show(raw)}"))
             continue
+        raw = _without_moved(name, raw, errors)
+        model = field.annotation
         try:
-            valid[name] = field.annotation.model_validate(raw, context=context)
+            valid[name] = model.model_validate(raw, context=context)
         except ValidationError as e:
-            errors.extend(((name, *err["loc"]), _describe(err, field.annotation)) for err in e.errors())
+            for err in e.errors():
+                loc, msg = describe(err, model)
+                errors.append(((name, *loc), msg))
     errors.extend(_cross_errors(valid))
+    # An old key already said where to write it: "required ... missing" there is noise.
+    covered = {table for (name, key), table in _REQUIRED_BY_MOVED.items()
+               if isinstance(data.get(name), dict) and key in data[name]}
+    errors = [(loc, msg) for loc, msg in errors
+              if not (tuple(loc[:2]) in covered and msg.startswith("required"))]
 
     if errors:
-        raise SpecError([f"{source}: {_dotted(loc)}: {msg}" for loc, msg in errors])
+        raise SpecError([f"{source}: {dotted(loc)}: {msg}" for loc, msg in errors])
     return JobSpec.model_validate(valid)
 
 
-# --------------------------------------------------------- error translation
-_TYPE_NAMES = {
-    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
-    "float_type": "a number", "float_parsing": "a number",
-    "string_type": "a string", "string_unicode": "a string",
-    "bool_type": "a boolean", "bool_parsing": "a boolean",
-    "list_type": "a list", "tuple_type": "a list", "set_type": "a list",
-    "dict_type": "a table", "model_type": "a table", "model_attributes_type": "a table",
-}
-_BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="),
-           "less_than": ("lt", "<"), "less_than_equal": ("le", "<=")}
-
-
-def _describe(err: dict, model: type[BaseModel]) -> str:
-    """One pydantic error as a short phrase (without the key path)."""
-    kind, loc, ctx = err["type"], err["loc"], err.get("ctx") or {}
-    value = err.get("input")
-    if kind == _SPEC_ERROR:
-        return err["msg"]
-    if kind == "missing":
-        return "required key missing"
-    if kind == "extra_forbidden":
-        return "unknown key" + _suggest(str(loc[-1]), _known_keys(model, loc[:-1]))
-    if kind in _TYPE_NAMES:
-        return f"expected {_TYPE_NAMES[kind]}, got {_show(value)}"
-    if kind in _BOUNDS:
-        key, op = _BOUNDS[kind]
-        return f"must be {op} {_num(ctx[key])}, got {_show(value)}"
-    if kind == "finite_number":
-        return f"must be a finite number, got {_show(value)}"
-    if kind == "literal_error":
-        choices = _literal_choices(ctx.get("expected", ""))
-        if loc and loc[-1] == "[key]":  # a dict key outside its Literal, e.g. a role name
-            noun = "role" if len(loc) >= 3 and loc[-3] == "roles" else "key"
-            return f"unknown {noun}" + _suggest(str(value), choices, or_list=True)
-        return f"must be one of {', '.join(map(repr, choices))}, got {_show(value)}"
-    if kind in ("too_short", "string_too_short"):
-        if ctx.get("min_length") == 1:
-            return f"must not be empty, got {_show(value)}"
-        return f"must have at least {ctx.get('min_length')} items, got {_show(value)}"
-    return f"{err['msg']}, got {_show(value)}"
-
-
-def _dotted(loc: tuple) -> str:
-    """('placement', 'hosts', 0, 'name') -> 'placement.hosts[0].name'."""
-    out = ""
-    for part in loc:
-        if part == "[key]":  # pydantic's marker for "the key itself", already in the path
-            continue
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+def _without_moved(name: str, raw: dict, errors: list[tuple[tuple, str]]) -> dict:
+    """``raw`` less the keys of earlier specs (MOVED), each reported with where it went."""
+    out = {}
+    for key, value in raw.items():
+        if (name, key) in MOVED:
+            errors.append(((name, key), MOVED[(name, key)]))
+        elif name == "rollout" and key == "engine" and isinstance(value, str):
+            kinds = ", ".join(map(repr, ROLLOUT_ENGINES.names()))
+            errors.append(((name, key), f"now a table: write [rollout.engine] with kind = one of "
+                                        f"{kinds} (got {value!r}); engine keys such as max_batch "
+                                        "go there too"))
+        else:
+            out[key] = value
     return out
-
-
-def _suggest(word: str, known, or_list: bool = False) -> str:
-    known = list(known)
-    close = difflib.get_close_matches(word, known, n=1)
-    if close:
-        return f" (did you mean {close[0]!r}?)"
-    if or_list and known:
-        return f" (expected one of {', '.join(map(repr, known))})"
-    return ""
-
-
-def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    """Field names of the model reached by following ``loc`` from ``model``."""
-    for part in loc:
-        if isinstance(part, int):
-            continue  # a list index: same element model
-        field = model.model_fields.get(part)
-        inner = _inner_model(field.annotation) if field else None
-        if inner is None:
-            return []
-        model = inner
-    return list(model.model_fields)
-
-
-def _inner_model(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _inner_model(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _literal_choices(expected: str) -> list[str]:
-    # pydantic renders Literal choices as "'a', 'b' or 'c'".
-    return re.findall(r"'([^']*)'", expected)
-
-
-def _toml_error(message: str) -> str:
-    # tomllib (3.11) only puts the position in the message: "... (at line 3, column 12)".
-    m = re.search(r"\s*\(at line (\d+), column (\d+)\)$", message)
-    if m:
-        return f"line {m.group(1)}: invalid TOML: {message[: m.start()]} (column {m.group(2)})"
-    return f"invalid TOML: {message}"
-
-
-def _num(x: Any) -> str:
-    return str(int(x)) if isinstance(x, float) and x.is_integer() else str(x)
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # nan / inf, as TOML writes them
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

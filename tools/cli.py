@@ -255,7 +255,8 @@ def validate(spec_files: tuple[str, ...]) -> None:
     for path in spec_files:
         try:
             spec = load_spec(path)
-            click.echo(f"{path}: ok (job {spec.job.name}, task {spec.task.name}, "
+            click.echo(f"{path}: ok (job {spec.job.name}, task {spec.task.env.kind}, "
+                       f"engine {spec.rollout.engine.kind}, loss {spec.trainer.loss.kind}, "
                        f"{sum(spec.all_roles().values())} daemons)")
         except SpecError as exc:
             bad += 1

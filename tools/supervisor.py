@@ -323,7 +323,7 @@ class Supervisor:
             return
         result = {**summary(m), "cpu_s": self.cpu_report}
         (self.run_dir / "summary.json").write_text(json.dumps(result, indent=2))
-        self.plots = plot(m, self.run_dir, title=f"{self.spec.job.name} ({self.spec.task.name})")
+        self.plots = plot(m, self.run_dir, title=f"{self.spec.job.name} ({self.spec.task.env.kind})")
 
     def print_end_summary(self, headline: str) -> None:
         text = end_summary(self.metrics.metrics if self.metrics is not None else RunMetrics(),

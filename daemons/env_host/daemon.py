@@ -23,6 +23,7 @@ from typing import Any
 
 from rlfleet.common.daemon import Daemon
 from rlfleet.common.members import Member, members_from
+from rlfleet.common.seams import ENV_ROUTERS
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.common.wire import Trajectory
 
@@ -94,7 +95,8 @@ class EnvHost(Daemon):
             config=ManagerConfig.from_spec(spec), group_size=spec.task.group_size,
             max_concurrent=spec.env_host.max_concurrent, journal=self.journal,
             claim=self.claimer.claim, recent_claims=self.claimer.recent,
-            submit=self._submit, name=member_id)
+            submit=self._submit, name=member_id,
+            routing=ENV_ROUTERS.build(spec.env_host.routing))
         self.outbox.start()
         self.runner.start()
         if self.pacer is not None:

@@ -10,24 +10,23 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from rlfleet.common.seams import TASKS
 from rlfleet.common.spec import JobSpec
-from rlfleet.daemons.tasks import Prompt, Task, get_task
+from rlfleet.daemons.tasks import Prompt, Task
 
 _FIRST_CHUNK = 1024
 
 
 def task_kwargs(spec: JobSpec) -> dict[str, Any]:
-    """Keyword arguments of get_task for this job: task.difficulty, plus task.max_turns
-    for a multi-turn task that does not set max_turns in its difficulty."""
-    kwargs: dict[str, Any] = dict(spec.task.difficulty)
-    if "max_turns" not in kwargs and get_task(spec.task.name, **kwargs).multi_turn:
-        kwargs["max_turns"] = spec.task.max_turns
-    return kwargs
+    """Keyword arguments of get_task for this job: the knobs of [task.env], plus
+    task.max_turns for a multi-turn task."""
+    env = spec.task.env
+    return TASKS.get(env.kind).task_kwargs(env, max_turns=spec.task.max_turns)  # type: ignore[attr-defined, no-any-return]
 
 
 def task_from_spec(spec: JobSpec) -> Task:
     """The one Task object env-hosts and reward-hosts of a job agree on."""
-    return get_task(spec.task.name, **task_kwargs(spec))
+    return TASKS.build(spec.task.env, max_turns=spec.task.max_turns)  # type: ignore[no-any-return]
 
 
 class PromptStream:

@@ -1,4 +1,5 @@
-"""Which rollout gets a turn: the live rollouts, least-loaded by our own outstanding requests.
+"""Which rollout gets a turn: the live rollouts, chosen among by the routing policy
+(routing_policy.py; least-loaded by our own outstanding requests unless the spec says).
 
 The set of rollouts comes from etcd (`members/rollout/*`, their `addresses.requests`);
 the daemon reads it each cycle and hands it to `Router.update` on the event loop, so
@@ -17,7 +18,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import random
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -27,6 +27,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from rlfleet.common.sockets import AsyncRequestClient, PeerTimeout
 from rlfleet.common.wire import Abort, GenerateRequest, GenerateResult
+
+from .routing_policy import LeastLoaded, RoutingPolicy
 
 log = logging.getLogger("rlfleet.env_host")
 
@@ -53,10 +55,13 @@ class _Rollout:
 
 
 class Router:
-    """Live rollouts and least-loaded choice. Use from one event loop only."""
+    """Live rollouts and the choice among them ([env_host.routing], least-loaded when
+    not given). Use from one event loop only."""
 
-    def __init__(self, *, suspect_s: float = 5.0, name: str = "env-host") -> None:
+    def __init__(self, *, suspect_s: float = 5.0, name: str = "env-host",
+                 policy: RoutingPolicy | None = None) -> None:
         self.suspect_s = suspect_s
+        self.policy = policy if policy is not None else LeastLoaded()
         self.name = name
         self._rollouts: dict[str, _Rollout] = {}
         self._changed = asyncio.Event()
@@ -165,8 +170,7 @@ class Router:
             for pool in ([r for r in every if r.id not in exclude and r.suspect_until <= now],
                          [r for r in every if r.id not in exclude], every):
                 if pool:
-                    least = min(r.outstanding for r in pool)
-                    return random.choice([r for r in pool if r.outstanding == least])
+                    return self.policy.choose(pool)
             if now >= deadline:
                 self.reissued["no_rollout"] += 1
                 raise RouteError("no_rollout", "", "no live rollout registered")

@@ -35,6 +35,7 @@ from .manager import EnvManager, ManagerConfig, TurnCodec
 from .outbox import Acked
 from .prompts import PromptStream, parse_trajectory_id, trajectory_id
 from .routing import Router
+from .routing_policy import RoutingPolicy
 
 log = logging.getLogger("rlfleet.env_host")
 
@@ -49,13 +50,14 @@ class EnvRunner:
     def __init__(self, *, task: Task, stream: PromptStream, codec: TurnCodec, config: ManagerConfig,
                  group_size: int, max_concurrent: int, journal: Journal,
                  claim: Callable[[int], range], recent_claims: Callable[[], list[range]],
-                 submit: Callable[[str, Trajectory], None], name: str = "env-host") -> None:
+                 submit: Callable[[str, Trajectory], None], name: str = "env-host",
+                 routing: RoutingPolicy | None = None) -> None:
         self.task, self.stream, self.codec, self.config = task, stream, codec, config
         self.group_size = group_size
         self.max_prompts = max(1, max_concurrent // group_size)
         self.journal = journal
         self.claim, self.recent_claims, self.submit = claim, recent_claims, submit
-        self.name = name
+        self.name, self.routing = name, routing
         self.loop = asyncio.new_event_loop()
         self.router: Router | None = None
         self._thread = threading.Thread(target=self._run, name="env-loop", daemon=True)
@@ -171,7 +173,7 @@ class EnvRunner:
 
     async def _main(self) -> None:
         self._wake = asyncio.Event()
-        self.router = Router(name=self.name)
+        self.router = Router(name=self.name, policy=self.routing)
         self._apply_rollouts()
         # The journal's own work first: it needs no etcd.
         for prompt_id in self.journal.live_prompts():

@@ -3,8 +3,10 @@
 For now it collects every live rollout's statistics (running and waiting
 requests, KV-cache usage, tokens/s, weight version) and exposes them: as
 Prometheus gauges, as a summary in its member registration, and as a JSON
-line per poll in `<run dir>/rollout_stats.jsonl`. The repack algorithm
-(Laminar §5: KV-cache idleness, Algorithm 1) builds on this view later.
+line per poll in `<run dir>/rollout_stats.jsonl`. After each poll the planner of
+`[repack_manager.planner]` (planners.py) sees that view; the default, `none`, plans
+nothing. The repack algorithm (Laminar §5: KV-cache idleness, Algorithm 1) comes
+as a planner kind, with the execution of its moves, later.
 Only the leader polls; standbys wait.
 """
 
@@ -21,6 +23,7 @@ from prometheus_client import Gauge
 from rlfleet.common.daemon import Daemon
 from rlfleet.common.members import members_from
 from rlfleet.common.run_dir import job_run_dir
+from rlfleet.common.seams import REPACK_PLANNERS
 from rlfleet.common.sockets import PeerTimeout, RequestClient
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.common.wire import RolloutStats
@@ -44,6 +47,8 @@ class RepackManager(Daemon):
         self._rollouts: dict[str, str] = {}  # rollout id -> requests address
         self._lock = threading.Lock()
         self._stats_path = job_run_dir(self.spec) / "rollout_stats.jsonl"
+        self.planner = REPACK_PLANNERS.build(self.spec.repack_manager.planner)
+        self.last_plan: list[Any] = []
         self._poller = threading.Thread(target=self._poll_loop, name="stats-poller", daemon=True)
         self._poller.start()
 
@@ -95,6 +100,12 @@ class RepackManager(Daemon):
                               "running": stats.running, "waiting": stats.waiting, "kv_used": stats.kv_used,
                               "kv_total": stats.kv_total, "tokens_per_s": stats.tokens_per_s})
             if lines:
+                with self._lock:
+                    latest = {rid: self.latest[rid] for rid in targets if rid in self.latest}
+                self.last_plan = self.planner.plan(latest)
+                if self.last_plan:  # nothing executes a plan yet: say what it would have done
+                    log.info("planned %d repack move(s): %s (not executed)", len(self.last_plan),
+                             self.last_plan, extra={"event": "repack_plan"})
                 self._stats_path.parent.mkdir(parents=True, exist_ok=True)
                 with open(self._stats_path, "a") as f:
                     f.writelines(json.dumps(line) + "\n" for line in lines)

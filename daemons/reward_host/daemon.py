@@ -8,8 +8,9 @@ Threads:
   the service at its `addresses.trajectories`;
 - service (`RewardService`): receive, dedup, score in the worker pool, forward, ack.
 
-Workers are child processes (`RewardPool`); `reward_host.workers` of them, each job
-killed after `reward_host.timeout_s`.
+What scores is the backend of `[reward_host.backend]` (backends.py; `rule_pool`: child
+processes, `workers` of them, each job killed after `timeout_s`), fed in the order of
+`[reward_host.dispatch]` (dispatch.py).
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from typing import Any
 
 from rlfleet.common.daemon import Daemon
 from rlfleet.common.members import Leader, Member, members_from
+from rlfleet.common.seams import REWARD_BACKENDS, REWARD_DISPATCH
 from rlfleet.common.sockets import ReliableReceiver
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.common.wire import Trajectory
 from rlfleet.daemons.env_host.prompts import task_kwargs
 
 from .service import RewardService
-from .workers import RewardPool
 
 
 def trainer_address(members: list[Member], leader_id: str | None) -> str | None:
@@ -49,9 +50,10 @@ class RewardHost(Daemon):
         self.receiver = ReliableReceiver(f"tcp://{spec.reward_host.bind_host}:0", expect=Trajectory,
                                          name=f"{self.options.member_id}<-env-hosts")
         self.addresses["trajectories"] = self.receiver.endpoint
-        self.pool = RewardPool(spec.reward_host.workers, spec.reward_host.timeout_s)
+        rh = spec.reward_host
+        self.pool = REWARD_BACKENDS.build(rh.backend, dispatch=REWARD_DISPATCH.build(rh.dispatch))
         self.service = RewardService(receiver=self.receiver, pool=self.pool,
-                                     task_name=spec.task.name, task_kwargs=task_kwargs(spec),
+                                     task_name=spec.task.env.kind, task_kwargs=task_kwargs(spec),
                                      name=self.options.member_id)
         self._trainer: str | None = None
         self._stop_service = threading.Event()

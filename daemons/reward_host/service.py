@@ -31,7 +31,8 @@ from rlfleet.common.wire import ScoredTrajectory, Trajectory
 from rlfleet.daemons.env_host.outbox import Outbox
 from rlfleet.daemons.tasks import Prompt
 
-from .workers import RewardJob, RewardOutcome, RewardPool
+from .backends import RewardBackend
+from .workers import RewardJob, RewardOutcome
 
 log = logging.getLogger("rlfleet.reward_host")
 
@@ -43,7 +44,7 @@ RECENT_IDS = 100_000  # acked ids remembered to answer late duplicates without r
 
 
 class RewardService:
-    def __init__(self, *, receiver: ReliableReceiver, pool: RewardPool, task_name: str,
+    def __init__(self, *, receiver: ReliableReceiver, pool: RewardBackend, task_name: str,
                  task_kwargs: dict[str, Any], name: str = "reward-host",
                  resend_after_s: float = 2.0) -> None:
         self.receiver, self.pool = receiver, pool

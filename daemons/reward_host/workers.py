@@ -21,7 +21,6 @@ descriptors to wait on, so one zmq.Poller can cover sockets and workers alike.
 
 from __future__ import annotations
 
-import collections
 import importlib
 import logging
 import math
@@ -35,6 +34,9 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import msgspec
+
+from .backends import RewardBackend
+from .dispatch import DispatchQueue, FifoQueue
 
 log = logging.getLogger("rlfleet.reward_host")
 
@@ -184,10 +186,14 @@ class _Worker:
             log.error("reward worker %d did not exit after SIGKILL", self.proc.pid)
 
 
-class RewardPool:
-    """`workers` reward processes with a per-job hard timeout. One owner thread."""
+class RewardPool(RewardBackend):
+    """`workers` reward processes with a per-job hard timeout. One owner thread.
 
-    def __init__(self, workers: int, timeout_s: float, *, reward_fn: str | None = None) -> None:
+    Waiting jobs go to free workers in the order of ``dispatch`` ([reward_host.dispatch];
+    first come, first served when not given)."""
+
+    def __init__(self, workers: int, timeout_s: float, *, reward_fn: str | None = None,
+                 dispatch: DispatchQueue | None = None) -> None:
         if workers < 1:
             raise ValueError(f"workers: must be >= 1, got {workers}")
         if not timeout_s > 0:
@@ -195,7 +201,7 @@ class RewardPool:
         load_reward_fn(reward_fn)  # a bad path fails here, once, with the path in the message
         self.size, self.timeout_s, self.reward_fn = workers, timeout_s, reward_fn or ""
         self._workers: list[_Worker] = []
-        self._queue: collections.deque[RewardJob] = collections.deque()
+        self._queue: DispatchQueue = dispatch if dispatch is not None else FifoQueue()
         self._decoder = msgspec.msgpack.Decoder(RewardOutcome)
         self._encoder = msgspec.msgpack.Encoder()
         self._spawn_retry_at = 0.0
@@ -207,7 +213,7 @@ class RewardPool:
 
     # -- the owner's API ------------------------------------------------------------
     def submit(self, job: RewardJob) -> None:
-        self._queue.append(job)
+        self._queue.push(job)
         self._dispatch()
 
     def poll(self, timeout: float = 0.0) -> list[RewardOutcome]:
@@ -307,13 +313,13 @@ class RewardPool:
             if not self._queue:
                 return
             if w.ready and w.job is None:
-                job = self._queue.popleft()
+                job = self._queue.pop()
                 try:
                     body = self._encoder.encode(job)
                     w.proc.stdin.write(_LEN.pack(len(body)) + body)  # type: ignore[union-attr]
                     w.proc.stdin.flush()  # type: ignore[union-attr]
                 except OSError:  # the worker is gone; _collect reaps it, the job goes back
-                    self._queue.appendleft(job)
+                    self._queue.put_back(job)
                     continue
                 w.job, w.started = job, time.monotonic()
 

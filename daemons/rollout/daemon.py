@@ -1,7 +1,7 @@
 """The rollout daemon: an inference engine with continuous batching, serving generation requests.
 
 setup() loads the model of spec.model.path into the engine named by
-spec.rollout.engine, binds a RequestServer (published as ``addresses["requests"]``)
+spec.rollout.engine (through the engine registry), binds a RequestServer (published as ``addresses["requests"]``)
 and starts the engine thread (``loop.EngineLoop``), which owns the engine and the
 socket; cycle() only reports what that thread did (weight-version changes) and
 notices if it died. Weight versions come from the local relay through
@@ -51,7 +51,8 @@ class Rollout(Daemon):
     def setup(self) -> None:
         import torch  # here, not at import: `rlfleet daemon --help` stays instant
 
-        from .engine import make_engine
+        from rlfleet.common.seams import ROLLOUT_ENGINES
+
         from .loop import EngineLoop
 
         assert self.spec is not None
@@ -62,8 +63,8 @@ class Rollout(Daemon):
         except RuntimeError:
             pass  # already set in this process
         rs = self.spec.rollout
-        engine = make_engine(rs.engine, self.spec.model.path, max_batch=rs.max_batch,
-                             dtype=self.spec.model.dtype)
+        engine = ROLLOUT_ENGINES.build(rs.engine, model_path=self.spec.model.path,
+                                       dtype=self.spec.model.dtype)
         self.server = RequestServer(f"tcp://{rs.bind_host}:0",
                                     expect=(GenerateRequest, Abort, RolloutStats),
                                     name=f"{self.options.member_id}-requests")
@@ -71,7 +72,7 @@ class Rollout(Daemon):
         self.loop = EngineLoop(engine, self.server, self.options.member_id, self._make_reader)
         self.loop.start()
         log.info("serving %s on %s: engine %s, max_batch %d, cache %d tokens/slot, %d torch thread(s)",
-                 self.spec.model.path, self.server.endpoint, rs.engine, rs.max_batch,
+                 self.spec.model.path, self.server.endpoint, rs.engine.kind, getattr(engine, "max_batch", 0),
                  getattr(engine, "max_len", 0), threads, extra={"event": "serving"})
 
     def _make_reader(self) -> Any:

@@ -1,5 +1,8 @@
 """Rollout engines: one interface (add, abort, step, stats, load_weights), and `torch`.
 
+Which engine a rollout runs is the spec's ``[rollout.engine]`` table, built through the
+registry (``engines.py``, ``rlfleet.common.seams.ROLLOUT_ENGINES``).
+
 The engine is socket-free (STYLE 8): the daemon's loop feeds it requests between
 steps and sends what ``step()`` returns. Every ``add()`` ends as exactly one
 GenerateResult, returned by a later ``step()`` (finished, or refused as "error")
@@ -57,6 +60,7 @@ import torch
 
 from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array
 
+from .engines import default_max_len
 from .slots import SlotCache, sample_rows
 
 log = logging.getLogger("rlfleet.rollout")
@@ -128,15 +132,6 @@ class Engine(abc.ABC):
         """Replace the weights; only between requests (raises if has_running())."""
 
 
-def make_engine(kind: str, model_path: str | Path, *, max_batch: int, max_len: int | None = None,
-                dtype: str = "float32", device: str = "cpu") -> Engine:
-    """The engine named by spec.rollout.engine."""
-    if kind == "torch":
-        return TorchEngine.from_pretrained(model_path, max_batch=max_batch, max_len=max_len,
-                                           dtype=dtype, device=device)
-    raise NotImplementedError(f"rollout engine {kind!r} is not implemented yet (available: 'torch')")
-
-
 class BadRequest(ValueError):
     """A request the engine refuses; the message is the precise reason."""
 
@@ -186,7 +181,7 @@ class TorchEngine(Engine):
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = int(config.vocab_size)
         self.max_batch = max_batch
-        self.max_len = int(max_len or min(getattr(config, "max_position_embeddings", 2048), 4096))
+        self.max_len = int(max_len or default_max_len(config))
         self.max_prefill_tokens = max_prefill_tokens
         self.eos = eos_token_ids if eos_token_ids is not None else _eos_ids(model)
         self.weight_version = weight_version

@@ -2,37 +2,32 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
+from rlfleet.common.seams import TASKS
+
 from .arithmetic import ArithmeticTask  # pure Python, cheap: importable directly
 from .base import ANSWER_MARK, Prompt, Split, Task, TaskEnv, split_of
-
-# name -> (module, class). Imported on first use: gymnasium is only needed by the hosts
-# that actually run frozenlake.
-_REGISTRY: dict[str, tuple[str, str]] = {
-    "arithmetic": ("arithmetic", "ArithmeticTask"),
-    "frozenlake": ("frozenlake", "FrozenLakeTask"),
-}
-TASK_NAMES: tuple[str, ...] = tuple(_REGISTRY)
 
 
 def get_task(name: str, **difficulty: Any) -> Task:
     """The task `name` at the given difficulty, e.g. get_task("arithmetic", digits=2).
 
-    Unknown names and unknown difficulty knobs are ValueErrors that list the valid ones.
+    The names are the task registry's (kinds.py, registered as ``rlfleet.tasks`` entry
+    points); a task module is imported on first use (gymnasium only where frozenlake
+    runs). Unknown names and unknown difficulty knobs are ValueErrors that list the
+    valid ones.
     """
-    if name not in _REGISTRY:
-        raise ValueError(f"task: must be one of {list(TASK_NAMES)}, got {name!r}")
-    module, class_name = _REGISTRY[name]
-    cls = getattr(importlib.import_module(f".{module}", __name__), class_name)
+    if name not in TASKS.kinds():
+        raise ValueError(f"task: must be one of {TASKS.names()}, got {name!r}")
+    cls = TASKS.get(name).task_class()  # type: ignore[attr-defined]
     knobs = list(inspect.signature(cls).parameters)
     unknown = sorted(set(difficulty) - set(knobs))
     if unknown:
-        raise ValueError(f"task.difficulty: {name} has no knob(s) {unknown}; it has {knobs}")
+        raise ValueError(f"task {name!r} has no knob(s) {unknown}; it has {knobs}")
     return cls(**difficulty)
 
 
-__all__ = ["ANSWER_MARK", "TASK_NAMES", "ArithmeticTask", "Prompt", "Split", "Task", "TaskEnv",
+__all__ = ["ANSWER_MARK", "ArithmeticTask", "Prompt", "Split", "Task", "TaskEnv",
            "get_task", "split_of"]

@@ -29,6 +29,7 @@ from rlfleet.common.durable import fsync_path
 from rlfleet.common.wire import ScoredTrajectory
 
 from . import grpo
+from .losses import PolicyLoss, PPOClipLoss
 
 log = logging.getLogger("rlfleet.trainer")
 
@@ -62,8 +63,8 @@ class CheckpointError(Exception):
 
 
 class Learner:
-    def __init__(self, model_dir: str | os.PathLike[str], lr: float = 1e-4, clip_eps: float = 0.2,
-                 seed: int = 0, threads: int = 1, *, temperature: float = 1.0,
+    def __init__(self, model_dir: str | os.PathLike[str], lr: float = 1e-4,
+                 loss: PolicyLoss | None = None, seed: int = 0, threads: int = 1, *, temperature: float = 1.0,
                  aggregate: grpo.Aggregate = "token", max_grad_norm: float = 1.0,
                  weight_decay: float = 0.0, micro_batch_tokens: int = 16384,
                  lr_schedule: str = "constant", warmup_steps: int = 0,
@@ -71,7 +72,9 @@ class Learner:
         self.model_dir = Path(model_dir)
         scheduled_lr(lr, 1, lr_schedule, warmup_steps, total_steps)  # refuse a bad schedule now
         self.lr_schedule, self.warmup_steps, self.total_steps = lr_schedule, warmup_steps, total_steps
-        self.lr, self.clip_eps, self.seed = lr, clip_eps, seed
+        self.lr, self.seed = lr, seed
+        # [trainer.loss], built by the registry (losses.py); PPO-clip at 0.2 when not given.
+        self.loss = loss if loss is not None else PPOClipLoss()
         self.temperature, self.aggregate = temperature, aggregate
         self.max_grad_norm, self.weight_decay = max_grad_norm, weight_decay
         self.micro_batch_tokens = micro_batch_tokens  # padded tokens per forward pass
@@ -127,9 +130,9 @@ class Learner:
             ids = batch.input_ids[rows, :width]
             logits = self.model(input_ids=ids, attention_mask=batch.attention_mask[rows, :width]).logits
             logp, entropy = grpo.token_logprobs(logits, ids, self.temperature)
-            loss, stats = grpo.clipped_loss(
+            loss, stats = self.loss(
                 logp, batch.behaviour_logprobs[rows, :width - 1], batch.advantages[rows],
-                batch.loss_mask[rows, :width - 1], self.clip_eps, self.aggregate,
+                batch.loss_mask[rows, :width - 1], aggregate=self.aggregate,
                 denominator=denominator, entropy=entropy)
             loss.backward()
             loss_total += loss.item()
@@ -210,7 +213,7 @@ class Learner:
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
         state = {"version": version, "time": time.time(), "lr": self.lr,
-                 "lr_schedule": self.lr_schedule, "clip_eps": self.clip_eps,
+                 "lr_schedule": self.lr_schedule, "loss": self.loss.describe(),
                  "seed": self.seed, "base_model": str(self.model_dir), **(extra or {})}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         for f in tmp.iterdir():

@@ -169,6 +169,8 @@ class TrainingWorker:
                 self.status = "stopped"
 
     def _resume(self) -> None:
+        from rlfleet.common.seams import POLICY_LOSSES
+
         from .learner import Learner, checkpoints  # torch: imported only by a leader
 
         self.status = "resuming"
@@ -178,7 +180,8 @@ class TrainingWorker:
         if not raw.isdigit() or int(raw) < 1:
             raise ValueError(f"RLFLEET_TORCH_THREADS must be an integer >= 1, got {raw!r}")
         threads = int(raw)
-        learner = Learner(self.spec.model.path, lr=t.learning_rate, clip_eps=t.clip_eps,
+        learner = Learner(self.spec.model.path, lr=t.learning_rate,
+                          loss=POLICY_LOSSES.build(t.loss),
                           seed=self.spec.job.seed, threads=threads,
                           lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
                           total_steps=t.max_steps,

@@ -36,9 +36,6 @@ max_steps = 100000
 checkpoint_every = 2
 max_staleness = 2          # and so env-hosts pace their claims by trainer/progress
 
-[rollout]
-max_new_tokens = 4
-
 [env_host]
 max_concurrent = 16
 turn_timeout_s = 10

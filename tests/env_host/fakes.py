@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @functools.cache
 def tokenizer_dir() -> Path:
-    """A folder with the tiny model's tokenizer (and a config.json, so specs accept it)."""
+    """A folder with the tiny model's tokenizer (and a config.json and an empty weights
+    file, so specs accept it; nothing here loads weights)."""
     shipped = REPO / "models" / "tiny-qwen2"
     if (shipped / "tokenizer.json").exists() and (shipped / "config.json").exists():
         return shipped
@@ -28,6 +29,7 @@ def tokenizer_dir() -> Path:
     build_tokenizer(out)
     # model_type decides how transformers loads the tokenizer (as for the real model).
     (out / "config.json").write_text('{"model_type": "qwen2"}')
+    (out / "model.safetensors").write_bytes(b"")
     return out
 
 

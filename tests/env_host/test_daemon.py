@@ -30,7 +30,7 @@ max_concurrent = 8
 turn_timeout_s = 5
 trajectory_timeout_s = 10
 
-[reward_host]
+[reward_host.backend]
 workers = 1
 """
 

@@ -127,7 +127,7 @@ def test_journal_path_prefers_the_run_dir(tmp_path, monkeypatch):
     from .fakes import tokenizer_dir
 
     spec = parse_spec({"job": {"name": "jp", "runs_dir": str(tmp_path / "runs")},
-                       "model": {"path": str(tokenizer_dir())}, "task": {"name": "arithmetic"}})
+                       "model": {"path": str(tokenizer_dir())}, "task": {"env": {"kind": "arithmetic"}}})
     monkeypatch.delenv("RLFLEET_RUN_DIR", raising=False)
     assert journal_path(spec, "e1") == tmp_path / "runs" / "jp" / "env-host" / "e1.jsonl"
     monkeypatch.setenv("RLFLEET_RUN_DIR", str(tmp_path / "run"))

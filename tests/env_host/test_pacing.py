@@ -23,7 +23,7 @@ KEYS = JobKeys("pacing")
 
 def spec(pace_claims=True, **trainer):
     return parse_spec({"job": {"name": "pacing"}, "model": {"path": str(TINY_MODEL)},
-                       "task": {"name": "arithmetic", "group_size": 8},
+                       "task": {"env": {"kind": "arithmetic"}, "group_size": 8},
                        "trainer": {"batch_size": 32, **trainer}, "env_host": {"pace_claims": pace_claims}})
 
 

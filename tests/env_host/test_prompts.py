@@ -48,10 +48,18 @@ def spec_of(task: dict):
 
 
 def test_task_from_spec_applies_max_turns_to_multi_turn_tasks():
-    fl = spec_of({"name": "frozenlake", "max_turns": 8, "difficulty": {"size": 5}})
-    assert task_kwargs(fl) == {"size": 5, "max_turns": 8}
-    assert task_from_spec(fl).max_turns == 8
-    explicit = spec_of({"name": "frozenlake", "max_turns": 8, "difficulty": {"max_turns": 6}})
-    assert task_from_spec(explicit).max_turns == 6
-    ar = spec_of({"name": "arithmetic", "difficulty": {"digits": 2}})
-    assert task_kwargs(ar) == {"digits": 2} and task_from_spec(ar).digits == 2
+    fl = spec_of({"max_turns": 8, "env": {"kind": "frozenlake", "size": 5}})
+    assert task_kwargs(fl) == {"size": 5, "p": 0.75, "max_turns": 8}
+    assert task_from_spec(fl).max_turns == 8 and task_from_spec(fl).size == 5
+    ar = spec_of({"max_turns": 8, "env": {"kind": "arithmetic", "digits": 3}})
+    # single-turn: [task] max_turns is not a knob of arithmetic
+    assert task_kwargs(ar) == {"digits": 3, "min_digits": 2, "ops": "+"}
+    assert task_from_spec(ar).difficulty() == get_task("arithmetic", digits=3).difficulty()
+
+
+def test_task_defaults_are_the_task_classes_defaults():
+    # An omitted knob must build the same task as before the knobs were typed.
+    for kind in ("arithmetic", "frozenlake"):
+        spec = spec_of({"max_turns": 12, "env": {"kind": kind}})
+        kwargs = {"max_turns": 12} if kind == "frozenlake" else {}
+        assert task_from_spec(spec).difficulty() == get_task(kind, **kwargs).difficulty()

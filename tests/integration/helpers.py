@@ -24,8 +24,10 @@ retry_timeout_s = 0.5
 [model]
 path = "{model}"
 
+[task.env]
+kind = "arithmetic"
+
 [task]
-name = "arithmetic"
 """
 
 

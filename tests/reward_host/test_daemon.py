@@ -22,7 +22,8 @@ from .fakes import FakeTrainer, trajectory
 
 JOB = "rhtest"
 SPEC = """
-[reward_host]
+[reward_host.backend]
+kind = "rule_pool"
 workers = 2
 timeout_s = 5
 """
@@ -59,7 +60,8 @@ def test_scored_exactly_once_per_id_across_a_sigkill(tmp_path, etcd, trainer):
                                               "addresses": {"trajectories": trainer.address}})
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
-    # The reward-host loads no model; the spec only needs the folder.
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    # The reward-host loads no model; the spec only needs the folder (and sees weights).
     spec_path = write_spec(tmp_path, JOB, SPEC, model=tmp_path / "model")
     log = tmp_path / "reward-host.log"
 

@@ -25,6 +25,12 @@ def service():
     stop = threading.Event()
     thread = threading.Thread(target=svc.run, args=(stop,), daemon=True)
     thread.start()
+    # Tests count re-sends (resend_after_s=0.5): a worker still importing would make the
+    # first copy wait long enough to be sent twice, so they start with the worker ready.
+    deadline = time.monotonic() + 30.0
+    while pool.ready < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pool.ready == 1, "reward worker not ready within 30 s"
     yield svc
     stop.set()
     thread.join(5)

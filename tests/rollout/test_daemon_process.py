@@ -25,7 +25,8 @@ from .test_engine import greedy_reference, req
 
 HOST = "gpu-07"
 SPEC = """
-[rollout]
+[rollout.engine]
+kind = "torch"
 max_batch = 8
 """
 

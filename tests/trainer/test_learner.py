@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rlfleet.daemons.trainer import grpo
+from rlfleet.daemons.trainer.losses import PPOClipLoss
 from rlfleet.daemons.trainer.learner import (STATE_FILE, CheckpointError, Learner, checkpoints,
                                             scheduled_lr)
 
@@ -31,7 +32,7 @@ def group(learner: Learner, prompt_id: int = 0) -> list:
 
 
 def test_rewarded_completion_becomes_more_likely(tiny_model):
-    learner = Learner(tiny_model, lr=3e-3, clip_eps=0.2, seed=0, threads=1)
+    learner = Learner(tiny_model, lr=3e-3, loss=PPOClipLoss(0.2), seed=0, threads=1)
     before = [learner.sequence_logprob(PROMPT, c) for c in COMPLETIONS]
     for step in range(1, 6):
         stats = learner.train_step([group(learner)])

@@ -40,7 +40,7 @@ def start_worker(tmp_path, etcd, tiny_model, **trainer):
     spec = parse_spec({
         "job": {"name": "tw", "runs_dir": str(tmp_path / "runs")},
         "model": {"path": str(tiny_model)},
-        "task": {"name": "arithmetic", "group_size": 2},
+        "task": {"env": {"kind": "arithmetic"}, "group_size": 2},
         "trainer": {"batch_size": 4, "max_steps": 3, "checkpoint_every": 2, "max_staleness": 1,
                     "learning_rate": 1e-3, **trainer},
     })

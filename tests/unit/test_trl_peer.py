@@ -130,10 +130,11 @@ runs_dir = "{tmp_path / 'runs'}"
 [model]
 path = "{model}"
 [task]
-name = "{task}"
 group_size = 2
 eval_size = 4
 eval_every_steps = 1
+[task.env]
+kind = "{task}"
 [trainer]
 batch_size = 4
 learning_rate = 1e-3
@@ -159,6 +160,7 @@ def test_frozenlake_is_refused_with_a_reason(tmp_path):
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")  # the spec wants weights; nothing loads them
     spec = trl_peer.load_job(write_spec(tmp_path, model, task="frozenlake"))
     with pytest.raises(SystemExit, match="multi-turn.*one completion per prompt"):
         trl_peer.task_for(spec)

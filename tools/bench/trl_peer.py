@@ -16,7 +16,7 @@ train prompt stream (make_prompts("train", n, job.seed), in order: no shuffling)
 rule reward, group size, completions per step (trainer.batch_size, one optimizer step per
 batch), learning rate and its schedule (fused AdamW, no weight decay, grad-norm clip 1.0), sampling
 temperature/top_p, the per-turn token budget (task.max_new_tokens + 1, as the env-host
-asks), PPO-clip eps, no KL term (beta=0), token-level loss aggregation (TRL "dapo" =
+asks), PPO-clip eps ([trainer.loss] clip_eps), no KL term (beta=0), token-level loss aggregation (TRL "dapo" =
 rlfleet "token"), and greedy held-out eval every task.eval_every_steps on eval_size
 prompts through tools.evaluate.evaluate_model.
 
@@ -172,16 +172,14 @@ def load_job(spec_path: str | os.PathLike, model: str | None = None) -> JobSpec:
 
 
 def task_for(spec: JobSpec) -> Any:
-    """The job's task at the warm-start difficulty overridden by spec.task.difficulty;
-    refuses multi-turn tasks (module docstring)."""
-    from rlfleet.daemons.tasks import get_task
-    from rlfleet.tools.evaluate import task_difficulty
+    """The job's task exactly as the fleet builds it from [task.env] (whose defaults are
+    the shipped model's warm-start difficulty); refuses multi-turn tasks (module docstring)."""
+    from rlfleet.common.seams import TASKS
 
-    difficulty = {**task_difficulty(spec.model.path, spec.task.name), **spec.task.difficulty}
-    task = get_task(spec.task.name, **difficulty)
+    task = TASKS.build(spec.task.env, max_turns=spec.task.max_turns)
     if task.multi_turn:
         raise SystemExit(
-            f"trl_peer: task {spec.task.name!r} is multi-turn (up to {task.max_turns} turns); TRL's "
+            f"trl_peer: task {spec.task.env.kind!r} is multi-turn (up to {task.max_turns} turns); TRL's "
             "GRPOTrainer samples one completion per prompt, so it cannot run this task. A one-turn "
             "variant would be a different task; the peer supports single-turn tasks (arithmetic).")
     return task
@@ -306,6 +304,8 @@ def run_trl(spec: JobSpec, out: Path, budget_s: float, *, max_steps: int | None 
     torch.set_num_threads(threads)
     print(f"torch threads: {threads} (the TRL run is alone on this machine)", flush=True)
     t, g = spec.trainer, spec.task.group_size
+    if t.loss.kind != "ppo_clip":  # TRL's loss is PPO-clip; another loss is another experiment
+        raise SystemExit(f"trl_peer: compares [trainer.loss] kind = 'ppo_clip' only, got {t.loss.kind!r}")
     steps = max_steps or t.max_steps
     prompts_per_step = t.batch_size // g
     out.mkdir(parents=True, exist_ok=True)
@@ -320,7 +320,7 @@ def run_trl(spec: JobSpec, out: Path, budget_s: float, *, max_steps: int | None 
         # The same schedule: "constant"/"linear" with warmup mean the same in TRL (HF).
         learning_rate=t.learning_rate, lr_scheduler_type=t.lr_schedule, warmup_steps=t.warmup_steps,
         weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch_fused",
-        beta=0.0, epsilon=t.clip_eps, loss_type="dapo", scale_rewards="group",
+        beta=0.0, epsilon=t.loss.clip_eps, loss_type="dapo", scale_rewards="group",
         temperature=spec.rollout.temperature, top_p=spec.rollout.top_p, top_k=0,
         max_completion_length=task.max_new_tokens + 1,  # + the end token, as the env-host asks
         save_strategy="no", report_to="none", logging_steps=1, disable_tqdm=True,
