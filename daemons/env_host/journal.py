@@ -32,8 +32,7 @@ from typing import Any
 from rlfleet.common.run_dir import job_run_dir
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.wire import Float32Array, Int32Array, Trajectory, Turn
-
-from .prompts import group_id, parse_trajectory_id, trajectory_id
+from rlfleet.daemons.tasks.prompts import group_id, parse_trajectory_id, trajectory_id
 
 log = logging.getLogger("rlfleet.env_host")
 

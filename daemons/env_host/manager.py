@@ -35,8 +35,8 @@ from typing import Any
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array, Trajectory, Turn
 from rlfleet.daemons.tasks import Prompt, Task, TaskEnv
+from rlfleet.daemons.tasks.prompts import group_id, trajectory_id
 
-from .prompts import group_id, trajectory_id
 from .routing import RouteError, Router
 
 log = logging.getLogger("rlfleet.env_host")
@@ -63,7 +63,7 @@ class ManagerConfig:
 
 
 class TurnCodec:
-    """Text <-> token ids exactly as tools/evaluate.py does it: the tokenizer's
+    """Text <-> token ids exactly as daemons/tasks/episodes.py does it: the tokenizer's
     post-processor puts <bos> in front of every prompt; a completion is cut at the
     first end token, which stays in the turn's token ids (the policy must learn to
     stop) but not in the decoded action text."""

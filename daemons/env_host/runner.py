@@ -25,15 +25,15 @@ from typing import Any
 
 from prometheus_client import Counter
 
+from rlfleet.common.outbox import Acked
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.common.wire import Trajectory, Turn
 from rlfleet.daemons.tasks import Prompt, Task
+from rlfleet.daemons.tasks.prompts import PromptStream, parse_trajectory_id, trajectory_id
 
 from .claims import ClaimContention, ClaimError
 from .journal import Journal
 from .manager import EnvManager, ManagerConfig, TurnCodec
-from .outbox import Acked
-from .prompts import PromptStream, parse_trajectory_id, trajectory_id
 from .routing import Router
 
 log = logging.getLogger("rlfleet.env_host")

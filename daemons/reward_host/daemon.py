@@ -21,7 +21,7 @@ from rlfleet.common.daemon import Daemon
 from rlfleet.common.sockets import ReliableReceiver
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.common.wire import Trajectory
-from rlfleet.daemons.env_host.prompts import task_kwargs
+from rlfleet.daemons.tasks.prompts import task_kwargs
 
 from .service import RewardService
 from .workers import RewardPool

@@ -28,7 +28,7 @@ from prometheus_client import Counter
 
 from rlfleet.common.sockets import ReliableReceiver
 from rlfleet.common.wire import ScoredTrajectory, Trajectory
-from rlfleet.daemons.env_host.outbox import Outbox
+from rlfleet.common.outbox import Outbox
 from rlfleet.daemons.tasks import Prompt
 
 from .workers import RewardJob, RewardOutcome, RewardPool
