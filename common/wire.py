@@ -262,8 +262,31 @@ class Turn(msgspec.Struct, frozen=True, array_like=True):
         )
 
 
+class Prompt(msgspec.Struct, frozen=True, array_like=True):
+    """One task instance (made by ``rlfleet.daemons.tasks``). It travels, as this one
+    type, from the env-host's prompt stream in a Trajectory to the reward-host and on
+    to its reward workers, so scoring needs no prompt stream of its own."""
+
+    task: str       # task name, as given to get_task
+    split: str      # "train" or "eval"
+    uid: str        # unique per generated prompt: task-split-seed-index-contentdigest
+    question: str   # arithmetic: "37+85"; frozenlake: the map rows joined by "\n"
+    answer: str     # arithmetic: "122"; frozenlake: "" (the env decides success)
+    seed: int = 0   # generator seed of this instance (frozenlake: the map seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain fields, for JSON outside the data plane (datasets, reports)."""
+        return msgspec.structs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Prompt:
+        return cls(**{name: d[name] for name in cls.__struct_fields__ if name in d})
+
+
 class Trajectory(_Msg):
-    """env-host -> reward-host. ``dropped_reason`` non-empty means: account, don't train."""
+    """env-host -> reward-host. ``dropped_reason`` non-empty means: account, don't train.
+    ``prompt``: what the reward-host scores against (None only from a sender that
+    predates the field; such a trajectory is scored 0 with a reward_error)."""
 
     trajectory_id: str
     prompt_id: int
@@ -273,6 +296,7 @@ class Trajectory(_Msg):
     env_reward: float
     info: dict[str, str] = msgspec.field(default_factory=dict)
     dropped_reason: str = ""
+    prompt: Prompt | None = None
 
 
 class ScoredTrajectory(_Msg):

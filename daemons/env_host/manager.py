@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import queue
@@ -201,13 +200,12 @@ class EnvManager:
         return self._trajectory(reason, detail)
 
     def _trajectory(self, reason: str, detail: str) -> Trajectory:
-        info = {"prompt": json.dumps(self.prompt.to_dict(), separators=(",", ":")),
-                "turns": str(len(self.turns)), "invalid_actions": str(self.invalid_actions),
+        info = {"turns": str(len(self.turns)), "invalid_actions": str(self.invalid_actions),
                 "reissues": str(self.reissues), "rollouts": ",".join(dict.fromkeys(self.rollouts_used))}
         if detail:
             info["error"] = detail
         return Trajectory(self.tid, self.prompt_id, group_id(self.prompt_id), self.task.name,
-                          list(self.turns), self.env_reward, info, reason)
+                          list(self.turns), self.env_reward, info, reason, prompt=self.prompt)
 
     # -- the episode ------------------------------------------------------------------
     async def _play(self) -> None:

@@ -255,7 +255,7 @@ class EnvRunner:
                 continue
             live.add(tid)
             if status == "done":
-                self.submit(tid, self.journal.finished(tid))
+                self.submit(tid, self.journal.finished(tid, prompt))
             else:
                 resume = self.journal.turns(tid) if status == "partial" else []
                 task = self.loop.create_task(self._trajectory(prompt, prompt_id, k, resume))

@@ -7,10 +7,11 @@
   the trainer is ignored (the env-host is acked once the trainer acks); a copy of an id
   the trainer already acked (our ack to the env-host was lost) is acked at once.
 - Dropped trajectories (dropped_reason set) pass through unscored, reward 0.
-- The prompt for scoring travels in ``Trajectory.info["prompt"]`` (Prompt.to_dict() as
-  JSON, written by the env-host), so the reward-host needs no prompt stream and stays
-  stateless; a missing or malformed prompt, or a task other than the job's, is scored
-  0 with ``reward_error`` saying why — never refused, so nothing is lost.
+- The prompt for scoring travels typed in ``Trajectory.prompt`` (common/wire.py), set by
+  the env-host, and goes on as it is in the RewardJob, so the reward-host needs no prompt
+  stream and stays stateless; a missing prompt, or a task other than the job's, is
+  scored 0 with ``reward_error`` saying why — never refused, so nothing is lost.
+- Which queued job starts on which idle worker is the pool's Dispatch (dispatch.py).
 - Stateless: after a crash nothing is lost, because env-hosts re-send everything that
   was not acked, and the trainer drops duplicates by id.
 """
@@ -18,7 +19,6 @@
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import threading
 from typing import Any
@@ -26,10 +26,9 @@ from typing import Any
 import zmq
 from prometheus_client import Counter
 
+from rlfleet.common.outbox import Outbox
 from rlfleet.common.sockets import ReliableReceiver
 from rlfleet.common.wire import ScoredTrajectory, Trajectory
-from rlfleet.common.outbox import Outbox
-from rlfleet.daemons.tasks import Prompt
 
 from .workers import RewardJob, RewardOutcome, RewardPool
 
@@ -123,14 +122,9 @@ class RewardService:
     def _job(self, traj: Trajectory) -> tuple[RewardJob | None, str]:
         if traj.task != self.task_name:
             return None, f"trajectory of task {traj.task!r}, this job scores {self.task_name!r}"
-        raw = traj.info.get("prompt")
-        if raw is None:
-            return None, "no prompt in trajectory info (info['prompt'] missing)"
-        try:
-            prompt = Prompt.from_dict(json.loads(raw))
-        except (ValueError, TypeError, KeyError) as exc:
-            return None, f"unreadable info['prompt']: {type(exc).__name__}: {exc}"[:300]
-        return RewardJob(traj.trajectory_id, self.task_name, self.task_kwargs, prompt.to_dict(),
+        if traj.prompt is None:
+            return None, "no prompt in the trajectory (a sender older than Trajectory.prompt)"
+        return RewardJob(traj.trajectory_id, self.task_name, self.task_kwargs, traj.prompt,
                          [t.action for t in traj.turns]), ""
 
     def _on_outcome(self, outcome: RewardOutcome) -> None:

@@ -1,0 +1,81 @@
+"""The reward dispatch decision in process: no worker processes, no sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlfleet.common.wire import Prompt
+from rlfleet.daemons.reward_host.dispatch import Dispatch, FifoDispatch
+from rlfleet.daemons.reward_host.workers import RewardJob, RewardPool
+
+PROMPT = Prompt("arithmetic", "train", "u", "1+1", "2")
+
+
+def job(key: str) -> RewardJob:
+    return RewardJob(key, "arithmetic", {}, PROMPT, ["2"])
+
+
+def drain(d: Dispatch, idle: list[int]) -> list[tuple[int, str]]:
+    out = []
+    while idle and (picked := d.pick(idle)) is not None:
+        idle.remove(picked[0])
+        out.append((picked[0], picked[1].key))
+    return out
+
+
+def test_fifo_gives_jobs_in_arrival_order_to_the_idle_workers_offered():
+    d = FifoDispatch()
+    assert d.pick([0, 1]) is None  # nothing queued
+    for key in "abc":
+        d.add(job(key))
+    assert drain(d, [2, 0]) == [(2, "a"), (0, "b")]  # only workers offered, in that order
+    assert len(d) == 1 and d.pick([]) is None  # no idle worker: the job waits
+    assert drain(d, [1, 3]) == [(1, "c")] and len(d) == 0
+
+
+def test_a_job_that_could_not_be_handed_over_goes_first_again():
+    d = FifoDispatch()
+    for key in "ab":
+        d.add(job(key))
+    worker, first = d.pick([0])
+    d.requeue(first)  # the worker's pipe was gone
+    assert drain(d, [1, 2]) == [(1, "a"), (2, "b")]
+
+
+class Recording(Dispatch):
+    """A dispatch the pool must obey: it records what it was offered."""
+
+    def __init__(self) -> None:
+        self.inner, self.offered = FifoDispatch(), []
+
+    def add(self, job):
+        self.inner.add(job)
+
+    def requeue(self, job):
+        self.inner.requeue(job)
+
+    def pick(self, idle):
+        self.offered.append(list(idle))
+        return self.inner.pick(list(reversed(idle)))  # prefers the last idle worker
+
+    def __len__(self):
+        return len(self.inner)
+
+
+@pytest.mark.timeout(60)
+def test_the_pool_asks_its_dispatch_and_scores_what_it_picks():
+    d = Recording()
+    pool = RewardPool(2, 10.0, dispatch=d)
+    try:
+        for key in ("a", "b", "c"):
+            pool.submit(job(key))
+        got = {}
+        while len(got) < 3:
+            for outcome in pool.poll(30.0):
+                got[outcome.key] = outcome
+        assert {k: (o.reward, o.error) for k, o in got.items()} == {k: (1.0, "") for k in "abc"}
+        # Asked each time a worker was free, and only ever offered the pool's two workers.
+        assert len(d.offered) >= 3 and all(set(o) <= {0, 1} and o for o in d.offered)
+        assert pool.queued == 0
+    finally:
+        pool.close()
