@@ -1,4 +1,16 @@
-"""Which queued reward job goes to which idle worker next: the decision, with no I/O.
+"""The reward-host's decisions, with no I/O: what becomes of an arriving trajectory
+(``arrival``), and which queued reward job goes to which idle worker next (``Dispatch``).
+
+``arrival`` is asked by the service (service.py) for every trajectory it receives:
+
+    refuse        the key is not the trajectory's id: a negative ack, for good
+    wait          a copy of an id being scored or waiting for the trainer: the
+                  sender is acked when the trainer acks the first copy
+    ack_again     a copy of an id the trainer already acked (our ack was lost)
+    pass_dropped  dropped upstream: forwarded unscored, reward 0
+    score_zero    cannot be scored (another task, no prompt): reward 0 and a
+                  reward_error saying why; never refused, so nothing is lost
+    score         a RewardJob for the pool
 
 The pool (workers.py) owns processes and pipes; it tells a Dispatch what arrived
 (``add``), what could not be handed over (``requeue``), and, whenever workers are
@@ -14,11 +26,35 @@ from __future__ import annotations
 
 import abc
 import collections
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Container, Sequence
+from typing import TYPE_CHECKING, Literal
+
+from rlfleet.common.wire import Trajectory
 
 if TYPE_CHECKING:  # workers.py imports this module
     from .workers import RewardJob
+
+
+Verdict = Literal["refuse", "wait", "ack_again", "pass_dropped", "score_zero", "score"]
+
+
+def arrival(key: str, traj: Trajectory, *, in_flight: Container[str], acked: Container[str],
+            task_name: str) -> tuple[Verdict, str]:
+    """(verdict, why) for a trajectory received under ``key``; ``in_flight``: ids being
+    scored or waiting for the trainer; ``acked``: ids the trainer acked recently."""
+    if key != traj.trajectory_id:
+        return "refuse", f"key {key!r} is not the trajectory's id {traj.trajectory_id!r}"
+    if key in in_flight:
+        return "wait", ""
+    if key in acked:
+        return "ack_again", ""
+    if traj.dropped_reason:
+        return "pass_dropped", ""
+    if traj.task != task_name:
+        return "score_zero", f"trajectory of task {traj.task!r}, this job scores {task_name!r}"
+    if traj.prompt is None:
+        return "score_zero", "no prompt in the trajectory (a sender older than Trajectory.prompt)"
+    return "score", ""
 
 
 class Dispatch(abc.ABC):

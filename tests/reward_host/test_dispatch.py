@@ -1,11 +1,12 @@
-"""The reward dispatch decision in process: no worker processes, no sockets."""
+"""The reward-host's decisions in process (what becomes of an arrival, which job goes
+to which worker), without sockets; the last test checks the pool obeys its dispatch."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlfleet.common.wire import Prompt
-from rlfleet.daemons.reward_host.dispatch import Dispatch, FifoDispatch
+from rlfleet.common.wire import Prompt, Trajectory
+from rlfleet.daemons.reward_host.dispatch import Dispatch, FifoDispatch, arrival
 from rlfleet.daemons.reward_host.workers import RewardJob, RewardPool
 
 PROMPT = Prompt("arithmetic", "train", "u", "1+1", "2")
@@ -79,3 +80,23 @@ def test_the_pool_asks_its_dispatch_and_scores_what_it_picks():
         assert pool.queued == 0
     finally:
         pool.close()
+
+
+def traj(tid: str = "p0-g0", *, task: str = "arithmetic", dropped: str = "",
+         prompt: Prompt | None = PROMPT) -> Trajectory:
+    return Trajectory(tid, 0, "p0", task, [], 0.0, {}, dropped, prompt=prompt)
+
+
+@pytest.mark.parametrize(("key", "t", "verdict", "why"), [
+    ("p0-g9", traj(), "refuse", "key 'p0-g9' is not the trajectory's id 'p0-g0'"),
+    ("busy", traj("busy"), "wait", ""),
+    ("done", traj("done"), "ack_again", ""),
+    ("p0-g0", traj(dropped="env_error", prompt=None), "pass_dropped", ""),
+    ("p0-g0", traj(task="frozenlake"), "score_zero",
+     "trajectory of task 'frozenlake', this job scores 'arithmetic'"),
+    ("p0-g0", traj(prompt=None), "score_zero",
+     "no prompt in the trajectory (a sender older than Trajectory.prompt)"),
+    ("p0-g0", traj(), "score", ""),
+])
+def test_what_becomes_of_an_arriving_trajectory(key, t, verdict, why):
+    assert arrival(key, t, in_flight={"busy"}, acked={"done"}, task_name="arithmetic") == (verdict, why)
