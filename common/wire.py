@@ -20,18 +20,18 @@ Anything else (removing, reordering, retyping a field) bumps PROTOCOL_VERSION.
 
 from __future__ import annotations
 
-import array
 import enum
 import logging
 import math
-import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar, Literal, Union
+from collections.abc import Sequence
+from typing import Any, Literal, Union
 
 import msgspec
 from prometheus_client import Counter
+
+from rlfleet.common.arrays import ARRAY_TYPES, Array, Float32Array, Int32Array
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 256 * 1024 * 1024
@@ -71,122 +71,8 @@ class WireError(ValueError):
         self.detail = detail
 
 
-# ----------------------------------------------------------------------------- arrays
-
-
-class Array:
-    """A dense little-endian array: dtype, shape and a bytes-like buffer.
-
-    Deliberately tiny so that daemons without numpy (env-hosts, reward-hosts) can
-    carry token ids; ``numpy()`` gives a zero-copy view where numpy is installed.
-    Build one with ``Int32Array([1, 2, 3])``, ``Int32Array(ndarray_or_tensor)`` or
-    ``Int32Array.frombuffer(raw_le_bytes)``.
-    """
-
-    __slots__ = ("_data", "shape")
-    dtype: ClassVar[str]  # numpy-style dtype string, as written on the wire
-    _typecode: ClassVar[str]  # stdlib `array` typecode of the same item size
-    itemsize: ClassVar[int] = 4
-
-    def __init__(self, values: Iterable[Any] = ()) -> None:
-        if isinstance(values, (bytes, bytearray, memoryview)):
-            raise TypeError(f"use {type(self).__name__}.frombuffer() for raw bytes")
-        if isinstance(values, Array):
-            if values.dtype != self.dtype:
-                raise TypeError(f"cannot make {self.dtype} array from {values.dtype}")
-            self._data, self.shape = values._data, values.shape
-            return
-        if hasattr(values, "__array__"):  # numpy array, torch tensor (CPU)
-            import numpy as np  # only where the caller already uses numpy
-
-            src = np.asarray(values)
-            if not np.can_cast(src.dtype, self.dtype, casting="same_kind"):
-                raise TypeError(f"cannot make {self.dtype} array from {src.dtype}")
-            a = np.ascontiguousarray(src, dtype=self.dtype)
-            if src.dtype.kind in "iu" and src.dtype != a.dtype and not np.array_equal(src, a):
-                raise OverflowError(f"values out of {self.dtype} range")
-            self._data, self.shape = memoryview(a).cast("B"), tuple(a.shape)
-            return
-        a = array.array(self._typecode, values)
-        assert a.itemsize == self.itemsize
-        if sys.byteorder == "big":
-            a.byteswap()
-        self._data, self.shape = memoryview(a).cast("B"), (len(a),)
-
-    @classmethod
-    def frombuffer(cls, buf: Any, shape: Sequence[int] | None = None) -> Array:
-        """Wrap raw little-endian bytes without copying."""
-        data = memoryview(buf).cast("B")
-        shape = (data.nbytes // cls.itemsize,) if shape is None else tuple(shape)
-        if math.prod(shape) * cls.itemsize != data.nbytes:
-            raise ValueError(f"shape {shape} does not match {data.nbytes} bytes of {cls.dtype}")
-        obj = cls.__new__(cls)
-        obj._data, obj.shape = data, shape
-        return obj
-
-    @property
-    def data(self) -> memoryview:
-        """The raw little-endian bytes (a flat, read-only-by-convention view)."""
-        return self._data
-
-    @property
-    def nbytes(self) -> int:
-        return self._data.nbytes
-
-    @property
-    def size(self) -> int:
-        return self._data.nbytes // self.itemsize
-
-    def __len__(self) -> int:
-        return self.shape[0] if self.shape else 1
-
-    def tolist(self) -> list[Any]:
-        """Elements as a flat Python list."""
-        if sys.byteorder == "big":
-            a = array.array(self._typecode, bytes(self._data))
-            a.byteswap()
-            return a.tolist()
-        return self._data.cast(self._typecode).tolist()
-
-    def numpy(self) -> Any:
-        """A read-only numpy view of the same memory (no copy)."""
-        import numpy as np
-
-        a = np.frombuffer(self._data, dtype=self.dtype).reshape(self.shape)
-        a.flags.writeable = False  # it may be a received frame, or share a sender's data
-        return a
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Array):
-            return NotImplemented
-        return self.dtype == other.dtype and self.shape == other.shape and self._data == other._data
-
-    def __hash__(self) -> int:
-        return hash((self.dtype, self.shape, bytes(self._data)))
-
-    def __repr__(self) -> str:
-        items = self.tolist()
-        shown = items if len(items) <= 8 else [*items[:8], "..."]
-        return f"{type(self).__name__}({shown}, shape={self.shape})"
-
-
-class Int32Array(Array):
-    """Token ids."""
-
-    __slots__ = ()
-    dtype = "<i4"
-    _typecode = "i"
-
-
-class Float32Array(Array):
-    """Log-probabilities."""
-
-    __slots__ = ()
-    dtype = "<f4"
-    _typecode = "f"
-
-
-_ARRAY_TYPES: dict[str, type[Array]] = {c.dtype: c for c in (Int32Array, Float32Array)}
+# Arrays (Array, Int32Array, Float32Array) live in common/arrays.py; imported above so
+# every message type and its field types come from this one module.
 
 
 def _require_arrays(msg: msgspec.Struct, **fields: type[Array]) -> None:
@@ -262,8 +148,31 @@ class Turn(msgspec.Struct, frozen=True, array_like=True):
         )
 
 
+class Prompt(msgspec.Struct, frozen=True, array_like=True):
+    """One task instance (made by ``rlfleet.daemons.tasks``). It travels, as this one
+    type, from the env-host's prompt stream in a Trajectory to the reward-host and on
+    to its reward workers, so scoring needs no prompt stream of its own."""
+
+    task: str       # task name, as given to get_task
+    split: str      # "train" or "eval"
+    uid: str        # unique per generated prompt: task-split-seed-index-contentdigest
+    question: str   # arithmetic: "37+85"; frozenlake: the map rows joined by "\n"
+    answer: str     # arithmetic: "122"; frozenlake: "" (the env decides success)
+    seed: int = 0   # generator seed of this instance (frozenlake: the map seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain fields, for JSON outside the data plane (datasets, reports)."""
+        return msgspec.structs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Prompt:
+        return cls(**{name: d[name] for name in cls.__struct_fields__ if name in d})
+
+
 class Trajectory(_Msg):
-    """env-host -> reward-host. ``dropped_reason`` non-empty means: account, don't train."""
+    """env-host -> reward-host. ``dropped_reason`` non-empty means: account, don't train.
+    ``prompt``: what the reward-host scores against (None only from a sender that
+    predates the field; such a trajectory is scored 0 with a reward_error)."""
 
     trajectory_id: str
     prompt_id: int
@@ -273,6 +182,7 @@ class Trajectory(_Msg):
     env_reward: float
     info: dict[str, str] = msgspec.field(default_factory=dict)
     dropped_reason: str = ""
+    prompt: Prompt | None = None
 
 
 class ScoredTrajectory(_Msg):
@@ -387,7 +297,7 @@ class _Codec(threading.local):
         if not isinstance(obj, list) or len(obj) != 3:
             raise _BadArray("array must be [dtype, shape, data]")
         dtype, shape, data = obj
-        if _ARRAY_TYPES.get(dtype) is not typ:
+        if ARRAY_TYPES.get(dtype) is not typ:
             raise _BadArray(f"dtype {dtype!r} where {typ.dtype} expected")
         if (
             not isinstance(shape, list)

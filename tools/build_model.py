@@ -35,8 +35,9 @@ from typing import Any
 import torch
 
 from rlfleet.daemons.tasks import Prompt, Task, get_task
+from rlfleet.daemons.tasks.episodes import evaluate_model
 from rlfleet.daemons.tasks.frozenlake import ACTIONS, optimal_actions, parse_observation
-from rlfleet.tools.evaluate import WARMSTART_FILE, evaluate_model, load
+from rlfleet.tools.evaluate import WARMSTART_FILE, load
 
 SPECIAL_TOKENS = ["<pad>", "<eos>"]  # ids 0, 1
 # Digits and operators, a few spare punctuation marks for later tasks, blank and newline,

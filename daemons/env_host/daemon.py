@@ -24,15 +24,15 @@ from typing import Any
 from rlfleet.common.daemon import Daemon
 from rlfleet.common.members import Member, members_from
 from rlfleet.common.seams import ENV_ROUTERS
+from rlfleet.common.outbox import OutboxThread
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.common.wire import Trajectory
+from rlfleet.daemons.tasks.prompts import PromptStream, task_from_spec
 
 from .claims import PromptClaimer
 from .pacing import ClaimPacer, claim_limit
 from .journal import Journal, journal_path
 from .manager import ManagerConfig, TurnCodec
-from .outbox import OutboxThread
-from .prompts import PromptStream, task_from_spec
 from .runner import EnvRunner
 
 log = logging.getLogger("rlfleet.env_host")

@@ -31,9 +31,8 @@ from typing import Any
 
 from rlfleet.common.run_dir import job_run_dir
 from rlfleet.common.spec import JobSpec
-from rlfleet.common.wire import Float32Array, Int32Array, Trajectory, Turn
-
-from .prompts import group_id, parse_trajectory_id, trajectory_id
+from rlfleet.common.wire import Float32Array, Int32Array, Prompt, Trajectory, Turn
+from rlfleet.daemons.tasks.prompts import group_id, parse_trajectory_id, trajectory_id
 
 log = logging.getLogger("rlfleet.env_host")
 
@@ -136,14 +135,16 @@ class Journal:
             s = self.trajectories.get(tid)
             return list(s.turns) if s else []
 
-    def finished(self, tid: str) -> Trajectory:
-        """The trajectory as it was handed to the reward-host (status 'done')."""
+    def finished(self, tid: str, prompt: Prompt | None = None) -> Trajectory:
+        """The trajectory as it was handed to the reward-host (status 'done'). Its
+        ``prompt`` is not journaled: the prompt stream rebuilds it from the prompt id."""
         with self._lock:
             s = self.trajectories[tid]
             assert s.done is not None, tid
             prompt_id, _ = parse_trajectory_id(tid)
             return Trajectory(tid, prompt_id, group_id(prompt_id), s.done["task"], list(s.turns),
-                              float(s.done["env_reward"]), dict(s.done["info"]), s.done["reason"])
+                              float(s.done["env_reward"]), dict(s.done["info"]), s.done["reason"],
+                              prompt=prompt)
 
     def live_prompts(self) -> list[int]:
         with self._lock:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import queue
@@ -35,8 +34,8 @@ from typing import Any
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array, Trajectory, Turn
 from rlfleet.daemons.tasks import Prompt, Task, TaskEnv
+from rlfleet.daemons.tasks.prompts import group_id, trajectory_id
 
-from .prompts import group_id, trajectory_id
 from .routing import RouteError, Router
 
 log = logging.getLogger("rlfleet.env_host")
@@ -63,7 +62,7 @@ class ManagerConfig:
 
 
 class TurnCodec:
-    """Text <-> token ids exactly as tools/evaluate.py does it: the tokenizer's
+    """Text <-> token ids exactly as daemons/tasks/episodes.py does it: the tokenizer's
     post-processor puts <bos> in front of every prompt; a completion is cut at the
     first end token, which stays in the turn's token ids (the policy must learn to
     stop) but not in the decoded action text."""
@@ -201,13 +200,12 @@ class EnvManager:
         return self._trajectory(reason, detail)
 
     def _trajectory(self, reason: str, detail: str) -> Trajectory:
-        info = {"prompt": json.dumps(self.prompt.to_dict(), separators=(",", ":")),
-                "turns": str(len(self.turns)), "invalid_actions": str(self.invalid_actions),
+        info = {"turns": str(len(self.turns)), "invalid_actions": str(self.invalid_actions),
                 "reissues": str(self.reissues), "rollouts": ",".join(dict.fromkeys(self.rollouts_used))}
         if detail:
             info["error"] = detail
         return Trajectory(self.tid, self.prompt_id, group_id(self.prompt_id), self.task.name,
-                          list(self.turns), self.env_reward, info, reason)
+                          list(self.turns), self.env_reward, info, reason, prompt=self.prompt)
 
     # -- the episode ------------------------------------------------------------------
     async def _play(self) -> None:

@@ -25,15 +25,15 @@ from typing import Any
 
 from prometheus_client import Counter
 
+from rlfleet.common.outbox import Acked
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.common.wire import Trajectory, Turn
 from rlfleet.daemons.tasks import Prompt, Task
+from rlfleet.daemons.tasks.prompts import PromptStream, parse_trajectory_id, trajectory_id
 
 from .claims import ClaimContention, ClaimError
 from .journal import Journal
 from .manager import EnvManager, ManagerConfig, TurnCodec
-from .outbox import Acked
-from .prompts import PromptStream, parse_trajectory_id, trajectory_id
 from .routing import Router
 from .routing_policy import RoutingPolicy
 
@@ -257,7 +257,7 @@ class EnvRunner:
                 continue
             live.add(tid)
             if status == "done":
-                self.submit(tid, self.journal.finished(tid))
+                self.submit(tid, self.journal.finished(tid, prompt))
             else:
                 resume = self.journal.turns(tid) if status == "partial" else []
                 task = self.loop.create_task(self._trajectory(prompt, prompt_id, k, resume))

@@ -24,7 +24,7 @@ from rlfleet.common.seams import REWARD_BACKENDS, REWARD_DISPATCH
 from rlfleet.common.sockets import ReliableReceiver
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.common.wire import Trajectory
-from rlfleet.daemons.env_host.prompts import task_kwargs
+from rlfleet.daemons.tasks.prompts import task_kwargs
 
 from .service import RewardService
 

@@ -1,58 +1,102 @@
-"""The reward-dispatch seam: ``[reward_host.dispatch]``, in which order waiting
-trajectories go to free reward workers (ARCHITECTURE §5: FCFS now; earliest-batch-
-first and the like later). Plain code, no processes or sockets: the backend owns
-the workers and asks its queue for the next job whenever one is free.
+"""The reward-host's decisions, with no I/O: what becomes of an arriving trajectory
+(``arrival``), and which queued reward job goes to which idle worker next (``Dispatch``).
 
-Registered in pyproject.toml (``rlfleet.reward_dispatch``).
+``arrival`` is asked by the service (service.py) for every trajectory it receives:
+
+    refuse        the key is not the trajectory's id: a negative ack, for good
+    wait          a copy of an id being scored or waiting for the trainer: the
+                  sender is acked when the trainer acks the first copy
+    ack_again     a copy of an id the trainer already acked (our ack was lost)
+    pass_dropped  dropped upstream: forwarded unscored, reward 0
+    score_zero    cannot be scored (another task, no prompt): reward 0 and a
+                  reward_error saying why; never refused, so nothing is lost
+    score         a RewardJob for the pool
+
+The pool (workers.py) owns processes and pipes; it tells a Dispatch what arrived
+(``add``), what could not be handed over (``requeue``), and, whenever workers are
+idle, asks ``pick`` for one (worker, job) pair at a time until it says None. A
+worker is named by an opaque int the pool chooses; a dispatch may prefer some
+workers over others but must only return one of those it was offered.
+
+``FifoDispatch`` (the default): jobs in arrival order, to the first idle worker
+offered; a job that could not be handed over goes back to the front.
 """
 
 from __future__ import annotations
 
 import abc
 import collections
-from typing import Any, Literal
+from collections.abc import Container, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from rlfleet.common.registry import Kind, KindConfig
+from rlfleet.common.wire import Trajectory
+
+if TYPE_CHECKING:  # workers.py imports this module
+    from .workers import RewardJob
 
 
-class DispatchQueue(abc.ABC):
-    """Jobs waiting for a worker. One owner thread."""
+Verdict = Literal["refuse", "wait", "ack_again", "pass_dropped", "score_zero", "score"]
+
+
+def arrival(key: str, traj: Trajectory, *, in_flight: Container[str], acked: Container[str],
+            task_name: str) -> tuple[Verdict, str]:
+    """(verdict, why) for a trajectory received under ``key``; ``in_flight``: ids being
+    scored or waiting for the trainer; ``acked``: ids the trainer acked recently."""
+    if key != traj.trajectory_id:
+        return "refuse", f"key {key!r} is not the trajectory's id {traj.trajectory_id!r}"
+    if key in in_flight:
+        return "wait", ""
+    if key in acked:
+        return "ack_again", ""
+    if traj.dropped_reason:
+        return "pass_dropped", ""
+    if traj.task != task_name:
+        return "score_zero", f"trajectory of task {traj.task!r}, this job scores {task_name!r}"
+    if traj.prompt is None:
+        return "score_zero", "no prompt in the trajectory (a sender older than Trajectory.prompt)"
+    return "score", ""
+
+
+class Dispatch(abc.ABC):
+    @abc.abstractmethod
+    def add(self, job: RewardJob) -> None:
+        """A new job to score."""
 
     @abc.abstractmethod
-    def push(self, job: Any) -> None:
-        """A new job."""
+    def requeue(self, job: RewardJob) -> None:
+        """A picked job that could not be handed to its worker; it is queued again."""
 
     @abc.abstractmethod
-    def pop(self) -> Any:
-        """The job a free worker takes next (only when len() > 0)."""
+    def pick(self, idle: Sequence[int]) -> tuple[int, RewardJob] | None:
+        """The next (worker, job) among the idle workers, removed from the queue; None
+        when no job should start now."""
 
     @abc.abstractmethod
-    def put_back(self, job: Any) -> None:
-        """A popped job no worker could take (the worker died): it goes next again."""
-
-    @abc.abstractmethod
-    def __len__(self) -> int: ...
+    def __len__(self) -> int:
+        """Jobs queued."""
 
 
-class FifoQueue(DispatchQueue):
-    """First come, first served."""
-
+class FifoDispatch(Dispatch):
     def __init__(self) -> None:
-        self._jobs: collections.deque[Any] = collections.deque()
+        self._queue: collections.deque[RewardJob] = collections.deque()
 
-    def push(self, job: Any) -> None:
-        self._jobs.append(job)
+    def add(self, job: RewardJob) -> None:
+        self._queue.append(job)
 
-    def pop(self) -> Any:
-        return self._jobs.popleft()
+    def requeue(self, job: RewardJob) -> None:
+        self._queue.appendleft(job)
 
-    def put_back(self, job: Any) -> None:
-        self._jobs.appendleft(job)
+    def pick(self, idle: Sequence[int]) -> tuple[int, RewardJob] | None:
+        if not idle or not self._queue:
+            return None
+        return idle[0], self._queue.popleft()
 
     def __len__(self) -> int:
-        return len(self._jobs)
+        return len(self._queue)
 
 
+# -- the seam: [reward_host.dispatch] (registered in pyproject.toml, rlfleet.reward_dispatch)
 class FifoConfig(KindConfig):
     kind: Literal["fifo"] = "fifo"
 
@@ -61,5 +105,5 @@ class Fifo(Kind):
     Config = FifoConfig
 
     @classmethod
-    def build(cls, config: FifoConfig, /, **_: Any) -> FifoQueue:
-        return FifoQueue()
+    def build(cls, config: FifoConfig, /, **_: Any) -> FifoDispatch:
+        return FifoDispatch()

@@ -3,14 +3,17 @@
     env-hosts ──Trajectory──► ReliableReceiver ──► RewardPool ──► Outbox ──ScoredTrajectory──► trainer
                      ◄──────────────── Ack, only after the trainer acked ◄────────────────────┘
 
-- Dedup by trajectory id: a copy that arrives while the id is being scored or waits for
-  the trainer is ignored (the env-host is acked once the trainer acks); a copy of an id
-  the trainer already acked (our ack to the env-host was lost) is acked at once.
+- What becomes of each arrival is decided by ``dispatch.arrival`` (no I/O); this class
+  does what it says. Dedup by trajectory id: a copy that arrives while the id is being
+  scored or waits for the trainer is ignored (the env-host is acked once the trainer
+  acks); a copy of an id the trainer already acked (our ack to the env-host was lost)
+  is acked at once.
 - Dropped trajectories (dropped_reason set) pass through unscored, reward 0.
-- The prompt for scoring travels in ``Trajectory.info["prompt"]`` (Prompt.to_dict() as
-  JSON, written by the env-host), so the reward-host needs no prompt stream and stays
-  stateless; a missing or malformed prompt, or a task other than the job's, is scored
-  0 with ``reward_error`` saying why — never refused, so nothing is lost.
+- The prompt for scoring travels typed in ``Trajectory.prompt`` (common/wire.py), set by
+  the env-host, and goes on as it is in the RewardJob, so the reward-host needs no prompt
+  stream and stays stateless; a missing prompt, or a task other than the job's, is
+  scored 0 with ``reward_error`` saying why — never refused, so nothing is lost.
+- Which queued job starts on which idle worker is the pool's Dispatch (dispatch.py).
 - Stateless: after a crash nothing is lost, because env-hosts re-send everything that
   was not acked, and the trainer drops duplicates by id.
 """
@@ -18,7 +21,6 @@
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import threading
 from typing import Any
@@ -26,12 +28,12 @@ from typing import Any
 import zmq
 from prometheus_client import Counter
 
+from rlfleet.common.outbox import Outbox
 from rlfleet.common.sockets import ReliableReceiver
 from rlfleet.common.wire import ScoredTrajectory, Trajectory
-from rlfleet.daemons.env_host.outbox import Outbox
-from rlfleet.daemons.tasks import Prompt
 
 from .backends import RewardBackend
+from .dispatch import arrival
 from .workers import RewardJob, RewardOutcome
 
 log = logging.getLogger("rlfleet.reward_host")
@@ -98,41 +100,27 @@ class RewardService:
 
     def _on_trajectory(self, tid: str, traj: Trajectory) -> None:
         self.stats["received"] += 1
-        if tid != traj.trajectory_id:
-            self.receiver.ack([tid], ok=False, error=f"key {tid!r} is not the trajectory's id "
-                                                     f"{traj.trajectory_id!r}")
+        verdict, why = arrival(tid, traj, in_flight=self._in_flight, acked=self._recent,
+                               task_name=self.task_name)
+        if verdict == "refuse":
+            self.receiver.ack([tid], ok=False, error=why)
             self._count("refused")
             return
-        if tid in self._in_flight:
-            self._count("duplicates")  # acked once the trainer acks the first copy
-            return
-        if tid in self._recent:
+        if verdict in ("wait", "ack_again"):
             self._count("duplicates")
-            self.receiver.ack([tid])  # our earlier ack was lost; the trainer has it
+            if verdict == "ack_again":
+                self.receiver.ack([tid])  # our earlier ack was lost; the trainer has it
             return
         self._in_flight[tid] = traj
-        if traj.dropped_reason:
+        if verdict == "pass_dropped":
             self._count("passed_dropped")
             self.outbox.send(tid, ScoredTrajectory(traj, 0.0, ""))
-            return
-        job, problem = self._job(traj)
-        if job is None:
-            self._on_outcome(RewardOutcome(tid, 0.0, problem))
+        elif verdict == "score_zero":
+            self._on_outcome(RewardOutcome(tid, 0.0, why))
         else:
-            self.pool.submit(job)
-
-    def _job(self, traj: Trajectory) -> tuple[RewardJob | None, str]:
-        if traj.task != self.task_name:
-            return None, f"trajectory of task {traj.task!r}, this job scores {self.task_name!r}"
-        raw = traj.info.get("prompt")
-        if raw is None:
-            return None, "no prompt in trajectory info (info['prompt'] missing)"
-        try:
-            prompt = Prompt.from_dict(json.loads(raw))
-        except (ValueError, TypeError, KeyError) as exc:
-            return None, f"unreadable info['prompt']: {type(exc).__name__}: {exc}"[:300]
-        return RewardJob(traj.trajectory_id, self.task_name, self.task_kwargs, prompt.to_dict(),
-                         [t.action for t in traj.turns]), ""
+            assert traj.prompt is not None
+            self.pool.submit(RewardJob(tid, self.task_name, self.task_kwargs, traj.prompt,
+                                       [t.action for t in traj.turns]))
 
     def _on_outcome(self, outcome: RewardOutcome) -> None:
         traj = self._in_flight.get(outcome.key)

@@ -35,8 +35,10 @@ from typing import Any, BinaryIO
 
 import msgspec
 
+from rlfleet.common.wire import Prompt
+
 from .backends import RewardBackend
-from .dispatch import DispatchQueue, FifoQueue
+from .dispatch import Dispatch, FifoDispatch
 
 log = logging.getLogger("rlfleet.reward_host")
 
@@ -49,7 +51,7 @@ class RewardJob(msgspec.Struct, frozen=True):
     key: str  # the trajectory id
     task: str
     difficulty: dict[str, Any]  # get_task keyword arguments
-    prompt: dict[str, Any]  # Prompt.to_dict()
+    prompt: Prompt  # as it arrived in the Trajectory
     texts: list[str]  # the completion of every turn
 
 
@@ -95,6 +97,14 @@ def _read_frame(inp: BinaryIO) -> bytes | None:
     return body if len(body) == n else None
 
 
+def _key_of(raw: bytes) -> str:
+    try:
+        key = msgspec.msgpack.decode(raw).get("key", "")
+    except Exception:  # noqa: BLE001 — not even a map: the pool reports it by its own job
+        return ""
+    return key if isinstance(key, str) else ""
+
+
 def worker_main(reward_fn_path: str | None) -> int:
     """A worker process: score jobs from stdin until it closes."""
     # The protocol gets private copies of stdin/stdout; a reward function that prints
@@ -104,7 +114,7 @@ def worker_main(reward_fn_path: str | None) -> int:
     os.dup2(2, 1)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
-    from rlfleet.daemons.tasks import Prompt, get_task
+    from rlfleet.daemons.tasks import get_task
 
     decoder = msgspec.msgpack.Decoder(RewardJob)
     encoder = msgspec.msgpack.Encoder()
@@ -121,12 +131,13 @@ def worker_main(reward_fn_path: str | None) -> int:
             task = tasks.get(cache_key)
             if task is None:
                 task = tasks[cache_key] = get_task(job.task, **job.difficulty)
-            value = reward_fn(task, Prompt.from_dict(job.prompt), list(job.texts))
+            value = reward_fn(task, job.prompt, list(job.texts))
             reward = float(value)
             if not math.isfinite(reward):
                 raise ValueError(f"reward function returned {value!r}")
             out = RewardOutcome(key, reward, "", time.perf_counter() - started)
         except Exception as exc:  # noqa: BLE001 — the reward's failure is data, not our crash
+            key = key or _key_of(raw)  # a job that failed to decode is still answered as itself
             error = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]
             out = RewardOutcome(key, 0.0, error, time.perf_counter() - started)
         _write_frame(proto_out, encoder.encode(out))
@@ -187,13 +198,12 @@ class _Worker:
 
 
 class RewardPool(RewardBackend):
-    """`workers` reward processes with a per-job hard timeout. One owner thread.
-
-    Waiting jobs go to free workers in the order of ``dispatch`` ([reward_host.dispatch];
-    first come, first served when not given)."""
+    """`workers` reward processes with a per-job hard timeout. One owner thread."""
 
     def __init__(self, workers: int, timeout_s: float, *, reward_fn: str | None = None,
-                 dispatch: DispatchQueue | None = None) -> None:
+                 dispatch: Dispatch | None = None) -> None:
+        """``dispatch`` decides which queued job starts on which idle worker
+        (dispatch.py; default FifoDispatch)."""
         if workers < 1:
             raise ValueError(f"workers: must be >= 1, got {workers}")
         if not timeout_s > 0:
@@ -201,7 +211,7 @@ class RewardPool(RewardBackend):
         load_reward_fn(reward_fn)  # a bad path fails here, once, with the path in the message
         self.size, self.timeout_s, self.reward_fn = workers, timeout_s, reward_fn or ""
         self._workers: list[_Worker] = []
-        self._queue: DispatchQueue = dispatch if dispatch is not None else FifoQueue()
+        self.dispatch = dispatch if dispatch is not None else FifoDispatch()
         self._decoder = msgspec.msgpack.Decoder(RewardOutcome)
         self._encoder = msgspec.msgpack.Encoder()
         self._spawn_retry_at = 0.0
@@ -213,8 +223,8 @@ class RewardPool(RewardBackend):
 
     # -- the owner's API ------------------------------------------------------------
     def submit(self, job: RewardJob) -> None:
-        self._queue.push(job)
-        self._dispatch()
+        self.dispatch.add(job)
+        self._hand_out()
 
     def poll(self, timeout: float = 0.0) -> list[RewardOutcome]:
         """Outcomes that are ready, waiting up to `timeout` for the first one."""
@@ -244,7 +254,7 @@ class RewardPool(RewardBackend):
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return len(self.dispatch)
 
     @property
     def ready(self) -> int:
@@ -274,7 +284,7 @@ class RewardPool(RewardBackend):
         self._fill()
         out = self._collect()
         out += self._reap_timeouts()
-        self._dispatch()
+        self._hand_out()
         return out
 
     def _wait(self, timeout: float) -> None:
@@ -308,20 +318,23 @@ class RewardPool(RewardBackend):
                   extra={"event": "worker_spawn_failed"})
         self._spawn_backoff = min(self._spawn_backoff * 2, 30.0)
 
-    def _dispatch(self) -> None:
-        for w in list(self._workers):
-            if not self._queue:
-                return
-            if w.ready and w.job is None:
-                job = self._queue.pop()
-                try:
-                    body = self._encoder.encode(job)
-                    w.proc.stdin.write(_LEN.pack(len(body)) + body)  # type: ignore[union-attr]
-                    w.proc.stdin.flush()  # type: ignore[union-attr]
-                except OSError:  # the worker is gone; _collect reaps it, the job goes back
-                    self._queue.put_back(job)
-                    continue
-                w.job, w.started = job, time.monotonic()
+    def _hand_out(self) -> None:
+        """Start the jobs the dispatch picks on idle workers (index into _workers)."""
+        idle = [i for i, w in enumerate(self._workers) if w.ready and w.job is None]
+        while idle and (picked := self.dispatch.pick(idle)) is not None:
+            i, job = picked
+            if i not in idle:
+                raise ValueError(f"dispatch picked worker {i}, which is not among the idle {idle}")
+            idle.remove(i)
+            w = self._workers[i]
+            try:
+                body = self._encoder.encode(job)
+                w.proc.stdin.write(_LEN.pack(len(body)) + body)  # type: ignore[union-attr]
+                w.proc.stdin.flush()  # type: ignore[union-attr]
+            except OSError:  # the worker is gone; _collect reaps it, the job goes back
+                self.dispatch.requeue(job)
+                continue
+            w.job, w.started = job, time.monotonic()
 
     def _collect(self) -> list[RewardOutcome]:
         out: list[RewardOutcome] = []

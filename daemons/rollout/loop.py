@@ -7,23 +7,14 @@ thread), and loops::
     -> load a newer weight version if the engine has no running request
     -> engine.step() -> reply finished results
 
-Weight-version policy (every generated segment has exactly one version):
-
-- The newest version is asked of the reader at most every ``check_every_s`` (one
-  directory scan of the relay's shared memory; at 0.25 s a fast trainer was two
-  versions ahead before a rollout even noticed).
-- A version is loaded only when no request is running (a request's tokens all
-  come from one version), or when ``release()`` was called: then the running
-  requests are answered first with their partial tokens (finish_reason "abort",
-  tagged with the old version) and the load follows at once.
-- While a newer version is pending, new requests are held back so the batch can
-  drain and the load can happen. A held request waits at most ``hold_max_s``
-  (default 2 s); then it is admitted under the current version, so a steady
-  stream of long requests delays an update but never stalls a request for long.
-- A version that fails to load (wrong names or shapes) is logged once and skipped
-  until a newer one appears; the engine keeps serving the version it has. A
-  version the relay no longer (or not yet) holds (LookupError) is simply asked
-  for again at the next check.
+Weight-version policy (every generated segment has exactly one version): when to
+ask the reader, when to load, when to hold a new request back, is decided by
+``WeightUpdatePolicy`` (weight_policy.py, no I/O); this loop asks it and does the
+I/O. Cut-short requests end with finish_reason "abort" and their partial tokens,
+tagged with the old version. A version that fails to load (wrong names or shapes)
+is logged once and skipped until a newer one appears; the engine keeps serving the
+version it has. A version the relay no longer (or not yet) holds (LookupError) is
+simply asked for again at the next check.
 """
 
 from __future__ import annotations
@@ -41,6 +32,7 @@ from rlfleet.common.wire import (Abort, Float32Array, GenerateRequest, GenerateR
                                  RolloutStats)
 
 from .engine import Engine, error_result
+from .weight_policy import WeightUpdatePolicy
 
 log = logging.getLogger("rlfleet.rollout")
 
@@ -76,20 +68,15 @@ class EngineLoop:
         self.member_id = member_id
         self.reader_factory = reader_factory
         self.reader: WeightReader | None = None
-        self.hold_max_s = hold_max_s
-        self.check_every_s = check_every_s
+        self.policy = WeightUpdatePolicy(check_every_s=check_every_s, hold_max_s=hold_max_s)
         self.idle_wait_s = idle_wait_s
         self.drain_timeout_s = drain_timeout_s
         self.events: deque[str] = deque()  # read and cleared by the daemon's cycle()
         self.error: BaseException | None = None  # set if the thread died
         self._clients: dict[str, _Client] = {}  # engine request_id -> who to answer
         self._held: deque[tuple[float, _Client, GenerateRequest]] = deque()
-        self._newest: int | None = None
-        self._next_check = 0.0
         self._next_reader_try = 0.0
-        self._failed_version: int | None = None
         self._stop = threading.Event()
-        self._release = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
 
     # -- control, from other threads ---------------------------------------------------
@@ -101,7 +88,7 @@ class EngineLoop:
 
         Stays in force while requests run, so a release that comes just before the
         new version is seen still applies; it lapses once nothing is running."""
-        self._release.set()
+        self.policy.release()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Drain (finish running requests for up to drain_timeout_s, abort the rest) and stop."""
@@ -153,7 +140,7 @@ class EngineLoop:
                 req, f"request_id {req.request_id!r} is already waiting or running",
                 self.engine.weight_version))
             return
-        if self._pending() is not None:
+        if self.policy.hold(self.engine.weight_version):
             self._held.append((now, client, req))
             return
         self._add(client, req)
@@ -215,13 +202,6 @@ class EngineLoop:
         self.server.reply(client.identity, client.rid, result)
 
     # -- weights -------------------------------------------------------------------
-    def _pending(self) -> int | None:
-        """The newer version waiting to be loaded, if any."""
-        v = self._newest
-        if v is None or v <= self.engine.weight_version or v == self._failed_version:
-            return None
-        return v
-
     def _get_reader(self, now: float) -> WeightReader | None:
         if self.reader is None and self.reader_factory is not None and now >= self._next_reader_try:
             try:
@@ -237,23 +217,17 @@ class EngineLoop:
         reader = self._get_reader(now)
         if reader is None:
             return
-        if now >= self._next_check:
-            self._next_check = now + self.check_every_s
+        if self.policy.check_due(now):
             try:
-                self._newest = reader.newest()
+                self.policy.saw(reader.newest())
             except Exception as exc:  # noqa: BLE001 — keep serving the version we have
                 log.warning("weight reader newest() failed: %s", exc)
-        version = self._pending()
-        if version is None:
-            if not self.engine.has_running():
-                self._release.clear()  # moot: nothing would be cut short
+        action = self.policy.decide(self.engine.weight_version, self.engine.has_running())
+        if action.version is None:
             return
-        if self.engine.has_running():
-            if not self._release.is_set():
-                return
+        if action.cut_running:
             self._abort(self.engine.running_ids(), "released for a weight update")
-        self._release.clear()
-        self._load(reader, version)
+        self._load(reader, action.version)
 
     def _abort(self, request_ids: list[str], why: str) -> None:
         for request_id in request_ids:
@@ -274,7 +248,7 @@ class EngineLoop:
             log.info("weight version %s not available yet: %s", version, exc)
             return
         except Exception as exc:  # noqa: BLE001 — a bad version must not stop serving
-            self._failed_version = version
+            self.policy.refused(version)
             log.error("loading weight version %s failed, keeping version %s: %s", version, old, exc)
             self.events.append(f"weight version {version} refused ({exc}); serving version {old}")
             return
@@ -282,8 +256,8 @@ class EngineLoop:
                            f"in {time.monotonic() - started:.2f} s")
 
     def _admit_held(self, now: float) -> None:
-        pending = self._pending() is not None
-        while self._held and (not pending or now - self._held[0][0] >= self.hold_max_s):
+        serving = self.engine.weight_version
+        while self._held and self.policy.admit(serving, self._held[0][0], now):
             _, client, req = self._held.popleft()
             self._add(client, req)
 

@@ -23,10 +23,11 @@ in their observation, which keeps sequences short for the tiny model.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import hashlib
 import random
 from typing import Any, Literal
+
+from rlfleet.common.wire import Prompt
 
 Split = Literal["train", "eval"]
 SPLITS: tuple[str, ...] = ("train", "eval")
@@ -39,23 +40,8 @@ EVAL_MODULUS = 8
 ANSWER_MARK = "="
 
 
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-    """One task instance. Plain str/int fields so it crosses process boundaries as-is."""
-
-    task: str       # task name, as given to get_task
-    split: str      # "train" or "eval"
-    uid: str        # unique per generated prompt: task-split-seed-index-contentdigest
-    question: str   # arithmetic: "37+85"; frozenlake: the map rows joined by "\n"
-    answer: str     # arithmetic: "122"; frozenlake: "" (the env decides success)
-    seed: int = 0   # generator seed of this instance (frozenlake: the map seed)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Prompt:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+# Prompt (one task instance) is declared with the wire messages (common/wire.py): it
+# crosses processes inside a Trajectory, and on to the reward workers, as that one value.
 
 
 StepResult = tuple[str, float, bool, dict[str, Any]]

@@ -17,7 +17,8 @@ training, done, stopped, error: <why>), and while leading ``version`` and
 ``checkpoint_version``. A failed start (bad model folder, journal held by
 another process) is retried with back-off; the daemon itself stays up.
 
-The work itself is in worker.py (threads) on top of journal.py, learner.py,
+The work itself is in worker.py (the threads, composing intake.py, training.py,
+checkpointing.py, progress.py, metrics_log.py) on top of journal.py, learner.py,
 grpo.py and batching.py; this class only follows leadership, and keeps
 ``cycle()`` short as the Daemon base requires.
 """

@@ -21,7 +21,7 @@ log = logging.getLogger("rlfleet.trainer")
 
 def task_for(spec: JobSpec) -> Any:
     """The same Task object the env-hosts train on (one definition: the spec's [task])."""
-    from rlfleet.daemons.env_host.prompts import task_from_spec
+    from rlfleet.daemons.tasks.prompts import task_from_spec
 
     return task_from_spec(spec)
 
@@ -63,7 +63,7 @@ class Evaluator:
     def run(self, model: Any, version: int) -> float:
         import torch
 
-        from rlfleet.tools.evaluate import evaluate_model
+        from rlfleet.daemons.tasks.episodes import evaluate_model
 
         started = time.monotonic()
         was_training = model.training

@@ -13,7 +13,7 @@ from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
 from rlfleet.daemons.env_host.claims import parse_cursor
 from rlfleet.daemons.env_host.journal import Journal
-from rlfleet.daemons.env_host.prompts import parse_trajectory_id, trajectory_id
+from rlfleet.daemons.tasks.prompts import parse_trajectory_id, trajectory_id
 from tests.integration.helpers import rlfleet, stop, wait_for, write_spec
 from tests.reward_host.fakes import FakeTrainer
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlfleet.common.wire import Float32Array, Int32Array, Trajectory, Turn
+from rlfleet.common.wire import Float32Array, Int32Array, Prompt, Trajectory, Turn
 from rlfleet.daemons.env_host.journal import Journal, journal_path, turn_from_json, turn_to_json
 
 G = 2
@@ -17,9 +17,12 @@ def turn(n: int) -> Turn:
     return Turn(Int32Array([1, 5, n]), Int32Array([7, 2]), Float32Array([-0.1, -1e-7]), n, f"obs{n}", "R")
 
 
-def done(tid: str, prompt_id: int, turns: list[Turn], reason: str = "") -> Trajectory:
+PROMPT = Prompt("frozenlake", "train", "frozenlake-train-0-0-x", "SFFF\nFHFH\nFFFH\nHFFG", "", 3)
+
+
+def done(tid: str, prompt_id: int, turns: list[Turn], reason: str = "", prompt=None) -> Trajectory:
     return Trajectory(tid, prompt_id, f"p{prompt_id}", "frozenlake", turns, 1.0,
-                      {"prompt": "{}", "turns": str(len(turns))}, reason)
+                      {"turns": str(len(turns))}, reason, prompt=prompt)
 
 
 def test_replay_restores_every_state(tmp_path):
@@ -40,6 +43,8 @@ def test_replay_restores_every_state(tmp_path):
     assert j.status("p0-g0") == "acked"
     assert j.status("p0-g1") == "done"
     assert j.finished("p0-g1") == done("p0-g1", 0, [turn(0)], reason="env_error")
+    # The prompt is not journaled: the caller has it from the prompt stream.
+    assert j.finished("p0-g1", PROMPT) == done("p0-g1", 0, [turn(0)], "env_error", PROMPT)
     assert j.status("p1-g0") == "partial" and j.turns("p1-g0") == [turn(0), turn(1)]
     assert j.status("p1-g1") == "fresh" and j.status("p2-g0") == "fresh"
     assert j.status("p9-g0") == "acked"  # never ours / long forgotten: nothing to do

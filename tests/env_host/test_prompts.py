@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.common.spec import parse_spec
-from rlfleet.daemons.env_host.prompts import (
+from rlfleet.daemons.tasks.prompts import (
     PromptStream,
     group_id,
     parse_trajectory_id,

@@ -16,8 +16,8 @@ from rlfleet.common.wire import Trajectory
 from rlfleet.daemons.env_host.claims import PromptClaimer, parse_cursor
 from rlfleet.daemons.env_host.journal import Journal
 from rlfleet.daemons.env_host.manager import ManagerConfig, TurnCodec
-from rlfleet.daemons.env_host.outbox import OutboxThread
-from rlfleet.daemons.env_host.prompts import PromptStream, parse_trajectory_id, trajectory_id
+from rlfleet.common.outbox import OutboxThread
+from rlfleet.daemons.tasks.prompts import PromptStream, parse_trajectory_id, trajectory_id
 from rlfleet.daemons.env_host.runner import EnvRunner
 from rlfleet.daemons.tasks import get_task
 from tests.integration.helpers import wait_for

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 
 from rlfleet.common.sockets import ReliableReceiver
@@ -50,10 +49,8 @@ class FakeTrainer:
 
 
 def trajectory(prompt: Prompt, prompt_id: int, k: int, text: str, dropped: str = "",
-               info: dict[str, str] | None = None) -> Trajectory:
+               with_prompt: bool = True) -> Trajectory:
     turn = Turn(Int32Array([1, 5, 6]), Int32Array([7, 2]), Float32Array([-0.5, -0.1]), 0,
                 prompt.question, text)
-    if info is None:
-        info = {"prompt": json.dumps(prompt.to_dict())}
     return Trajectory(f"p{prompt_id}-g{k}", prompt_id, f"p{prompt_id}", prompt.task, [turn], 0.0,
-                      info, dropped)
+                      {}, dropped, prompt=prompt if with_prompt else None)

@@ -14,7 +14,7 @@ import pytest
 
 from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
-from rlfleet.daemons.env_host.outbox import OutboxThread
+from rlfleet.common.outbox import OutboxThread
 from rlfleet.daemons.tasks import get_task
 from tests.integration.helpers import rlfleet, stop, wait_for, write_spec
 

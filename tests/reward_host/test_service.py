@@ -79,7 +79,9 @@ def test_duplicates_are_not_scored_twice_and_every_sender_is_acked(service, trai
     service.set_trainer(trainer.address)
     p = get_task("arithmetic").make_prompts("train", 1)[0]
     t = trajectory(p, 0, 0, p.answer)
-    first = ReliableSender(service.receiver.endpoint, resend_after_s=0.5)
+    # No resend of its own while the (possibly still starting) worker scores: the one
+    # duplicate below is the restarted env-host's copy, whatever the machine's load.
+    first = ReliableSender(service.receiver.endpoint, resend_after_s=30.0)
     first.send(t.trajectory_id, t)
     assert acked_ids(first, [], 10.0)
     # The same trajectory again, from a restarted env-host (a new socket identity).
@@ -96,19 +98,18 @@ def test_dropped_pass_through_and_bad_input_is_scored_zero_with_a_reason(service
     service.set_trainer(trainer.address)
     p = get_task("arithmetic").make_prompts("train", 1)[0]
     dropped = trajectory(p, 0, 0, p.answer, dropped="env_error")
-    no_prompt = trajectory(p, 0, 1, p.answer, info={})
-    bad_prompt = trajectory(p, 0, 2, p.answer, info={"prompt": "{not json"})
+    no_prompt = trajectory(p, 0, 1, p.answer, with_prompt=False)
     sender = ReliableSender(service.receiver.endpoint, resend_after_s=0.5)
-    for t in (dropped, no_prompt, bad_prompt):
+    for t in (dropped, no_prompt):
         sender.send(t.trajectory_id, t)
     assert acked_ids(sender, [], 10.0)
     got = trainer.unique()
     assert got["p0-g0"].trajectory.dropped_reason == "env_error"
     assert (got["p0-g0"].reward, got["p0-g0"].reward_error) == (0.0, "")
-    assert got["p0-g1"].reward_error == "no prompt in trajectory info (info['prompt'] missing)"
-    assert got["p0-g2"].reward_error.startswith("unreadable info['prompt']: JSONDecodeError")
-    assert got["p0-g1"].reward == got["p0-g2"].reward == 0.0
-    assert service.stats["passed_dropped"] == 1 and service.stats["reward_errors"] == 2
+    assert got["p0-g1"].reward_error == ("no prompt in the trajectory "
+                                         "(a sender older than Trajectory.prompt)")
+    assert got["p0-g1"].reward == 0.0
+    assert service.stats["passed_dropped"] == 1 and service.stats["reward_errors"] == 1
     sender.close()
 
 

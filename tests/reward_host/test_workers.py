@@ -48,12 +48,12 @@ def test_rewards_match_the_tasks(pool_factory):
     expected = {}
     for i, p in enumerate(arith.make_prompts("train", 20, seed=1)):
         text = p.answer if i % 3 else str(int(p.answer) + 1)
-        pool.submit(RewardJob(f"a{i}", "arithmetic", {}, p.to_dict(), [text]))
+        pool.submit(RewardJob(f"a{i}", "arithmetic", {}, p, [text]))
         expected[f"a{i}"] = arith.reward(p, [text])
     for i, p in enumerate(lake.make_prompts("train", 5, seed=1)):
         path = shortest_path(p.question.split("\n"))
         texts = path if i % 2 else ["U"] + path[:-1]
-        pool.submit(RewardJob(f"f{i}", "frozenlake", {"max_turns": 12}, p.to_dict(), texts))
+        pool.submit(RewardJob(f"f{i}", "frozenlake", {"max_turns": 12}, p, texts))
         expected[f"f{i}"] = lake.reward(p, texts)
     got = collect(pool, len(expected))
     assert {k: o.reward for k, o in got.items()} == expected
@@ -66,17 +66,17 @@ def test_failures_are_reported_as_data(pool_factory):
     p = task.make_prompts("train", 1)[0]
     pool = pool_factory(2, 10.0, reward_fn=SCORER)
     for key in ("raise", "exit", "nan", "print"):
-        pool.submit(RewardJob(key, "arithmetic", {}, p.to_dict(), [key]))
-    pool.submit(RewardJob("bad-task", "chess", {}, p.to_dict(), ["1"]))
+        pool.submit(RewardJob(key, "arithmetic", {}, p, [key]))
+    pool.submit(RewardJob("bad-task", "chess", {}, p, ["1"]))
     pool.submit(RewardJob("bad-prompt", "arithmetic", {}, {"task": "arithmetic"}, ["1"]))
-    pool.submit(RewardJob("good", "arithmetic", {}, p.to_dict(), [p.answer]))
+    pool.submit(RewardJob("good", "arithmetic", {}, p, [p.answer]))
     got = collect(pool, 7)
     assert got["raise"].error == "ZeroDivisionError: the reward rule divided by zero"
     assert got["exit"].error == "reward worker died (exit code 7)"
     assert "returned nan" in got["nan"].error
     assert got["print"].error == "" and got["print"].reward == 0.0
     assert "task: must be one of" in got["bad-task"].error
-    assert got["bad-prompt"].error.startswith("TypeError") and "missing" in got["bad-prompt"].error
+    assert got["bad-prompt"].error.startswith("ValidationError") and "$.prompt" in got["bad-prompt"].error
     assert got["good"].reward == 1.0 and got["good"].error == ""
     assert all(o.reward == 0.0 for k, o in got.items() if k != "good")
     assert pool.died == 1
@@ -92,8 +92,8 @@ def test_looping_reward_is_killed_at_the_timeout_and_the_pool_recovers(pool_fact
         pool.poll(0.05)
     before = set(pool.pids())
     t0 = time.monotonic()
-    pool.submit(RewardJob("loop", "arithmetic", {}, p.to_dict(), ["loop"]))
-    pool.submit(RewardJob("meanwhile", "arithmetic", {}, p.to_dict(), [p.answer]))
+    pool.submit(RewardJob("loop", "arithmetic", {}, p, ["loop"]))
+    pool.submit(RewardJob("meanwhile", "arithmetic", {}, p, [p.answer]))
     got = collect(pool, 2)
     took = time.monotonic() - t0
     assert got["loop"].error == "timeout after 1s" and got["loop"].reward == 0.0
@@ -107,7 +107,7 @@ def test_looping_reward_is_killed_at_the_timeout_and_the_pool_recovers(pool_fact
         os.kill(pid, 0)  # really gone, not left spinning
     # A replacement joins, and both workers serve again.
     for i in range(6):
-        pool.submit(RewardJob(f"after{i}", "arithmetic", {}, p.to_dict(), ["slow" if i < 2 else p.answer]))
+        pool.submit(RewardJob(f"after{i}", "arithmetic", {}, p, ["slow" if i < 2 else p.answer]))
     after = collect(pool, 6)
     assert all(o.error == "" for o in after.values())
     assert len(pool.pids()) == 2

@@ -15,7 +15,7 @@ from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.sockets import ReliableSender
 from rlfleet.common.spec import parse_spec
-from rlfleet.daemons.trainer import worker as worker_module
+from rlfleet.daemons.trainer import training as training_module
 from rlfleet.daemons.trainer.worker import TrainingWorker
 
 from ..integration.helpers import wait_for
@@ -130,7 +130,7 @@ def test_a_trainer_fed_only_stale_groups_publishes_its_version_again(tmp_path, e
     # The livelock this breaks: relay and rollout restarted empty serve version 0, all
     # they generate is dropped as stale, and without a step no new version is published.
     monkeypatch.delenv("RLFLEET_RUN_DIR", raising=False)
-    monkeypatch.setattr(worker_module, "REPUBLISH_AFTER_S", 1.0)
+    monkeypatch.setattr(training_module, "REPUBLISH_AFTER_S", 1.0)
     w, sender, recorder, store, _ = start_worker(tmp_path, etcd, tiny_model, max_steps=10)
     try:
         send(sender, pair(0, 0) + pair(1, 0))

@@ -13,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gymnasium")
 
 from rlfleet.daemons.tasks import get_task  # noqa: E402
-from rlfleet.tools.evaluate import evaluate_model, generate, task_difficulty  # noqa: E402
+from rlfleet.daemons.tasks.episodes import evaluate_model, generate  # noqa: E402
+from rlfleet.tools.evaluate import task_difficulty  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen2"
 FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",

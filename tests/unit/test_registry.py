@@ -217,13 +217,13 @@ def test_the_shipped_kinds_build_what_the_daemons_used_to_build():
     from rlfleet.daemons.env_host.routing_policy import LeastLoaded
     from rlfleet.daemons.repack_manager.planners import NoPlanner
     from rlfleet.daemons.reward_host.backends import RulePool
-    from rlfleet.daemons.reward_host.dispatch import FifoQueue
+    from rlfleet.daemons.reward_host.dispatch import FifoDispatch
     from rlfleet.daemons.tasks import get_task
     from rlfleet.daemons.trainer.losses import PPOClipLoss
 
     loss = POLICY_LOSSES.build(POLICY_LOSSES.default_config())
     assert isinstance(loss, PPOClipLoss) and loss.clip_eps == 0.2
-    assert isinstance(REWARD_DISPATCH.build(REWARD_DISPATCH.default_config()), FifoQueue)
+    assert isinstance(REWARD_DISPATCH.build(REWARD_DISPATCH.default_config()), FifoDispatch)
     assert isinstance(ENV_ROUTERS.build(ENV_ROUTERS.default_config()), LeastLoaded)
     assert isinstance(REPACK_PLANNERS.build(REPACK_PLANNERS.default_config()), NoPlanner)
     assert REWARD_BACKENDS.get("rule_pool") is RulePool  # builds worker processes: tests/reward_host

@@ -24,6 +24,7 @@ from rlfleet.common.wire import (
     GenerateResult,
     Int32Array,
     MessageType,
+    Prompt,
     RepackOrder,
     RolloutStats,
     ScoredTrajectory,
@@ -57,6 +58,7 @@ def _trajectory(n: int = 10) -> Trajectory:
         turns=[_turn(n), _turn(3, v=4)],
         env_reward=1.0,
         info={"k": "v"},
+        prompt=Prompt("arithmetic", "train", "arithmetic-train-0-7-ab12cd34", "37+85", "122", 5),
     )
 
 
@@ -342,3 +344,34 @@ def test_appending_a_defaulted_field_stays_compatible() -> None:
     assert isinstance(got, GenerateResult) and got.error == ""
     # A missing required field is not compatible.
     assert _reason([_header(1, res, 0), msgspec.msgpack.encode(old[:3])]) == "malformed"
+
+
+def test_the_prompt_travels_typed_inside_the_trajectory() -> None:
+    traj = _trajectory()
+    got = decode(encode(ScoredTrajectory(traj, 1.0)))
+    assert type(got.trajectory.prompt) is Prompt and got.trajectory.prompt == traj.prompt
+    assert got.trajectory.info == {"k": "v"}  # not in info any more
+    assert Prompt.from_dict(traj.prompt.to_dict()) == traj.prompt  # JSON for datasets, reports
+    # A sender that predates the field: decodes, with no prompt (the reward-host scores 0).
+    tid = int(MessageType.TRAJECTORY)
+    body = msgspec.msgpack.decode(encode(traj)[1])
+    old = decode([_header(1, tid, 0), msgspec.msgpack.encode(body[:-1])])
+    assert isinstance(old, Trajectory) and old.prompt is None and old.turns == traj.turns
+
+
+@pytest.mark.parametrize("bad", [
+    "37+85",                                                # not a prompt at all
+    ["arithmetic", "train", "uid", "37+85"],                # answer missing
+    ["arithmetic", "train", "uid", "37+85", "122", "5"],   # seed not an int
+    {"task": "arithmetic"},                                 # a map where a prompt is positional
+])
+def test_a_malformed_prompt_rejects_the_message_and_is_counted(bad: object) -> None:
+    tid = int(MessageType.TRAJECTORY)
+    body = msgspec.msgpack.decode(encode(_trajectory())[1])
+    body[-1] = bad
+    counter = wire.REJECTED_FRAMES.labels(reason="malformed")
+    before = counter._value.get()
+    with pytest.raises(WireError) as e:
+        decode([_header(1, tid, 0), msgspec.msgpack.encode(body)])
+    wire.record_rejection(e.value, "test")
+    assert e.value.reason == "malformed" and counter._value.get() - before == 1

@@ -11,14 +11,14 @@ reward_mean, tokens, trajectories; eval lines: time, step, eval_success), so
 tools/report.py and tools/bench/learning.py read both.
 
 What is the same: the model folder, the prompt text and tokenization (task.format_turn of
-the env's first observation, encoded exactly as tools/evaluate.py does), the
+the env's first observation, encoded exactly as daemons/tasks/episodes.py does), the
 train prompt stream (make_prompts("train", n, job.seed), in order: no shuffling), the
 rule reward, group size, completions per step (trainer.batch_size, one optimizer step per
 batch), learning rate and its schedule (fused AdamW, no weight decay, grad-norm clip 1.0), sampling
 temperature/top_p, the per-turn token budget (task.max_new_tokens + 1, as the env-host
 asks), PPO-clip eps ([trainer.loss] clip_eps), no KL term (beta=0), token-level loss aggregation (TRL "dapo" =
 rlfleet "token"), and greedy held-out eval every task.eval_every_steps on eval_size
-prompts through tools.evaluate.evaluate_model.
+prompts through daemons.tasks.episodes.evaluate_model.
 
 Unavoidable differences (also written into run.json):
 - TRL is synchronous: generate the batch with the current weights, then one optimizer
@@ -225,7 +225,7 @@ def _metrics_callback(*, model: Any, tokenizer: Any, task: Any, eval_prompts: li
     import torch
     from transformers import TrainerCallback
 
-    from rlfleet.tools.evaluate import evaluate_model
+    from rlfleet.daemons.tasks.episodes import evaluate_model
 
     def write(line: dict[str, Any]) -> None:
         with open(path, "a") as f:

@@ -1,5 +1,8 @@
 """The task a job runs and its deterministic train prompt stream (docs/dataflow.md).
 
+Shared by the daemons that must agree on them: env-hosts (the stream, the ids),
+reward-hosts (the task's keyword arguments) and the trainer (the task it evaluates).
+
 `prompt_id` indexes `task.make_prompts("train", n, seed=spec.job.seed)`, whose prefix is
 stable in n. `PromptStream` asks make_prompts for a doubling n as ids grow, so each
 prompt is generated about twice in total, without copying the task's sampling logic.

@@ -1,0 +1,128 @@
+"""Intake: scored trajectories from the socket -> validated -> journaled (fsync) -> acked.
+
+The order is the trainer's promise to the reward-host: a trajectory is acked only
+once the journal holds it (or holds its group's drop), so a trainer killed at any
+instant loses nothing that was acked. `triage` decides, without I/O, what becomes of
+each arrival; `Intake.ingest` carries the decision out in the promised order.
+
+Upstream-dropped and invalid trajectories drop their whole group, durably, before the
+ack. A trajectory that can never be taken (empty ids, a group already full) is refused
+for good (a negative ack carrying the reason), not dropped: its group is unaffected.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlfleet.common.wire import ScoredTrajectory
+
+from .batching import INVALID, check_trajectory, drop_reason
+from .journal import Journal
+
+log = logging.getLogger("rlfleet.trainer")
+
+# Test-only fault injection: "exit_after_journal" ends the process right after a
+# batch is journaled and before it is acked (tests/trainer/test_daemon.py).
+FAILPOINT_ENV = "RLFLEET_TRAINER_FAILPOINT"
+
+
+@dataclass
+class Triage:
+    """What to do with one batch of arrivals, in the order they must be done."""
+
+    new: list[ScoredTrajectory] = field(default_factory=list)  # journal as pending
+    drops: list[tuple[str, str, str]] = field(default_factory=list)  # (group, reason, detail)
+    ok: list[str] = field(default_factory=list)  # ack once the above is journaled
+    refused: list[tuple[str, str]] = field(default_factory=list)  # (key, why): negative ack
+    counts: Counter[str] = field(default_factory=Counter)  # new, dropped, duplicate
+
+
+def triage(got: Sequence[tuple[str, ScoredTrajectory]], duplicate: Sequence[bool],
+           group_sizes: dict[str, int], group_size: int, vocab_size: int | None) -> Triage:
+    """Decide each arrival. ``duplicate[i]``: the journal already holds ``got[i]``;
+    ``group_sizes``: trajectories the journal holds per group (not modified)."""
+    out = Triage()
+    counts = dict(group_sizes)
+    seen: set[tuple[str, str]] = set()
+    for (key, st), dup in zip(got, duplicate):
+        t = st.trajectory
+        if not t.trajectory_id or not t.group_id:
+            out.refused.append((key, "trajectory_id and group_id must be non-empty"))
+            continue
+        if dup or (t.group_id, t.trajectory_id) in seen:
+            out.counts["duplicate"] += 1
+            out.ok.append(key)
+            continue
+        if counts.get(t.group_id, 0) >= group_size:
+            # Checked before drops too: a complete group may be in training right now.
+            out.refused.append((key, f"group {t.group_id} already holds {group_size} trajectories"))
+            continue
+        seen.add((t.group_id, t.trajectory_id))
+        reason, detail = drop_reason(st)
+        if not reason and (problem := check_trajectory(st, vocab_size)):
+            reason, detail = INVALID, problem
+        if reason:
+            out.drops.append((t.group_id, reason, detail))
+            out.counts["dropped"] += 1
+        else:
+            counts[t.group_id] = counts.get(t.group_id, 0) + 1
+            out.new.append(st)
+            out.counts["new"] += 1
+        out.ok.append(key)
+    return out
+
+
+class Intake:
+    """Owns the trainer's ReliableReceiver socket, on the thread that calls ``run``."""
+
+    def __init__(self, journal: Journal, *, bind_host: str, group_size: Callable[[], int],
+                 vocab_size: int | None, counts: Counter[str], on_data: Callable[[], None]) -> None:
+        """``group_size`` is asked per batch (a reloaded spec applies at once);
+        ``on_data`` wakes the training loop when something was journaled."""
+        self.journal, self.bind_host = journal, bind_host
+        self.group_size, self.vocab_size = group_size, vocab_size
+        self.counts, self.on_data = counts, on_data
+        self.endpoint: str | None = None
+        self.bound = threading.Event()
+
+    def run(self, stop: threading.Event) -> None:
+        from rlfleet.common.sockets import ReliableReceiver
+
+        receiver = ReliableReceiver(f"tcp://{self.bind_host}:0", expect=ScoredTrajectory,
+                                    name="trainer-trajectories")
+        try:
+            self.endpoint = receiver.endpoint
+            self.bound.set()
+            log.info("receiving trajectories on %s", receiver.endpoint, extra={"event": "bind"})
+            while not stop.is_set():
+                got = list(receiver.drain(timeout=0.2, max_n=512))
+                if got:
+                    self.ingest(receiver, got)
+        finally:
+            self.endpoint = None
+            receiver.close()
+
+    def ingest(self, receiver: Any, got: list[tuple[str, Any]]) -> None:
+        """Journal what is new, drop what cannot be trained, then ack: in that order."""
+        journal = self.journal
+        decided = triage(got, journal.duplicates([st for _, st in got]), journal.group_sizes(),
+                         self.group_size(), self.vocab_size)
+        self.counts.update(decided.counts)
+        journal.append_trajectories(decided.new)
+        journal.record_dropped(decided.drops)
+        if os.environ.get(FAILPOINT_ENV) == "exit_after_journal" and (decided.new or decided.drops):
+            log.warning("failpoint: exiting after journaling, before the ack")
+            os._exit(17)
+        receiver.ack(decided.ok)
+        for key, why in decided.refused:
+            self.counts["refused"] += 1
+            log.warning("refused %s: %s", key, why, extra={"event": "refuse"})
+            receiver.ack([key], ok=False, error=why)
+        if decided.new or decided.drops:
+            self.on_data()

@@ -1,0 +1,150 @@
+"""The training thread's loop; one step reads like the algorithm.
+
+    whenever B/G complete groups are pending:
+        select (staleness bound)  -> Learner.train_step  -> journal the trained groups
+        -> hand the version to the publisher -> metrics line -> checkpoint every N steps
+        -> held-out evaluation when due
+
+A version is journaled (TRAINED) before it is published, so a restarted trainer's
+versions start above every version the relays have seen. When everything arriving
+is too stale to train, the current version is published again (``republish_if_starved``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlfleet.common.spec import JobSpec
+
+from .batching import INVALID, STALENESS, select_groups
+from .checkpointing import Checkpointer
+from .journal import Journal
+from .metrics_log import MetricsLog, step_line
+
+log = logging.getLogger("rlfleet.trainer")
+
+REPUBLISH_AFTER_S = 5.0  # of only-stale arrivals before the current version is pushed again
+
+
+@dataclass
+class TrainerState:
+    """What the member record shows (``training`` status, versions) and the logs count.
+
+    ``status``: starting, resuming, waiting (for complete groups), training, done
+    (max_steps reached: still receiving and journaling, not training), stopped, or
+    error: <why>. Written by the trainer's threads, read by the daemon's cycle."""
+
+    status: str = "starting"
+    error: str = ""
+    version: int = 0
+    checkpoint_version: int = 0
+    counts: Counter[str] = field(default_factory=Counter)  # intake outcomes, republishes
+
+    def failed(self, error: str) -> None:
+        self.error = error
+        self.status = f"error: {error}"[:200]
+
+
+class TrainingLoop:
+    def __init__(self, *, spec: Callable[[], JobSpec], journal: Journal, learner: Any,
+                 publisher: Any, checkpointer: Checkpointer, evaluator: Any,
+                 metrics: MetricsLog, state: TrainerState, wake: threading.Event) -> None:
+        """``spec`` is asked each pass (a SIGHUP reload applies at the next step);
+        ``publisher``: an AsyncPublisher or None; ``evaluator``: an Evaluator or None;
+        ``wake`` is set by the intake when new trajectories were journaled."""
+        self.spec, self.journal, self.learner = spec, journal, learner
+        self.publisher, self.checkpointer, self.evaluator = publisher, checkpointer, evaluator
+        self.metrics, self.state, self.wake = metrics, state, wake
+        self._republished_at = 0.0
+
+    def run(self, stop: threading.Event) -> None:
+        journal, learner = self.journal, self.learner
+        waited_from = time.monotonic()
+        stale_since: float | None = None  # waiting, and what arrives is too stale to train
+        while not stop.is_set():
+            t, g = self.spec().trainer, self.spec().task.group_size
+            if learner.version >= t.max_steps:
+                if self.state.status != "done":
+                    log.info("done: reached max_steps %d", t.max_steps, extra={"event": "done"})
+                self.state.status = "done"
+                self.wake.wait(1.0)
+                self.wake.clear()
+                continue
+            self.wake.clear()
+            complete = [(gid, journal.group(gid)) for gid in journal.complete_groups(g)]
+            sel = select_groups(complete, t.batch_size // g, learner.version, t.max_staleness)
+            if sel.drops:
+                journal.record_dropped(sel.drops)
+                for gid, reason, detail in sel.drops:
+                    log.info("dropped group %s: %s (%s)", gid, reason, detail,
+                             extra={"event": "drop", "reason": reason})
+            if len(sel.groups) < t.batch_size // g:
+                self.state.status = "waiting"
+                if any(reason == STALENESS for _, reason, _ in sel.drops):
+                    stale_since = stale_since or time.monotonic()
+                    self.republish_if_starved(stale_since)
+                self.wake.wait(0.5)
+                continue
+            stale_since = None
+            self.state.status = "training"
+            self.step(sel.groups, sel.staleness, time.monotonic() - waited_from)
+            waited_from = time.monotonic()
+
+    def step(self, groups: list[str], ages: Counter[int], wait_s: float) -> None:
+        batch = [self.journal.group(gid) for gid in groups]
+        try:
+            stats = self.learner.train_step(batch)
+        except ValueError as exc:  # the data, not the trainer: account and go on
+            self.journal.record_dropped([(gid, INVALID, str(exc)[:500]) for gid in groups])
+            log.warning("dropped %d groups, batch refused: %s", len(groups), exc,
+                        extra={"event": "drop", "reason": INVALID})
+            return
+        self.journal.record_trained(self.learner.version, groups)
+        version = self.state.version = self.learner.version
+        snapshot_s = self.publish()
+        ckpt = self.checkpoint() if version % self.spec().trainer.checkpoint_every == 0 else None
+        self.metrics.append(step_line(version=version, stats=stats, ages=ages, wait_s=wait_s,
+                                      snapshot_s=snapshot_s, publisher=self.publisher,
+                                      summary=self.journal.summary(), checkpoint=ckpt))
+        log.info("step %d: loss %.4f reward %.3f, %d tokens in %.2f s", version, stats["loss"],
+                 stats["reward_mean"], stats["tokens"], stats["step_s"], extra={"event": "step"})
+        self.maybe_evaluate()
+
+    def publish(self) -> float:
+        """Hand a snapshot to the publisher thread; returns the trainer's stall (the copy)."""
+        if self.publisher is None:
+            return 0.0
+        started = time.monotonic()
+        self.publisher.submit(self.state.version, self.learner.state_tensors())
+        return time.monotonic() - started
+
+    def republish_if_starved(self, stale_since: float) -> None:
+        """Everything arriving is too stale and no batch forms: the rollouts serve weights
+        older than max_staleness, e.g. a relay restarted empty after a trainer restart,
+        and without a step no new version would ever reach them. Push the current version
+        again (a relay holding it already takes no chunks), at most every REPUBLISH_AFTER_S."""
+        now = time.monotonic()
+        if now - stale_since < REPUBLISH_AFTER_S or now - self._republished_at < REPUBLISH_AFTER_S:
+            return
+        self._republished_at = now
+        self.state.counts["republished"] += 1
+        log.warning("only stale groups for %.0f s: publishing version %d again for rollouts that "
+                    "lack it", now - stale_since, self.state.version, extra={"event": "republish"})
+        self.publish()
+
+    def checkpoint(self) -> Path | None:
+        path = self.checkpointer.save(self.state.version)
+        if path is not None:
+            self.state.checkpoint_version = self.state.version
+        return path
+
+    def maybe_evaluate(self) -> None:
+        if self.evaluator is not None and self.evaluator.due(self.state.version):
+            self.evaluator.run(self.learner.model, self.state.version)
