@@ -37,9 +37,6 @@ batch_size = 8
 max_steps = 6
 checkpoint_every = 100
 
-[rollout]
-max_new_tokens = 4
-
 [env_host]
 max_concurrent = 16
 """
