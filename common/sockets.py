@@ -434,7 +434,7 @@ class AsyncRequestClient(_Endpoint):
         sock = self.sock
         while True:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = sock.recv_multipart(zmq.NOBLOCK)  # replies are small: bytes beat Frames
             except zmq.Again:
                 return
             got = self._decode(frames)
