@@ -22,17 +22,47 @@ import time
 from pathlib import Path
 
 
-def serve_peers() -> None:
-    """Child process: a fake rollout and a fake reward-host until stdin closes."""
+def serve_peers(rate: float) -> None:
+    """Child process: a fake rollout and a fake reward-host until stdin closes. With a
+    rate, the rollout answers every 10 ms a batch of at most rate/100 requests (as a
+    real engine finishes a batch of short completions together)."""
+    from rlfleet.common.sockets import RequestServer
+    from rlfleet.common.wire import GenerateRequest
     from tests.env_host.fakes import FakeRollout, policy
     from tests.env_host.test_runner import FakeRewardHost, solve
 
-    rollout = FakeRollout(policy(solve))
+    answer = policy(solve)
     reward_host = FakeRewardHost()
-    print(json.dumps({"rollout": rollout.address, "reward_host": reward_host.receiver.endpoint}), flush=True)
+    if not rate:
+        rollout = FakeRollout(answer)
+        address, close = rollout.address, rollout.close
+    else:
+        server = RequestServer("tcp://127.0.0.1:0", name="paced-rollout")
+        address, halt = server.endpoint, threading.Event()
+
+        def serve() -> None:
+            held: list = []
+            per_tick, tick = max(1, round(rate / 100)), time.monotonic()
+            while not halt.is_set():
+                while (got := server.recv(max(0.0, tick - time.monotonic()))) is not None:
+                    held.append(got)
+                for ident, rid, req in held[:per_tick]:
+                    if isinstance(req, GenerateRequest):
+                        server.reply(ident, rid, answer(None, req))  # type: ignore[arg-type]
+                del held[:per_tick]
+                tick = max(tick + 0.01, time.monotonic())
+            server.close()
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+
+        def close() -> None:
+            halt.set()
+            thread.join(5)
+    print(json.dumps({"rollout": address, "reward_host": reward_host.receiver.endpoint}), flush=True)
     sys.stdin.read()
     reward_host.close()
-    rollout.close()
+    close()
 
 
 class _Peers:
@@ -76,17 +106,20 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4000, help="trajectories measured (after 500 warm-up)")
     parser.add_argument("--max-concurrent", type=int, default=64)
     parser.add_argument("--profile", help="write a cProfile of the measured part (env loop thread only)")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="rollout answers at most this many per second, in 10 ms batches (0: at once)")
     parser.add_argument("--serve-peers", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_peers:
-        serve_peers()
+        serve_peers(args.rate)
         return
 
     from rlfleet.common.etcd_store import EtcdStore
     from rlfleet.tools.etcd_local import EtcdCluster
     from tests.env_host.test_runner import Host
 
-    child = subprocess.Popen([sys.executable, "-m", "tests.env_host.bench_cpu", "--serve-peers"],
+    child = subprocess.Popen([sys.executable, "-m", "tests.env_host.bench_cpu", "--serve-peers",
+                              "--rate", str(args.rate)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None
