@@ -47,6 +47,7 @@ log = logging.getLogger("rlfleet.wire")
 Expect = type | tuple[type, ...] | None  # message type(s) a socket accepts; others rejected
 DEFAULT_HWM = 1000  # messages queued per peer before send blocks / fails
 _MAX_ID_BYTES = 256
+_WATCHDOG_S = 1.0  # AsyncRequestClient: how often the socket is read without a wake-up
 
 
 @dataclass(frozen=True)
@@ -353,7 +354,9 @@ class AsyncRequestClient(_Endpoint):
         self._retry: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = self.sock.FD
+        self._watchdog: asyncio.TimerHandle | None = None
         self.stale = 0
+        self.late_reads = 0  # replies only the watchdog found (a lost wake-up; should stay 0)
 
     def start(self, msg: Message, timeout_s: float) -> tuple[bytes, asyncio.Future[Message]]:
         """Send msg now (or as soon as a server is connected, within timeout_s)."""
@@ -362,6 +365,8 @@ class AsyncRequestClient(_Endpoint):
             loop = self._loop = asyncio.get_running_loop()
             loop.add_reader(self._fd, self._on_events)
             loop.call_soon(self._on_events)  # an edge that came before the reader existed
+        if self._watchdog is None:
+            self._watchdog = loop.call_later(_WATCHDOG_S, self._watch)
         rid = f"{self._prefix}-{next(self._seq)}".encode()
         fut: asyncio.Future[Message] = loop.create_future()
         self._waiting[rid] = (fut, loop.call_later(timeout_s, self._expire, rid, timeout_s))
@@ -397,13 +402,15 @@ class AsyncRequestClient(_Endpoint):
     def _send(self, frames: list[Any]) -> bool:
         try:
             self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            sent = True
         except zmq.Again:  # no connected server (IMMEDIATE) or it is full
-            return False
-        # A send may consume the edge of the socket's (edge-triggered) descriptor:
-        # replies already queued would then wait for the next edge. Read them now.
+            sent = False
+        # A send, even a refused one, may consume the edge of the socket's (edge-
+        # triggered) descriptor: replies already queued would then wait for the next
+        # edge, which may never come. Read them now.
         if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._drain()
-        return True
+        return sent
 
     def _retry_later(self) -> None:
         if self._retry is None and self._loop is not None:
@@ -418,6 +425,18 @@ class AsyncRequestClient(_Endpoint):
                 return
             self._unsent.pop(0)
 
+    def _watch(self) -> None:
+        """Read the socket once a second while requests wait: should a wake-up of the
+        edge-triggered descriptor ever be lost, a reply waits a second, not forever."""
+        self._watchdog = None
+        if self.sock.closed:
+            return
+        if self._drain():
+            self.late_reads += 1
+            log.warning("%s: replies found without a wake-up", self.name)
+        if self._waiting and self._loop is not None:
+            self._watchdog = self._loop.call_later(_WATCHDOG_S, self._watch)
+
     def _expire(self, rid: bytes, timeout_s: float) -> None:
         entry = self._waiting.get(rid)
         if entry is not None and not entry[0].done():
@@ -430,13 +449,15 @@ class AsyncRequestClient(_Endpoint):
         if self._unsent:
             self._send_unsent()
 
-    def _drain(self) -> None:
-        sock = self.sock
+    def _drain(self) -> int:
+        """Read every reply queued; returns how many messages were read."""
+        sock, n = self.sock, 0
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)  # replies are small: bytes beat Frames
             except zmq.Again:
-                return
+                return n
+            n += 1
             got = self._decode(frames)
             if got is None:
                 continue
@@ -447,8 +468,9 @@ class AsyncRequestClient(_Endpoint):
                 entry[0].set_result(got[1])
 
     def close(self) -> None:
-        if self._retry is not None:
-            self._retry.cancel()
+        for timer in (self._retry, self._watchdog):
+            if timer is not None:
+                timer.cancel()
         if self._loop is not None and not self._loop.is_closed():
             with contextlib.suppress(Exception):  # from the loop's own thread only
                 self._loop.remove_reader(self._fd)
