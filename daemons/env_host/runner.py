@@ -77,6 +77,7 @@ class EnvRunner:
         self.last_claim_error = ""
         self._in_flight = 0  # mirrors of self._live, for other threads
         self._live_prompts = 0
+        self._flush_scheduled = False
         # Metric children looked up once, not per turn / trajectory (.labels() costs a lock
         # and a dict lookup on a tuple of label values).
         self._turns_metric = TURNS.labels(id=name)
@@ -306,8 +307,21 @@ class EnvRunner:
         self._turns_metric.inc()
         # Inline, not on the journal thread: a turn record is one os.write() with no fsync
         # (microseconds), while the hop to the writer thread and back cost the loop more
-        # than the write. Claims, which are fsynced, still go through _in_journal.
-        self.journal.record_turn(tid, index, turn)
+        # than the write. Claims, which are fsynced, still go through _in_journal. The
+        # write itself is deferred to the end of this loop pass, so that it shares one
+        # write() with the "done" record that usually follows at once (single-turn tasks)
+        # and with other trajectories' records; nothing leaves this host in between.
+        self.journal.record_turn(tid, index, turn, defer=True)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush_journal)
+
+    def _flush_journal(self) -> None:
+        self._flush_scheduled = False
+        try:
+            self.journal.flush()
+        except OSError:  # e.g. the disk is full: as when a turn's own write failed
+            log.exception("could not write the journal")
 
     async def _in_journal(self, fn: Callable[..., None], *args: Any) -> None:
         # fsynced writes off the loop, in order (one writer thread).
