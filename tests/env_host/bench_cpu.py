@@ -93,6 +93,23 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+def _gc_timer() -> dict[str, float]:
+    """Thread CPU time spent in the cyclic garbage collector from now on."""
+    import gc
+
+    out = {"s": 0.0, "n": 0, "gen2": 0, "t": 0.0}
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            out["t"] = time.thread_time()
+        else:
+            out["s"] += time.thread_time() - out["t"]
+            out["n"] += 1
+            out["gen2"] += info["generation"] == 2
+    gc.callbacks.append(callback)
+    return out
+
+
 def wait(cond, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -108,6 +125,7 @@ def main() -> None:
     parser.add_argument("--profile", help="write a cProfile of the measured part (env loop thread only)")
     parser.add_argument("--rate", type=float, default=0.0,
                         help="rollout answers at most this many per second, in 10 ms batches (0: at once)")
+    parser.add_argument("--no-freeze", action="store_true", help="skip gc.freeze() (EnvHost does it)")
     parser.add_argument("--serve-peers", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_peers:
@@ -129,6 +147,10 @@ def main() -> None:
             host = Host(store, peers, peers, Path(tempfile.mkdtemp()) / "bench.jsonl",
                         group_size=8, max_concurrent=args.max_concurrent)
             runner = host.runner
+            if not args.no_freeze:
+                import gc
+
+                gc.freeze()  # as EnvHost.setup does
             wait(lambda: runner.acked >= 500, 120)
             prof = None
             if args.profile:
@@ -136,6 +158,7 @@ def main() -> None:
 
                 prof = cProfile.Profile()
                 runner.loop.call_soon_threadsafe(prof.enable)
+            gc_time = _gc_timer()
             a0, c0, t0, th0 = runner.acked, cpu_s(), time.monotonic(), thread_cpu()
             wait(lambda: runner.acked >= a0 + args.n, 600)
             a1, c1, t1, th1 = runner.acked, cpu_s(), time.monotonic(), thread_cpu()
@@ -153,6 +176,8 @@ def main() -> None:
     n = a1 - a0
     print(f"env-host: {(c1 - c0) / n * 1e3:.3f} CPU-ms per trajectory ({n} trajectories, "
           f"{n / (t1 - t0):.0f}/s, CPU {(c1 - c0) / (t1 - t0) * 100:.0f}% of a core)")
+    print(f"  garbage collector: {gc_time['s'] / n * 1e3:.3f} ms per trajectory in "
+          f"{gc_time['n']} collections ({gc_time['gen2']} of generation 2)")
     split = {k: th1.get(k, 0.0) - th0.get(k, 0.0) for k in th1}
     print("  by thread (CPU-ms/trajectory): " + ", ".join(
         f"{k} {v / n * 1e3:.3f}" for k, v in sorted(split.items(), key=lambda kv: -kv[1]) if v > 0))
