@@ -16,7 +16,9 @@ Faults stay inside the trajectory and end it with a recorded reason (docs/datafl
 
 Environment calls run on `EnvThreads` rather than `asyncio.to_thread`: the default
 executor has cpu+4 threads that a few hung environments would use up for good, and its
-threads are joined at interpreter exit, so one hung env would block shutdown.
+threads are joined at interpreter exit, so one hung env would block shutdown. A task
+whose env is microseconds of pure computation (Task.env_calls_inline: arithmetic) is
+called on the loop instead: no hop, and no env_timeout either, since it cannot hang.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .routing import RouteError, Router
 log = logging.getLogger("rlfleet.env_host")
 
 _ERROR_CHARS = 300  # of an exception's text kept in a trajectory's info
+_ENCODED_MAX = 4096  # prompt texts whose token ids TurnCodec keeps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,9 @@ class TurnCodec:
         self.eos_id: int = tokenizer.eos_token_id
         self.vocab_size = len(tokenizer)
         self._backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
+        # The group_size trajectories of a prompt start from the same observation: encode
+        # it once. Bounded (cleared when full). Arrays are immutable: shared freely.
+        self._encoded: dict[str, Int32Array] = {}
 
     @classmethod
     def from_model_dir(cls, path: str) -> TurnCodec:
@@ -85,6 +91,15 @@ class TurnCodec:
         if self._backend is not None:  # the same post-processor, ~10x less Python overhead
             return list(self._backend.encode(text).ids)
         return list(self.tokenizer(text)["input_ids"])
+
+    def prompt_array(self, text: str) -> Int32Array:
+        """encode_prompt as an array, remembered for the prompt's other trajectories."""
+        ids = self._encoded.get(text)
+        if ids is None:
+            if len(self._encoded) >= _ENCODED_MAX:
+                self._encoded.clear()
+            ids = self._encoded[text] = Int32Array(self.encode_prompt(text))
+        return ids
 
     def completion(self, token_ids: list[int]) -> tuple[int, str]:
         """(how many tokens belong to the turn, including the end token; action text)."""
@@ -214,12 +229,15 @@ class EnvManager:
             if len(self.turns) >= self.task.max_turns:
                 raise Dropped("env_error", f"episode not done after {len(self.turns)} turns "
                                            f"(task max_turns {self.task.max_turns})")
-            prompt_ids = self.codec.encode_prompt(self.task.format_turn(obs))
+            prompt_ids = self.codec.prompt_array(self.task.format_turn(obs))
             rollout_id, res = await self._generate(prompt_ids)
             ids = res.token_ids.tolist()
             n, action = self.codec.completion(ids)
-            turn = Turn(Int32Array(prompt_ids), Int32Array(ids[:n]),
-                        Float32Array(res.logprobs.tolist()[:n]), res.weight_version, obs, action)
+            if n == len(ids):  # all of it (the usual case): the received arrays as they are
+                turn = Turn(prompt_ids, res.token_ids, res.logprobs, res.weight_version, obs, action)
+            else:
+                turn = Turn(prompt_ids, Int32Array(ids[:n]), Float32Array(res.logprobs.tolist()[:n]),
+                            res.weight_version, obs, action)
             next_obs, reward, done, info = await self._step(env, action)
             self.rollouts_used.append(rollout_id)
             self.invalid_actions += bool(info.get("invalid_action"))
@@ -271,6 +289,14 @@ class EnvManager:
         return obs, reward, bool(done), info
 
     async def _env_call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.task.env_calls_inline:
+            # The task vouches that its env is microseconds of pure computation: a call on
+            # the loop costs less than the hop to a thread and back (~0.1 ms of loop time).
+            try:
+                return fn(*args)
+            except Exception as exc:  # noqa: BLE001 — the env's own exception
+                raise Dropped("env_error", f"env.{what} raised {type(exc).__name__}: "
+                                           f"{str(exc)[:_ERROR_CHARS]}") from None
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
 
@@ -305,7 +331,7 @@ class EnvManager:
             raise Dropped("env_error", f"env.{what} raised {type(exc).__name__}: "
                                        f"{str(exc)[:_ERROR_CHARS]}") from None
 
-    async def _generate(self, prompt_ids: list[int]) -> tuple[str, GenerateResult]:
+    async def _generate(self, prompt_ids: Int32Array) -> tuple[str, GenerateResult]:
         """One turn's generation, retried on other rollouts; Dropped when retries run out."""
         max_new = self.task.max_new_tokens + 1  # +1: room for the end token
         exclude: set[str] = set()
@@ -318,7 +344,7 @@ class EnvManager:
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0)
                                     if reason == "rollout_garbage" else 0.0)
             req = GenerateRequest(f"{self.tid}-t{len(self.turns)}-a{attempt}", self.tid,
-                                  Int32Array(prompt_ids), max_new, self.cfg.temperature, self.cfg.top_p)
+                                  prompt_ids, max_new, self.cfg.temperature, self.cfg.top_p)
             try:
                 rollout_id, res = await self.router.generate(req, self.cfg.turn_timeout_s, exclude)
             except RouteError as exc:

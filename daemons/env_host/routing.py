@@ -22,7 +22,6 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from rlfleet.common.sockets import AsyncRequestClient, PeerTimeout
@@ -46,12 +45,18 @@ class _Rollout:
     id: str
     address: str
     client: AsyncRequestClient
-    gone: asyncio.Future[str]  # resolved (and replaced) when the connection drops
-    monitor: zmq.asyncio.Socket | None = None
-    monitor_task: asyncio.Task[None] | None = None
+    monitor: zmq.Socket | None = None  # disconnect events of client.sock
     outstanding: int = 0
     suspect_until: float = 0.0
     requests: int = 0
+
+
+class _Gone(Exception):
+    """Fails the requests in flight to a rollout whose connection dropped."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
 
 
 class Router:
@@ -96,35 +101,37 @@ class Router:
     def _add(self, rid: str, address: str) -> None:
         loop = asyncio.get_running_loop()
         client = AsyncRequestClient(address, expect=GenerateResult, name=f"{self.name}->{rid}")
-        r = _Rollout(rid, address, client, loop.create_future())
+        r = _Rollout(rid, address, client)
         r.monitor = client.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        r.monitor_task = loop.create_task(self._watch(r))
+        loop.add_reader(r.monitor.FD, self._on_monitor, r)
+        self._on_monitor(r)  # what came before the reader was registered re-arms the edge
         self._rollouts[rid] = r
 
     def _remove(self, r: _Rollout, why: str) -> None:
         del self._rollouts[r.id]
         self._fail_inflight(r, why)
-        if r.monitor_task is not None:
-            r.monitor_task.cancel()
+        if r.monitor is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(r.monitor.FD)
         with contextlib.suppress(zmq.ZMQError):
             r.client.sock.disable_monitor()
         if r.monitor is not None:
             r.monitor.close(linger=0)
+            r.monitor = None
         r.client.close()
 
     def _fail_inflight(self, r: _Rollout, why: str) -> None:
         if r.outstanding:
             log.info("rollout %s %s: re-issuing %d request(s) elsewhere", r.id, why, r.outstanding,
                      extra={"event": "rollout_gone", "rollout": r.id})
-        if not r.gone.done():
-            r.gone.set_result(why)
-        r.gone = asyncio.get_running_loop().create_future()
+        r.client.fail_all(_Gone(why))
 
-    async def _watch(self, r: _Rollout) -> None:
-        assert r.monitor is not None
+    def _on_monitor(self, r: _Rollout) -> None:
+        # The monitor's descriptor is edge-triggered like any ZeroMQ socket's: read all.
+        monitor = r.monitor
         with contextlib.suppress(zmq.ZMQError):
-            while True:
-                event = parse_monitor_message(await r.monitor.recv_multipart())
+            while monitor is not None and not monitor.closed:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self._fail_inflight(r, "disconnected")
 
@@ -137,14 +144,12 @@ class Router:
         r = await self._pick(exclude, deadline)
         r.outstanding += 1
         r.requests += 1
-        gone = r.gone
-        call = loop.create_task(r.client.request(req, max(0.001, deadline - loop.time())))
+        rid, call = r.client.start(req, max(0.001, deadline - loop.time()))
         try:
-            await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if gone.done():  # checked first: a closed socket may also fail the call
-                self.reissued["gone"] += 1
-                raise RouteError("gone", r.id, gone.result())
-            result = call.result()
+            result = await call
+        except _Gone as exc:
+            self.reissued["gone"] += 1
+            raise RouteError("gone", r.id, exc.why) from None
         except PeerTimeout as exc:
             r.suspect_until = loop.time() + self.suspect_s
             self.reissued["timeout"] += 1
@@ -155,10 +160,9 @@ class Router:
             raise RouteError("gone", r.id, repr(exc)) from None
         finally:
             r.outstanding -= 1
-            if not call.done():
-                call.cancel()
+            if call.cancelled():  # we were cancelled (trajectory timeout, stopping)
                 self._spawn(self._abort(r, req.request_id))
-            call.add_done_callback(_retrieve)
+            r.client.discard(rid)
         assert isinstance(result, GenerateResult)
         return r.id, result
 
@@ -196,9 +200,3 @@ class Router:
             self._remove(r, "env-host stopping")
         for task in self._background:
             task.cancel()
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    # A cancelled or failed call whose outcome nobody reads must not log "never retrieved".
-    if not task.cancelled():
-        task.exception()

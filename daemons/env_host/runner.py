@@ -77,6 +77,11 @@ class EnvRunner:
         self.last_claim_error = ""
         self._in_flight = 0  # mirrors of self._live, for other threads
         self._live_prompts = 0
+        self._flush_scheduled = False
+        # Metric children looked up once, not per turn / trajectory (.labels() costs a lock
+        # and a dict lookup on a tuple of label values).
+        self._turns_metric = TURNS.labels(id=name)
+        self._trajectories_metric: dict[str, Any] = {}
 
     # -- thread-safe entry points -----------------------------------------------------
     def start(self) -> None:
@@ -248,7 +253,9 @@ class EnvRunner:
         return adopted
 
     async def _start_prompt(self, prompt_id: int) -> None:
-        prompt = await asyncio.to_thread(self.stream.get, prompt_id)
+        prompt = self.stream.cached(prompt_id)
+        if prompt is None:  # generating a new chunk of the stream takes a while: off the loop
+            prompt = await asyncio.to_thread(self.stream.get, prompt_id)
         live = self._live.setdefault(prompt_id, set())
         for k in range(self.group_size):
             tid = trajectory_id(prompt_id, k)
@@ -281,7 +288,11 @@ class EnvRunner:
             traj = await manager.run()
             if traj.dropped_reason:
                 self.dropped[traj.dropped_reason] = self.dropped.get(traj.dropped_reason, 0) + 1
-            TRAJECTORIES.labels(id=self.name, reason=traj.dropped_reason).inc()
+            metric = self._trajectories_metric.get(traj.dropped_reason)
+            if metric is None:
+                metric = self._trajectories_metric[traj.dropped_reason] = TRAJECTORIES.labels(
+                    id=self.name, reason=traj.dropped_reason)
+            metric.inc()
             self.journal.record_done(traj)  # no fsync: written inline, see _journal_turn
         except Exception:  # noqa: BLE001 — e.g. the journal's disk is full
             # Not handed on: the prompt stays live here and in the journal, and the next
@@ -293,11 +304,24 @@ class EnvRunner:
         self.submit(traj.trajectory_id, traj)
 
     async def _journal_turn(self, tid: str, index: int, turn: Turn) -> None:
-        TURNS.labels(id=self.name).inc()
+        self._turns_metric.inc()
         # Inline, not on the journal thread: a turn record is one os.write() with no fsync
         # (microseconds), while the hop to the writer thread and back cost the loop more
-        # than the write. Claims, which are fsynced, still go through _in_journal.
-        self.journal.record_turn(tid, index, turn)
+        # than the write. Claims, which are fsynced, still go through _in_journal. The
+        # write itself is deferred to the end of this loop pass, so that it shares one
+        # write() with the "done" record that usually follows at once (single-turn tasks)
+        # and with other trajectories' records; nothing leaves this host in between.
+        self.journal.record_turn(tid, index, turn, defer=True)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush_journal)
+
+    def _flush_journal(self) -> None:
+        self._flush_scheduled = False
+        try:
+            self.journal.flush()
+        except OSError:  # e.g. the disk is full: as when a turn's own write failed
+            log.exception("could not write the journal")
 
     async def _in_journal(self, fn: Callable[..., None], *args: Any) -> None:
         # fsynced writes off the loop, in order (one writer thread).

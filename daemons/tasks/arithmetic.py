@@ -21,6 +21,7 @@ class ArithmeticTask(Task):
     name = "arithmetic"
     multi_turn = False
     max_turns = 1
+    env_calls_inline = True  # reset/step: string parsing, under a microsecond
 
     # Defaults = the difficulty models/tiny-qwen2 is warm-started for (its warmstart.json).
     def __init__(self, digits: int = 2, min_digits: int = 2, ops: str = "+") -> None:

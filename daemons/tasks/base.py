@@ -70,6 +70,10 @@ class Task(abc.ABC):
     multi_turn: bool = False
     max_turns: int = 1          # the env ends the episode at this many turns
     max_new_tokens: int = 1     # per turn, excluding the end token
+    # True only when make_env/reset/step are pure computation of a few microseconds that
+    # cannot hang: the env-host then calls them on its event loop, without the thread hop
+    # (and so without the turn timeout). False: each call runs on a thread of its own.
+    env_calls_inline: bool = False
 
     @abc.abstractmethod
     def difficulty(self) -> dict[str, Any]:

@@ -52,6 +52,11 @@ class PromptStream:
                 self._prompts = self.task.make_prompts(self.split, n, seed=self.seed)  # type: ignore[arg-type]
             return self._prompts[prompt_id]
 
+    def cached(self, prompt_id: int) -> Prompt | None:
+        """get(prompt_id) if it is already generated (cheap: no generation), else None."""
+        prompts = self._prompts  # replaced whole, never mutated: no lock needed to read
+        return prompts[prompt_id] if 0 <= prompt_id < len(prompts) else None
+
 
 # ---------------------------------------------------------------- identities (dataflow.md)
 def group_id(prompt_id: int) -> str:

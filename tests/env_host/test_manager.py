@@ -11,7 +11,8 @@ import time
 import pytest
 
 from rlfleet.common.wire import Float32Array, GenerateResult, Int32Array, Turn
-from rlfleet.daemons.env_host.manager import EnvManager, ManagerConfig, TurnCodec, check_result
+from rlfleet.daemons.env_host.manager import (EnvManager, EnvThreads, ManagerConfig, TurnCodec,
+                                              check_result)
 from rlfleet.daemons.env_host.routing import Router
 from rlfleet.daemons.tasks import ArithmeticTask, TaskEnv, get_task
 from rlfleet.daemons.tasks.frozenlake import optimal_actions, parse_observation
@@ -40,12 +41,13 @@ def rollouts():
 
 
 async def play(task, prompt, codec, addresses: dict[str, str], config=FAST, index=0, resume=(),
-               journal=None):
+               journal=None, threads=None):
     router = Router(suspect_s=5.0)
     router.update(addresses)
     try:
         return await EnvManager(task=task, prompt=prompt, prompt_id=7, index=index, codec=codec,
-                                router=router, config=config, on_turn=journal, resume=resume).run()
+                                router=router, config=config, on_turn=journal, resume=resume,
+                                threads=threads).run()
     finally:
         router.close()
 
@@ -116,9 +118,12 @@ class RaisingEnv(HangingEnv):
 
 
 class EnvTask(ArithmeticTask):
-    def __init__(self, env_cls):
+    env_calls_inline = False  # not arithmetic's own env: no longer vouched for
+
+    def __init__(self, env_cls, inline=False):
         super().__init__()
         self.env_cls = env_cls
+        self.env_calls_inline = inline
 
     def make_env(self):
         return self.env_cls(ArithmeticTask())
@@ -141,14 +146,26 @@ def test_hung_env_is_dropped_with_env_timeout_and_others_go_on(codec, rollouts):
     assert ok.dropped_reason == "" and ok.env_reward == 1.0
 
 
-def test_raising_env_is_dropped_with_env_error(codec, rollouts):
-    task = EnvTask(RaisingEnv)
+@pytest.mark.parametrize("inline", [False, True])
+def test_raising_env_is_dropped_with_env_error(codec, rollouts, inline):
+    task = EnvTask(RaisingEnv, inline)
     prompt = task.make_prompts("train", 1)[0]
     r = rollouts(answer("1"))
     traj = asyncio.run(play(task, prompt, codec, {"r0": r.address}))
     assert traj.dropped_reason == "env_error"
     assert "RuntimeError: the simulator crashed" in traj.info["error"]
     assert traj.turns == []
+
+
+def test_inline_env_calls_take_no_thread(codec, rollouts):
+    task = get_task("arithmetic")
+    assert task.env_calls_inline and not get_task("frozenlake").env_calls_inline
+    prompt = task.make_prompts("train", 1)[0]
+    r = rollouts(answer(prompt.answer))
+    threads = EnvThreads()
+    traj = asyncio.run(play(task, prompt, codec, {"r0": r.address}, threads=threads))
+    assert traj.dropped_reason == "" and traj.env_reward == 1.0
+    assert threads.threads == 0
 
 
 def garbage(kind: str):

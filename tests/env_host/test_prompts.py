@@ -24,7 +24,10 @@ def test_stream_matches_make_prompts(name, difficulty, n):
     task = get_task(name, **difficulty)
     stream = PromptStream(task, seed=11)
     expected = task.make_prompts("train", n, seed=11)
+    assert stream.cached(0) is None  # nothing generated yet
     assert [stream.get(i) for i in reversed(range(n))] == expected[::-1]
+    assert [stream.cached(i) for i in range(n)] == expected
+    assert stream.cached(len(stream._prompts)) is None and stream.cached(-1) is None
 
 
 def test_ids_beyond_the_first_chunk_extend_the_same_stream():

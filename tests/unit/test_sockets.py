@@ -373,6 +373,10 @@ def test_async_client_concurrent_requests_and_timeout(echo: EchoServer) -> None:
             calls = [client.request(_result(f"r{i}"), timeout_s=2) for i in range(20)]
             results = await asyncio.gather(*calls)
             assert [r.request_id for r in results] == [f"r{i}" for i in range(20)]
+            # one by one: each reply must wake the loop by itself (no watchdog reads)
+            for i in range(20):
+                assert (await client.request(_result(f"s{i}"), timeout_s=0.9)).request_id == f"s{i}"
+            assert client.late_reads == 0
         finally:
             client.close()
         absent = AsyncRequestClient(f"tcp://127.0.0.1:{_free_port()}")
