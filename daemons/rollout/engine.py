@@ -10,18 +10,21 @@ or by ``abort()``.
 
 ``TorchEngine`` is a slot-based continuous-batching engine over an HF causal LM:
 
-- A KV cache preallocated once: per layer ``[max_batch, kv_heads, max_len, head_dim]``.
+- A KV cache preallocated once: ``[layers, 2, max_batch, kv_heads, max_len, head_dim]``.
   Running requests always occupy rows ``0..n-1`` (a finished row is refilled by
   moving the last row into it), so every forward works on a contiguous view and
   the cache is never gathered or copied per step.
-- ``step()`` = prefill of the newly admitted requests (one batched forward, right
-  padded; each row's positions start at 0) + one batched decode forward for every
-  request that was already running. Requests join and leave between steps.
-- The model's own layers run unchanged: the engine passes per-row position ids,
-  its own boolean attention mask, and a cache object whose ``update()`` scatters
-  each row's new keys/values at that row's positions (``slots.SlotCache``). This works
-  for decoder-only models whose layers are all ``full_attention`` and which use
-  transformers' Cache API (Llama, Qwen2, Mistral without sliding window, ...).
+- ``step()`` = one token for every running request and the prefill of the newly
+  admitted ones (right padded; each row's positions start at 0), in one forward pass
+  (``forward.py``). Requests join and leave between steps.
+- Two forward passes give the same logits: ``LeanForward``, plain torch ops over the
+  model's parameters for Llama-style models (Qwen2, Llama), used when it matches the
+  model's own forward on a probe at start-up; otherwise ``ModelForward``, the model's
+  own layers with per-row position ids, the engine's boolean attention mask, and a
+  cache object whose ``update()`` scatters each row's new keys/values at that row's
+  positions (``slots.SlotCache``), for decoder-only models whose layers are all
+  ``full_attention`` and which use transformers' Cache API (Llama, Qwen2, Mistral
+  without sliding window, ...).
 - Sampling: temperature 0 is greedy (argmax); otherwise softmax(logits / T),
   restricted to the smallest top-p nucleus, sampled by inverse CDF with one
   uniform draw per token from the request's own ``torch.Generator`` (seeded
@@ -61,6 +64,7 @@ import torch
 from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array
 
 from .engines import default_max_len
+from .forward import LeanForward, ModelForward
 from .slots import SlotCache, sample_rows
 
 log = logging.getLogger("rlfleet.rollout")
@@ -167,7 +171,7 @@ class TorchEngine(Engine):
 
     def __init__(self, model: Any, *, max_batch: int, max_len: int | None = None,
                  eos_token_ids: set[int] | None = None, max_prefill_tokens: int = 8192,
-                 weight_version: int = 0, seed: int | None = None) -> None:
+                 weight_version: int = 0, seed: int | None = None, lean: bool = True) -> None:
         config = model.config
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"}:
@@ -190,7 +194,6 @@ class TorchEngine(Engine):
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         self.cache = SlotCache(config.num_hidden_layers, max_batch, kv_heads, self.max_len,
                                 head_dim, self.dtype, self.device)
-        self.mask_keys = ["full_attention"]
         self._shared_gen = torch.Generator().manual_seed(
             seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         self.running: list[_Seq] = []  # index = cache row
@@ -198,10 +201,11 @@ class TorchEngine(Engine):
         self._answers: list[GenerateResult] = []  # refused requests, handed out by step()
         self._ids: set[str] = set()  # request ids waiting or running
         self._token_times: deque[tuple[float, int]] = deque()
-        self._positions = torch.arange(self.max_len, device=self.device)
+        self._check_logits_path()
+        self.forward: ModelForward | LeanForward = self._pick_forward(lean)
+        # After _pick_forward: the lean pass re-points some parameters at fused tensors.
         self._param_names = _param_aliases(model)
         self._state_names = set(model.state_dict())  # params, tied aliases, persistent buffers
-        self._check_logits_path()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, max_batch: int, max_len: int | None = None,
@@ -222,6 +226,47 @@ class TorchEngine(Engine):
         if not torch.allclose(full, mine, atol=1e-4, rtol=1e-4):
             raise ValueError(f"{type(self.model).__name__}: logits are not lm_head(hidden states); "
                              "TorchEngine does not support this architecture")
+
+    @torch.inference_mode()
+    def _pick_forward(self, allow_lean: bool) -> ModelForward | LeanForward:
+        """The lean forward if allowed, the model is Llama-style and it gives the model's
+        own logits on a probe (two prefills of different lengths, then decode and prefill
+        in one step); otherwise the model's own modules."""
+        own = ModelForward(self.model, self.cache, self.max_len)
+        lean = LeanForward.build(self.model, self.cache, self.max_len) if allow_lean else None
+        if lean is None:
+            return own
+        n = min(self.max_batch, 3)
+        gen = torch.Generator().manual_seed(0)
+        lengths = [min(5, self.max_len - 1), min(3, self.max_len - 1), min(4, self.max_len - 1)][:n]
+        ids = [torch.randint(0, self.vocab_size, (k,), generator=gen).tolist() for k in lengths]
+        first = max(n - 1, 1)  # rows prefilled in the first step; the last row joins in the second
+
+        def probe(fwd: ModelForward | LeanForward) -> list[torch.Tensor]:
+            width = max(lengths[:first])
+            pre = torch.tensor([i + [0] * (width - len(i)) for i in ids[:first]], device=self.device)
+            last = torch.tensor([k - 1 for k in lengths[:first]], device=self.device)
+            none = torch.zeros(0, dtype=torch.long, device=self.device)
+            a = fwd(none, none, pre, last)
+            dec_ids = a.argmax(-1)
+            dec_pos = torch.tensor(lengths[:first], device=self.device)
+            rest = ids[first:]
+            pre2 = torch.tensor(rest, device=self.device) if rest else None
+            last2 = torch.tensor([len(rest[0]) - 1], device=self.device) if rest else None
+            return [a, fwd(dec_ids, dec_pos, pre2, last2)]
+
+        tol = 1e-4 if self.dtype == torch.float32 else 5e-2
+        try:
+            agree = all(torch.allclose(x.float(), y.float(), atol=tol, rtol=tol)
+                        for x, y in zip(probe(own), probe(lean)))
+        finally:
+            self.cache.kv.zero_()
+            own.calls = lean.calls = 0
+        if not agree:
+            log.warning("%s: the lean forward disagrees with the model's own; running the model's "
+                        "modules (slower)", type(self.model).__name__)
+            return own
+        return lean
 
     # -- requests ---------------------------------------------------------------------
     def add(self, request: GenerateRequest) -> None:
@@ -300,14 +345,10 @@ class TorchEngine(Engine):
     def step(self) -> list[GenerateResult]:
         out, self._answers = self._answers, []
         decoding = len(self.running)
-        if decoding:
-            self._decode(decoding)
         admitted = self._admit()
-        if admitted:
-            self._prefill(admitted)
-        produced = decoding + len(admitted)
-        if produced:
-            self._token_times.append((time.monotonic(), produced))
+        if decoding or admitted:
+            self._advance(decoding, admitted)
+            self._token_times.append((time.monotonic(), decoding + len(admitted)))
         out += self._collect_finished()
         return out
 
@@ -328,46 +369,29 @@ class TorchEngine(Engine):
             new.append(_Seq(req, req.prompt_token_ids.numpy().tolist(), gen, self.weight_version))
         return new
 
-    def _forward(self, lo: int, input_ids: torch.Tensor, pos: torch.Tensor,
-                 mask: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Hidden states [rows, T, hidden] of rows lo..lo+len(input_ids) at positions pos."""
-        c = self.cache
-        c.lo, c.hi, c.kv_len = lo, lo + input_ids.shape[0], kv_len
-        k0 = c.k[0]
-        c.index = pos[:, None, :, None].expand(-1, k0.shape[1], -1, k0.shape[3])
-        masks = dict.fromkeys(self.mask_keys, mask)
-        return self.base(input_ids=input_ids, position_ids=pos, attention_mask=masks,
-                         past_key_values=c, use_cache=True).last_hidden_state
-
-    def _prefill(self, seqs: list[_Seq]) -> None:
-        lo = len(self.running)
-        self.running.extend(seqs)
-        lengths = [len(s.prompt) for s in seqs]
-        width = max(lengths)
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, :lengths[i]] = torch.tensor(s.prompt, dtype=torch.long)
-        pos = self._positions[:width].expand(len(seqs), -1)
-        # Causal from position 0 for every row: padded positions (after a row's prompt)
-        # only feed padded queries, and decode overwrites those cache slots before use.
-        mask = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()[None, None]
-        hidden = self._forward(lo, ids.to(self.device), pos, mask, width)
-        last = torch.tensor([n - 1 for n in lengths], device=self.device)
-        hidden = hidden[torch.arange(len(seqs), device=self.device), last]
-        for s, n in zip(seqs, lengths):
-            s.cached = n
-        self._sample(seqs, self.head(hidden))
-
-    def _decode(self, n: int) -> None:
-        seqs = self.running[:n]
-        ids = torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long, device=self.device)
-        pos = torch.tensor([[s.cached] for s in seqs], dtype=torch.long, device=self.device)
-        kv_len = int(pos.max()) + 1
-        mask = (self._positions[:kv_len][None, :] <= pos)[:, None, None, :]  # [n, 1, 1, kv_len]
-        hidden = self._forward(0, ids, pos, mask, kv_len)[:, -1]
+    def _advance(self, decoding: int, new: list[_Seq]) -> None:
+        """One token for each of the first ``decoding`` running rows and each new request
+        (whose prompt is prefilled into the rows after them): one forward pass."""
+        dev = self.device
+        seqs = self.running[:decoding]
+        dec_ids = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.long, device=dev)
+        dec_pos = torch.tensor([s.cached for s in seqs], dtype=torch.long, device=dev)
+        pre_ids = pre_last = None
+        if new:
+            lengths = [len(s.prompt) for s in new]
+            width = max(lengths)
+            # Right padded; padded positions only feed padded queries (causal from 0), and
+            # decode overwrites those cache slots before any real query reads them.
+            pre_ids = torch.tensor([s.prompt + [0] * (width - len(s.prompt)) for s in new],
+                                   dtype=torch.long, device=dev)
+            pre_last = torch.tensor([n - 1 for n in lengths], dtype=torch.long, device=dev)
+            self.running.extend(new)
+        logits = self.forward(dec_ids, dec_pos, pre_ids, pre_last)
         for s in seqs:
             s.cached += 1
-        self._sample(seqs, self.head(hidden))
+        for s in new:
+            s.cached = len(s.prompt)
+        self._sample(seqs + new if new else seqs, logits)
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         logits = logits.float()

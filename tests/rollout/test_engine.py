@@ -13,6 +13,7 @@ import torch
 
 from rlfleet.common.wire import GenerateRequest, GenerateResult, Int32Array
 from rlfleet.daemons.rollout.engine import TorchEngine
+from rlfleet.daemons.rollout.forward import LeanForward, ModelForward
 from rlfleet.daemons.rollout.slots import sample_rows
 
 from .conftest import VOCAB
@@ -276,3 +277,39 @@ def test_prefill_budget_admits_long_prompts_over_several_steps(tiny_model):
     results = run_all(engine)
     for i, p in enumerate(ps):
         assert results[f"r{i}"].token_ids.tolist() == greedy_reference(tiny_model, p, 3)
+
+
+def test_the_tiny_qwen2_runs_the_lean_forward_and_the_model_path_stays_available(tiny_model):
+    assert isinstance(TorchEngine(tiny_model, max_batch=2, max_len=64).forward, LeanForward)
+    assert isinstance(TorchEngine(tiny_model, max_batch=2, max_len=64, lean=False).forward, ModelForward)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_decode_and_prefill_share_a_step_on_both_forwards(tiny_model, lean):
+    """A request joining while others decode: one forward for the step on the lean pass
+    (two on the model's own), and every answer still equals generate() alone."""
+    engine = TorchEngine(tiny_model, max_batch=4, max_len=64, lean=lean)
+    ps = prompts(4, seed=11)
+    engine.add(req("a", ps[0], max_new=9))
+    engine.add(req("b", ps[1], max_new=6))
+    engine.step()
+    calls = engine.forward.calls
+    engine.add(req("c", ps[2], max_new=7))
+    engine.add(req("d", ps[3], max_new=5))
+    engine.step()  # a, b decode; c, d (different prompt lengths) prefill
+    assert engine.forward.calls - calls == (1 if lean else 2)
+    results = run_all(engine)
+    for rid, p, n in zip("abcd", ps, [9, 6, 7, 5]):
+        assert results[rid].token_ids.tolist() == greedy_reference(tiny_model, p, n), rid
+        ref = full_forward_logprobs(tiny_model, p, results[rid].token_ids.tolist())
+        np.testing.assert_allclose(results[rid].logprobs.numpy(), ref, atol=1e-4)
+
+
+def test_a_lean_forward_that_disagrees_is_not_used(tiny_model, monkeypatch):
+    right = LeanForward.__call__
+    monkeypatch.setattr(LeanForward, "__call__", lambda self, *a: right(self, *a) * 1.01)
+    engine = TorchEngine(tiny_model, max_batch=2, max_len=64)
+    assert isinstance(engine.forward, ModelForward)
+    p = prompts(1, seed=12)[0]
+    engine.add(req("x", p, max_new=6))
+    assert run_all(engine)["x"].token_ids.tolist() == greedy_reference(tiny_model, p, 6)
