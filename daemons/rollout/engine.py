@@ -17,6 +17,9 @@ or by ``abort()``.
 - ``step()`` = one token for every running request and the prefill of the newly
   admitted ones (right padded; each row's positions start at 0), in one forward pass
   (``forward.py``). Requests join and leave between steps.
+- A new request whose prompt a running request has (the members of a GRPO group)
+  is not prefilled: its row gets a copy of that prompt's keys/values and its first
+  token is sampled from that prompt's logits.
 - Two forward passes give the same logits: ``LeanForward``, plain torch ops over the
   model's parameters for Llama-style models (Qwen2, Llama), used when it matches the
   model's own forward on a probe at start-up; otherwise ``ModelForward``, the model's
@@ -149,7 +152,7 @@ def error_result(request: GenerateRequest | str, reason: str, version: int) -> G
 # ----------------------------------------------------------------------------- torch engine
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
     request: GenerateRequest
     prompt: list[int]
@@ -158,6 +161,8 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     cached: int = 0  # tokens whose keys/values are in the cache (the last sampled one is not)
+    row: int = -1  # its cache row while running
+    prompt_logits: torch.Tensor | None = None  # the logits after the prompt (shared by its copies)
 
     def result(self, reason: str) -> GenerateResult:
         return GenerateResult(request_id=self.request.request_id,
@@ -197,6 +202,9 @@ class TorchEngine(Engine):
         self._shared_gen = torch.Generator().manual_seed(
             seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         self.running: list[_Seq] = []  # index = cache row
+        # The running requests of each distinct prompt: a new request with the same prompt (a
+        # GRPO group's members) copies its prompt's keys/values instead of computing them again.
+        self._by_prompt: dict[tuple[int, ...], list[_Seq]] = {}
         self.waiting: deque[GenerateRequest] = deque()
         self._answers: list[GenerateResult] = []  # refused requests, handed out by step()
         self._ids: set[str] = set()  # request ids waiting or running
@@ -370,28 +378,52 @@ class TorchEngine(Engine):
         return new
 
     def _advance(self, decoding: int, new: list[_Seq]) -> None:
-        """One token for each of the first ``decoding`` running rows and each new request
-        (whose prompt is prefilled into the rows after them): one forward pass."""
+        """One token for each of the first ``decoding`` running rows and each new request:
+        one forward pass, which also prefills the new prompts not already in the cache.
+
+        A new request whose prompt a running (or another new) request has is a copy: its
+        rows get that prompt's keys/values by one cache copy, and its first token is
+        sampled from that prompt's logits. Rows: decoding, then prefilled, then copies."""
         dev = self.device
         seqs = self.running[:decoding]
         dec_ids = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.long, device=dev)
         dec_pos = torch.tensor([s.cached for s in seqs], dtype=torch.long, device=dev)
         pre_ids = pre_last = None
-        if new:
-            lengths = [len(s.prompt) for s in new]
+        fresh: list[_Seq] = []
+        copies: list[tuple[_Seq, _Seq]] = []  # (copy, the request whose prompt it copies)
+        for s in new:
+            holders = self._by_prompt.setdefault(tuple(s.prompt), [])
+            if holders:
+                copies.append((s, holders[0]))
+            else:
+                fresh.append(s)
+            holders.append(s)
+        if fresh:
+            lengths = [len(s.prompt) for s in fresh]
             width = max(lengths)
             # Right padded; padded positions only feed padded queries (causal from 0), and
             # decode overwrites those cache slots before any real query reads them.
-            pre_ids = torch.tensor([s.prompt + [0] * (width - len(s.prompt)) for s in new],
+            pre_ids = torch.tensor([s.prompt + [0] * (width - len(s.prompt)) for s in fresh],
                                    dtype=torch.long, device=dev)
             pre_last = torch.tensor([n - 1 for n in lengths], dtype=torch.long, device=dev)
-            self.running.extend(new)
+        order = seqs + fresh
+        order += [c for c, _ in copies]
+        for row in range(decoding, len(order)):
+            order[row].row = row
+        self.running = order
         logits = self.forward(dec_ids, dec_pos, pre_ids, pre_last)
         for s in seqs:
             s.cached += 1
-        for s in new:
+        for i, s in enumerate(fresh):
             s.cached = len(s.prompt)
-        self._sample(seqs + new if new else seqs, logits)
+            s.prompt_logits = logits[decoding + i]
+        if copies:
+            self.cache.copy_rows([src.row for _, src in copies], decoding + len(fresh),
+                                 max(len(c.prompt) for c, _ in copies))
+            for c, src in copies:
+                c.cached, c.prompt_logits = len(c.prompt), src.prompt_logits
+            logits = torch.cat([logits, torch.stack([c.prompt_logits for c, _ in copies])])
+        self._sample(order, logits)
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         logits = logits.float()
@@ -431,11 +463,18 @@ class TorchEngine(Engine):
     def _free_rows(self, rows: list[int]) -> None:
         """Remove rows, keeping the running rows contiguous (the last row fills the hole)."""
         for row in sorted(rows, reverse=True):
+            gone = self.running[row]
+            key = tuple(gone.prompt)
+            holders = self._by_prompt[key]
+            holders.remove(gone)
+            if not holders:
+                del self._by_prompt[key]
             last = len(self.running) - 1
             if row != last:
                 moved = self.running[last]
                 self.cache.move_row(last, row, moved.cached)
                 self.running[row] = moved
+                moved.row = row
             self.running.pop()
 
     # -- weights ----------------------------------------------------------------------

@@ -37,6 +37,11 @@ class SlotCache:
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
 
+    def copy_rows(self, src: list[int], dst: int, length: int) -> None:
+        """Rows dst, dst+1, ... get the first ``length`` slots of rows src (one copy)."""
+        index = torch.tensor(src, device=self.kv.device)
+        self.kv[:, :, dst:dst + len(src), :, :length] = self.kv[:, :, index, :, :length]
+
     def get_seq_length(self, layer_idx: int = 0) -> int:  # asked by some model code paths
         return self.kv_len
 

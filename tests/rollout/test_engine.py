@@ -313,3 +313,46 @@ def test_a_lean_forward_that_disagrees_is_not_used(tiny_model, monkeypatch):
     p = prompts(1, seed=12)[0]
     engine.add(req("x", p, max_new=6))
     assert run_all(engine)["x"].token_ids.tolist() == greedy_reference(tiny_model, p, 6)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_requests_sharing_a_prompt_copy_its_cache_and_match_generate(tiny_model, lean):
+    """A GRPO group: same prompt, in one step and in later steps (also after its first
+    holder finished and rows moved): prefilled once while a holder runs, answers equal
+    generate() and the full forward's log-probs, KV usage counts every copy."""
+    engine = TorchEngine(tiny_model, max_batch=6, max_len=64, lean=lean)
+    shared, other = prompts(2, seed=13)
+    prefilled = []
+    real_forward = engine.forward
+
+    def spy(dec_ids, dec_pos, pre_ids, pre_last):
+        prefilled.append(0 if pre_ids is None else pre_ids.shape[0])
+        return real_forward(dec_ids, dec_pos, pre_ids, pre_last)
+
+    engine.forward = spy
+    engine.add(req("s0", shared, max_new=3))   # its holder finishes first
+    engine.add(req("o0", other, max_new=10))
+    engine.add(req("s1", shared, max_new=9))
+    engine.add(req("s2", shared, max_new=5, temperature=1.0, seed=7))
+    engine.step()
+    assert prefilled == [2]  # shared and other; s1, s2 copied
+    assert engine.stats().kv_used == 3 * len(shared) + len(other)
+    results: dict[str, GenerateResult] = {}
+    for r in engine.step() + engine.step() + engine.step():  # s0 finishes; rows move
+        results[r.request_id] = r
+    assert "s0" in results
+    assert {"s1", "o0"} <= set(engine.running_ids())
+    engine.add(req("s3", shared, max_new=6))  # copies from s1 (s0, the first holder, is gone)
+    engine.add(req("n0", other, max_new=4))   # copies from o0
+    run_all(engine, results)
+    assert prefilled[4] == 0 and sum(prefilled) == 2
+    for rid, p, n in [("s0", shared, 3), ("s1", shared, 9), ("o0", other, 10), ("s3", shared, 6),
+                      ("n0", other, 4)]:
+        assert results[rid].token_ids.tolist() == greedy_reference(tiny_model, p, n), rid
+    for rid, p in [("s1", shared), ("s2", shared), ("n0", other), ("s3", shared)]:
+        ref = full_forward_logprobs(tiny_model, p, results[rid].token_ids.tolist())
+        np.testing.assert_allclose(results[rid].logprobs.numpy(), ref, atol=1e-4)
+    alone = TorchEngine(tiny_model, max_batch=1, max_len=64, lean=lean)
+    alone.add(req("s2", shared, max_new=5, temperature=1.0, seed=7))
+    assert run_all(alone)["s2"].token_ids.tolist() == results["s2"].token_ids.tolist()
+    assert engine.stats().kv_used == 0
