@@ -62,6 +62,7 @@ def sample_rows(scaled: torch.Tensor, top_p: list[float], u: torch.Tensor) -> to
     cdf = probs.cumsum(-1)
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     # u * total can round up to total: never step past the last token that has mass.
-    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
-    pick = torch.minimum(pick, last)
+    if bool((pick >= cdf.shape[-1]).any()):
+        last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+        pick = torch.minimum(pick, last)
     return pick if order is None else order.gather(1, pick[:, None])[:, 0]
