@@ -114,12 +114,12 @@ class LeanForward:
             lay.norm1, lay.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
             lay.norm2 = layer.post_attention_layernorm.weight
             lay.eps2 = layer.post_attention_layernorm.variance_epsilon
-            lay.qkv_w = _fuse([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            lay.qkv_w = _fuse_t([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
             biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
             lay.qkv_b = _fuse(biases) if all(b is not None for b in biases) else None
-            lay.o_w, lay.o_b = a.o_proj.weight, a.o_proj.bias
-            lay.gate_up_w = _fuse([m.gate_proj.weight, m.up_proj.weight])
-            lay.down_w = m.down_proj.weight
+            lay.o_w, lay.o_b = _fuse_t([a.o_proj.weight]), a.o_proj.bias
+            lay.gate_up_w = _fuse_t([m.gate_proj.weight, m.up_proj.weight])
+            lay.down_w = _fuse_t([m.down_proj.weight])
             self.layers.append(lay)
         self.inter = base.layers[0].mlp.gate_proj.weight.shape[0]
         # Rotary tables for every position, from the model's own rotary module (so any
@@ -199,7 +199,7 @@ class LeanForward:
         kv = self.cache.kv
         for li, lay in enumerate(self.layers):
             y = F.rms_norm(x, (x.shape[-1],), lay.norm1, lay.eps1)
-            qkv = F.linear(y, lay.qkv_w, lay.qkv_b).view(n, h + 2 * kvh, hd)
+            qkv = _mm(y, lay.qkv_w, lay.qkv_b).view(n, h + 2 * kvh, hd)
             qk = qkv[:, :h + kvh]
             flipped = qk.view(n, h + kvh, 2, hd // 2).flip(2).view(n, h + kvh, hd)
             qk = qk * cos
@@ -225,16 +225,36 @@ class LeanForward:
                                                    enable_gqa=self.groups > 1)
                 parts.append(o.transpose(1, 2).reshape(p * width, h * hd))
             o = torch.cat(parts) if len(parts) > 1 else parts[0]
-            x = x + F.linear(o, lay.o_w, lay.o_b)
+            x = x + _mm(o, lay.o_w, lay.o_b)
             y = F.rms_norm(x, (x.shape[-1],), lay.norm2, lay.eps2)
-            gate, up = F.linear(y, lay.gate_up_w).split(self.inter, dim=-1)
-            x = x + F.linear(self.act(gate) * up, lay.down_w)
+            gate, up = _mm(y, lay.gate_up_w, None).split(self.inter, dim=-1)
+            x = x + _mm(self.act(gate) * up, lay.down_w, None)
         if p:  # only the positions that are sampled from
             last = torch.cat([self.positions[:d], d + self.positions[:p] * width + pre_last]) if d \
                 else self.positions[:p] * width + pre_last
             x = x[last]
         x = F.rms_norm(x, (x.shape[-1],), self.norm_w, self.norm_eps)
         return F.linear(x, self.head_w, self.head_b)
+
+
+def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w_t (+ bias): a linear layer over its transposed weight."""
+    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+
+
+def _fuse_t(weights: list[torch.Tensor]) -> torch.Tensor:
+    """[in, sum of outs]: the given [out, in] weights transposed side by side; each weight
+    becomes a (transposed) view of it, so a copy into one (a weight load) writes it too.
+
+    Transposed because x @ w_t is 25-45% faster than F.linear(x, w) at the engine's
+    row counts (1-32 rows, hidden 96; MKL, one thread)."""
+    fused = torch.cat([w.detach().t() for w in weights], dim=1).contiguous()
+    at = 0
+    for w in weights:
+        n = w.shape[0]
+        w.data = fused[:, at:at + n].t()
+        at += n
+    return fused
 
 
 def _fuse(params: list[torch.Tensor]) -> torch.Tensor:
