@@ -212,8 +212,13 @@ class TorchEngine(Engine):
         self._check_logits_path()
         self.forward: ModelForward | LeanForward = self._pick_forward(lean)
         # After _pick_forward: the lean pass re-points some parameters at fused tensors.
-        self._param_names = _param_aliases(model)
+        # Listed once: walking the module tree cost more than the copies (a load per
+        # training step).
+        aliases = _param_aliases(model)
         self._state_names = set(model.state_dict())  # params, tied aliases, persistent buffers
+        self._params = [(name, [a for a, c in aliases.items() if c == name], param)
+                        for name, param in model.named_parameters()]
+        self._buffers = [(name, buf) for name, buf in model.named_buffers() if name in self._state_names]
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, max_batch: int, max_len: int | None = None,
@@ -500,13 +505,13 @@ class TorchEngine(Engine):
         if unknown:
             raise ValueError(f"unknown tensor name(s): {unknown[:5]}")
         plan: list[tuple[torch.Tensor, np.ndarray]] = []
-        for name, param in self.model.named_parameters():
-            src_name = next((a for a in self._param_names_of(name) if a in tensors), None)
+        for name, aliases, param in self._params:
+            src_name = next((a for a in aliases if a in tensors), None)
             if src_name is None:
                 raise ValueError(f"missing tensor {name!r} for version {version}")
             plan.append((param, tensors[src_name]))
-        for name, buf in self.model.named_buffers():  # persistent buffers: taken if sent
-            if name in tensors and name in self._state_names:
+        for name, buf in self._buffers:  # persistent buffers: taken if sent
+            if name in tensors:
                 plan.append((buf, tensors[name]))
         for dst, arr in plan:
             if tuple(arr.shape) != tuple(dst.shape) or np.asarray(arr).dtype.kind != "f":
@@ -518,9 +523,6 @@ class TorchEngine(Engine):
             for param, arr in plan:
                 param.copy_(torch.from_numpy(np.asarray(arr)))
         self.weight_version = version
-
-    def _param_names_of(self, name: str) -> list[str]:
-        return [a for a, canonical in self._param_names.items() if canonical == name]
 
 
 def _eos_ids(model: Any) -> set[int]:
