@@ -356,3 +356,32 @@ def test_requests_sharing_a_prompt_copy_its_cache_and_match_generate(tiny_model,
     alone.add(req("s2", shared, max_new=5, temperature=1.0, seed=7))
     assert run_all(alone)["s2"].token_ids.tolist() == results["s2"].token_ids.tolist()
     assert engine.stats().kv_used == 0
+
+
+def test_a_checkpoint_loaded_without_transformers_answers_as_through_transformers(tiny_model_dir, tiny_model):
+    """lean_model.load reads the safetensors itself: same tokens, same log-probs, same
+    state-dict names (a trainer's weights load into it), and no transformers model."""
+    from rlfleet.daemons.rollout.lean_model import LeanModel
+
+    lean = TorchEngine.from_pretrained(tiny_model_dir, max_batch=4, max_len=64, seed=0)
+    hf = TorchEngine.from_pretrained(tiny_model_dir, max_batch=4, max_len=64, seed=0, lean=False)
+    assert isinstance(lean.model, LeanModel) and not isinstance(hf.model, LeanModel)
+    assert isinstance(hf.forward, ModelForward)
+    assert set(lean.model.state_dict()) == set(tiny_model.state_dict())
+    assert lean.eos == hf.eos
+    ps = prompts(4, seed=14)
+    for engine in (lean, hf):
+        for i, p in enumerate(ps):
+            engine.add(req(f"r{i}", p, max_new=12, temperature=[0.0, 1.0][i % 2], seed=i))
+    a, b = run_all(lean), run_all(hf)
+    for i, p in enumerate(ps):
+        assert a[f"r{i}"].token_ids.tolist() == b[f"r{i}"].token_ids.tolist()
+        np.testing.assert_allclose(a[f"r{i}"].logprobs.numpy(), b[f"r{i}"].logprobs.numpy(), atol=1e-5)
+    new = {k: (v.detach().numpy() * 0.5).astype(np.float32) for k, v in tiny_model.state_dict().items()}
+    lean.load_weights(1, new)
+    lean.add(req("w", ps[0], max_new=8))
+    r = run_all(lean)["w"]
+    scaled = copy.deepcopy(tiny_model)
+    scaled.load_state_dict({k: torch.from_numpy(v) for k, v in new.items()})
+    np.testing.assert_allclose(r.logprobs.numpy(), full_forward_logprobs(scaled, ps[0], r.token_ids.tolist()),
+                               atol=1e-4)
