@@ -10,18 +10,24 @@ or by ``abort()``.
 
 ``TorchEngine`` is a slot-based continuous-batching engine over an HF causal LM:
 
-- A KV cache preallocated once: per layer ``[max_batch, kv_heads, max_len, head_dim]``.
+- A KV cache preallocated once: ``[layers, 2, max_batch, kv_heads, max_len, head_dim]``.
   Running requests always occupy rows ``0..n-1`` (a finished row is refilled by
   moving the last row into it), so every forward works on a contiguous view and
   the cache is never gathered or copied per step.
-- ``step()`` = prefill of the newly admitted requests (one batched forward, right
-  padded; each row's positions start at 0) + one batched decode forward for every
-  request that was already running. Requests join and leave between steps.
-- The model's own layers run unchanged: the engine passes per-row position ids,
-  its own boolean attention mask, and a cache object whose ``update()`` scatters
-  each row's new keys/values at that row's positions (``slots.SlotCache``). This works
-  for decoder-only models whose layers are all ``full_attention`` and which use
-  transformers' Cache API (Llama, Qwen2, Mistral without sliding window, ...).
+- ``step()`` = one token for every running request and the prefill of the newly
+  admitted ones (right padded; each row's positions start at 0), in one forward pass
+  (``forward.py``). Requests join and leave between steps.
+- A new request whose prompt a running request has (the members of a GRPO group)
+  is not prefilled: its row gets a copy of that prompt's keys/values and its first
+  token is sampled from that prompt's logits.
+- Two forward passes give the same logits: ``LeanForward``, plain torch ops over the
+  model's parameters for Llama-style models (Qwen2, Llama), used when it matches the
+  model's own forward on a probe at start-up; otherwise ``ModelForward``, the model's
+  own layers with per-row position ids, the engine's boolean attention mask, and a
+  cache object whose ``update()`` scatters each row's new keys/values at that row's
+  positions (``slots.SlotCache``), for decoder-only models whose layers are all
+  ``full_attention`` and which use transformers' Cache API (Llama, Qwen2, Mistral
+  without sliding window, ...).
 - Sampling: temperature 0 is greedy (argmax); otherwise softmax(logits / T),
   restricted to the smallest top-p nucleus, sampled by inverse CDF with one
   uniform draw per token from the request's own ``torch.Generator`` (seeded
@@ -61,6 +67,9 @@ import torch
 from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array
 
 from .engines import default_max_len
+from . import lean_model
+from .forward import LeanForward, ModelForward
+from .lean_model import LeanModel
 from .slots import SlotCache, sample_rows
 
 log = logging.getLogger("rlfleet.rollout")
@@ -145,7 +154,7 @@ def error_result(request: GenerateRequest | str, reason: str, version: int) -> G
 # ----------------------------------------------------------------------------- torch engine
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
     request: GenerateRequest
     prompt: list[int]
@@ -154,12 +163,14 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     cached: int = 0  # tokens whose keys/values are in the cache (the last sampled one is not)
+    row: int = -1  # its cache row while running
+    prompt_logits: torch.Tensor | None = None  # the logits after the prompt (shared by its copies)
 
     def result(self, reason: str) -> GenerateResult:
-        return GenerateResult(request_id=self.request.request_id,
-                              token_ids=Int32Array(np.asarray(self.tokens, dtype=np.int32)),
-                              logprobs=Float32Array(np.asarray(self.logprobs, dtype=np.float32)),
-                              weight_version=self.version, finish_reason=reason)  # type: ignore[arg-type]
+        # From the lists directly (stdlib array): the same bytes as through numpy, cheaper.
+        return GenerateResult(request_id=self.request.request_id, token_ids=Int32Array(self.tokens),
+                              logprobs=Float32Array(self.logprobs), weight_version=self.version,
+                              finish_reason=reason)  # type: ignore[arg-type]
 
 
 class TorchEngine(Engine):
@@ -167,7 +178,7 @@ class TorchEngine(Engine):
 
     def __init__(self, model: Any, *, max_batch: int, max_len: int | None = None,
                  eos_token_ids: set[int] | None = None, max_prefill_tokens: int = 8192,
-                 weight_version: int = 0, seed: int | None = None) -> None:
+                 weight_version: int = 0, seed: int | None = None, lean: bool = True) -> None:
         config = model.config
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"}:
@@ -190,27 +201,44 @@ class TorchEngine(Engine):
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         self.cache = SlotCache(config.num_hidden_layers, max_batch, kv_heads, self.max_len,
                                 head_dim, self.dtype, self.device)
-        self.mask_keys = ["full_attention"]
         self._shared_gen = torch.Generator().manual_seed(
             seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         self.running: list[_Seq] = []  # index = cache row
+        # The running requests of each distinct prompt: a new request with the same prompt (a
+        # GRPO group's members) copies its prompt's keys/values instead of computing them again.
+        self._by_prompt: dict[tuple[int, ...], list[_Seq]] = {}
         self.waiting: deque[GenerateRequest] = deque()
         self._answers: list[GenerateResult] = []  # refused requests, handed out by step()
         self._ids: set[str] = set()  # request ids waiting or running
         self._token_times: deque[tuple[float, int]] = deque()
-        self._positions = torch.arange(self.max_len, device=self.device)
-        self._param_names = _param_aliases(model)
+        if isinstance(model, LeanModel):  # parameters only: the lean pass is its forward
+            self.forward: ModelForward | LeanForward = LeanForward(model, self.cache, self.max_len)
+        else:
+            self._check_logits_path()
+            self.forward = self._pick_forward(lean)
+        # After _pick_forward: the lean pass re-points some parameters at fused tensors.
+        # Listed once: walking the module tree cost more than the copies (a load per
+        # training step).
+        aliases = _param_aliases(model)
         self._state_names = set(model.state_dict())  # params, tied aliases, persistent buffers
-        self._check_logits_path()
+        self._params = [(name, [a for a, c in aliases.items() if c == name], param)
+                        for name, param in model.named_parameters()]
+        self._buffers = [(name, buf) for name, buf in model.named_buffers() if name in self._state_names]
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, max_batch: int, max_len: int | None = None,
                         dtype: str = "float32", device: str = "cpu", **kwargs: Any) -> TorchEngine:
-        from transformers import AutoModelForCausalLM
+        """A plain Qwen2/Llama checkpoint loads without transformers (``lean_model``: ~2.3
+        CPU-s less per start); any other, or with ``lean=False``, through transformers."""
+        model = None
+        if kwargs.get("lean", True):
+            model = lean_model.load(path, getattr(torch, dtype), device)
+        if model is None:
+            from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
-                                                     attn_implementation="sdpa")
-        return cls(model.to(device), max_batch=max_batch, max_len=max_len, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
+                                                         attn_implementation="sdpa").to(device)
+        return cls(model, max_batch=max_batch, max_len=max_len, **kwargs)
 
     @torch.inference_mode()
     def _check_logits_path(self) -> None:
@@ -222,6 +250,47 @@ class TorchEngine(Engine):
         if not torch.allclose(full, mine, atol=1e-4, rtol=1e-4):
             raise ValueError(f"{type(self.model).__name__}: logits are not lm_head(hidden states); "
                              "TorchEngine does not support this architecture")
+
+    @torch.inference_mode()
+    def _pick_forward(self, allow_lean: bool) -> ModelForward | LeanForward:
+        """The lean forward if allowed, the model is Llama-style and it gives the model's
+        own logits on a probe (two prefills of different lengths, then decode and prefill
+        in one step); otherwise the model's own modules."""
+        own = ModelForward(self.model, self.cache, self.max_len)
+        lean = LeanForward.build(self.model, self.cache, self.max_len) if allow_lean else None
+        if lean is None:
+            return own
+        n = min(self.max_batch, 3)
+        gen = torch.Generator().manual_seed(0)
+        lengths = [min(5, self.max_len - 1), min(3, self.max_len - 1), min(4, self.max_len - 1)][:n]
+        ids = [torch.randint(0, self.vocab_size, (k,), generator=gen).tolist() for k in lengths]
+        first = max(n - 1, 1)  # rows prefilled in the first step; the last row joins in the second
+
+        def probe(fwd: ModelForward | LeanForward) -> list[torch.Tensor]:
+            width = max(lengths[:first])
+            pre = torch.tensor([i + [0] * (width - len(i)) for i in ids[:first]], device=self.device)
+            last = torch.tensor([k - 1 for k in lengths[:first]], device=self.device)
+            none = torch.zeros(0, dtype=torch.long, device=self.device)
+            a = fwd(none, none, pre, last)
+            dec_ids = a.argmax(-1)
+            dec_pos = torch.tensor(lengths[:first], device=self.device)
+            rest = ids[first:]
+            pre2 = torch.tensor(rest, device=self.device) if rest else None
+            last2 = torch.tensor([len(rest[0]) - 1], device=self.device) if rest else None
+            return [a, fwd(dec_ids, dec_pos, pre2, last2)]
+
+        tol = 1e-4 if self.dtype == torch.float32 else 5e-2
+        try:
+            agree = all(torch.allclose(x.float(), y.float(), atol=tol, rtol=tol)
+                        for x, y in zip(probe(own), probe(lean)))
+        finally:
+            self.cache.kv.zero_()
+            own.calls = lean.calls = 0
+        if not agree:
+            log.warning("%s: the lean forward disagrees with the model's own; running the model's "
+                        "modules (slower)", type(self.model).__name__)
+            return own
+        return lean
 
     # -- requests ---------------------------------------------------------------------
     def add(self, request: GenerateRequest) -> None:
@@ -243,8 +312,8 @@ class TorchEngine(Engine):
         n = r.prompt_token_ids.size
         if n == 0:
             raise BadRequest("prompt_token_ids is empty")
-        ids = r.prompt_token_ids.numpy()
-        lo, hi = int(ids.min()), int(ids.max())
+        ids = r.prompt_token_ids.tolist()
+        lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= self.vocab_size:
             raise BadRequest(f"prompt token id out of range [0, {self.vocab_size}): min {lo}, max {hi}")
         if not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:
@@ -300,14 +369,10 @@ class TorchEngine(Engine):
     def step(self) -> list[GenerateResult]:
         out, self._answers = self._answers, []
         decoding = len(self.running)
-        if decoding:
-            self._decode(decoding)
         admitted = self._admit()
-        if admitted:
-            self._prefill(admitted)
-        produced = decoding + len(admitted)
-        if produced:
-            self._token_times.append((time.monotonic(), produced))
+        if decoding or admitted:
+            self._advance(decoding, admitted)
+            self._token_times.append((time.monotonic(), decoding + len(admitted)))
         out += self._collect_finished()
         return out
 
@@ -325,67 +390,82 @@ class TorchEngine(Engine):
             gen = None
             if req.seed is not None:
                 gen = torch.Generator().manual_seed(req.seed)
-            new.append(_Seq(req, req.prompt_token_ids.numpy().tolist(), gen, self.weight_version))
+            new.append(_Seq(req, req.prompt_token_ids.tolist(), gen, self.weight_version))
         return new
 
-    def _forward(self, lo: int, input_ids: torch.Tensor, pos: torch.Tensor,
-                 mask: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Hidden states [rows, T, hidden] of rows lo..lo+len(input_ids) at positions pos."""
-        c = self.cache
-        c.lo, c.hi, c.kv_len = lo, lo + input_ids.shape[0], kv_len
-        k0 = c.k[0]
-        c.index = pos[:, None, :, None].expand(-1, k0.shape[1], -1, k0.shape[3])
-        masks = dict.fromkeys(self.mask_keys, mask)
-        return self.base(input_ids=input_ids, position_ids=pos, attention_mask=masks,
-                         past_key_values=c, use_cache=True).last_hidden_state
+    def _advance(self, decoding: int, new: list[_Seq]) -> None:
+        """One token for each of the first ``decoding`` running rows and each new request:
+        one forward pass, which also prefills the new prompts not already in the cache.
 
-    def _prefill(self, seqs: list[_Seq]) -> None:
-        lo = len(self.running)
-        self.running.extend(seqs)
-        lengths = [len(s.prompt) for s in seqs]
-        width = max(lengths)
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, :lengths[i]] = torch.tensor(s.prompt, dtype=torch.long)
-        pos = self._positions[:width].expand(len(seqs), -1)
-        # Causal from position 0 for every row: padded positions (after a row's prompt)
-        # only feed padded queries, and decode overwrites those cache slots before use.
-        mask = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()[None, None]
-        hidden = self._forward(lo, ids.to(self.device), pos, mask, width)
-        last = torch.tensor([n - 1 for n in lengths], device=self.device)
-        hidden = hidden[torch.arange(len(seqs), device=self.device), last]
-        for s, n in zip(seqs, lengths):
-            s.cached = n
-        self._sample(seqs, self.head(hidden))
-
-    def _decode(self, n: int) -> None:
-        seqs = self.running[:n]
-        ids = torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long, device=self.device)
-        pos = torch.tensor([[s.cached] for s in seqs], dtype=torch.long, device=self.device)
-        kv_len = int(pos.max()) + 1
-        mask = (self._positions[:kv_len][None, :] <= pos)[:, None, None, :]  # [n, 1, 1, kv_len]
-        hidden = self._forward(0, ids, pos, mask, kv_len)[:, -1]
+        A new request whose prompt a running (or another new) request has is a copy: its
+        rows get that prompt's keys/values by one cache copy, and its first token is
+        sampled from that prompt's logits. Rows: decoding, then prefilled, then copies."""
+        dev = self.device
+        seqs = self.running[:decoding]
+        dec_ids = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.long, device=dev)
+        dec_pos = torch.tensor([s.cached for s in seqs], dtype=torch.long, device=dev)
+        pre_ids = pre_last = None
+        fresh: list[_Seq] = []
+        copies: list[tuple[_Seq, _Seq]] = []  # (copy, the request whose prompt it copies)
+        for s in new:
+            holders = self._by_prompt.setdefault(tuple(s.prompt), [])
+            if holders:
+                copies.append((s, holders[0]))
+            else:
+                fresh.append(s)
+            holders.append(s)
+        if fresh:
+            lengths = [len(s.prompt) for s in fresh]
+            width = max(lengths)
+            # Right padded; padded positions only feed padded queries (causal from 0), and
+            # decode overwrites those cache slots before any real query reads them.
+            pre_ids = torch.tensor([s.prompt + [0] * (width - len(s.prompt)) for s in fresh],
+                                   dtype=torch.long, device=dev)
+            pre_last = torch.tensor([n - 1 for n in lengths], dtype=torch.long, device=dev)
+        order = seqs + fresh
+        order += [c for c, _ in copies]
+        for row in range(decoding, len(order)):
+            order[row].row = row
+        self.running = order
+        logits = self.forward(dec_ids, dec_pos, pre_ids, pre_last)
         for s in seqs:
             s.cached += 1
-        self._sample(seqs, self.head(hidden))
+        for i, s in enumerate(fresh):
+            s.cached = len(s.prompt)
+            s.prompt_logits = logits[decoding + i]
+        if copies:
+            self.cache.copy_rows([src.row for _, src in copies], decoding + len(fresh),
+                                 max(len(c.prompt) for c, _ in copies))
+            for c, src in copies:
+                c.cached, c.prompt_logits = len(c.prompt), src.prompt_logits
+            logits = torch.cat([logits, torch.stack([c.prompt_logits for c, _ in copies])])
+        self._sample(order, logits)
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         logits = logits.float()
         logp = torch.log_softmax(logits, dim=-1)  # temperature 1, full vocabulary: see module doc
-        tokens = logits.argmax(dim=-1)
         rows = [i for i, s in enumerate(seqs) if s.request.temperature > 0]
+        if len(rows) < len(seqs):
+            tokens = logits.argmax(dim=-1)
         if rows:
-            idx = torch.tensor(rows, device=logits.device)
-            temps = torch.tensor([seqs[i].request.temperature for i in rows],
-                                 device=logits.device)[:, None]
+            every = len(rows) == len(seqs)
+            temps = [seqs[i].request.temperature for i in rows]
             top_p = [seqs[i].request.top_p for i in rows]
             # Unseeded rows share one draw call; a seeded row draws from its own generator.
             u = torch.rand(len(rows), generator=self._shared_gen)
-            for j, i in enumerate(rows):
-                if seqs[i].generator is not None:
-                    u[j] = torch.rand((), generator=seqs[i].generator)
+            seeded = [j for j, i in enumerate(rows) if seqs[i].generator is not None]
+            if seeded:
+                u[torch.tensor(seeded)] = torch.cat([torch.rand(1, generator=seqs[rows[j]].generator)
+                                                     for j in seeded])
             u = u.to(logits.device)
-            tokens[idx] = sample_rows(logits[idx] / temps, top_p, u)
+            scaled = logits if every else logits[torch.tensor(rows, device=logits.device)]
+            if any(t != 1.0 for t in temps):  # x / 1.0 == x: skip the division
+                scaled = scaled / torch.tensor(temps, device=logits.device)[:, None]
+            picked = sample_rows(scaled, top_p, u)
+            if every:
+                tokens = picked
+            else:
+                tokens[torch.tensor(rows, device=logits.device)] = picked
         chosen = logp.gather(1, tokens[:, None])[:, 0]
         for s, tok, lp in zip(seqs, tokens.tolist(), chosen.tolist()):
             s.tokens.append(tok)
@@ -407,11 +487,18 @@ class TorchEngine(Engine):
     def _free_rows(self, rows: list[int]) -> None:
         """Remove rows, keeping the running rows contiguous (the last row fills the hole)."""
         for row in sorted(rows, reverse=True):
+            gone = self.running[row]
+            key = tuple(gone.prompt)
+            holders = self._by_prompt[key]
+            holders.remove(gone)
+            if not holders:
+                del self._by_prompt[key]
             last = len(self.running) - 1
             if row != last:
                 moved = self.running[last]
                 self.cache.move_row(last, row, moved.cached)
                 self.running[row] = moved
+                moved.row = row
             self.running.pop()
 
     # -- weights ----------------------------------------------------------------------
@@ -429,13 +516,13 @@ class TorchEngine(Engine):
         if unknown:
             raise ValueError(f"unknown tensor name(s): {unknown[:5]}")
         plan: list[tuple[torch.Tensor, np.ndarray]] = []
-        for name, param in self.model.named_parameters():
-            src_name = next((a for a in self._param_names_of(name) if a in tensors), None)
+        for name, aliases, param in self._params:
+            src_name = next((a for a in aliases if a in tensors), None)
             if src_name is None:
                 raise ValueError(f"missing tensor {name!r} for version {version}")
             plan.append((param, tensors[src_name]))
-        for name, buf in self.model.named_buffers():  # persistent buffers: taken if sent
-            if name in tensors and name in self._state_names:
+        for name, buf in self._buffers:  # persistent buffers: taken if sent
+            if name in tensors:
                 plan.append((buf, tensors[name]))
         for dst, arr in plan:
             if tuple(arr.shape) != tuple(dst.shape) or np.asarray(arr).dtype.kind != "f":
@@ -447,9 +534,6 @@ class TorchEngine(Engine):
             for param, arr in plan:
                 param.copy_(torch.from_numpy(np.asarray(arr)))
         self.weight_version = version
-
-    def _param_names_of(self, name: str) -> list[str]:
-        return [a for a, canonical in self._param_names.items() if canonical == name]
 
 
 def _eos_ids(model: Any) -> set[int]:

@@ -8,19 +8,22 @@ import torch
 
 
 class SlotCache:
-    """The per-layer KV tensors, shaped as transformers' attention layers expect a Cache.
+    """The KV slots: one tensor ``kv`` [layers, 2 (K, V), rows, kv_heads, max_len, head_dim].
 
-    The engine sets ``lo``, ``hi`` (the contiguous rows of this forward), ``index``
-    (each row's positions, expanded for scatter) and ``kv_len`` before each forward;
-    ``update`` writes the new keys/values there and returns the rows' cache up to
-    ``kv_len``, which the attention mask then restricts per row.
+    One tensor, so moving a row (``move_row``) is one copy whatever the layer count.
+    ``k[layer]`` / ``v[layer]`` are its per-layer views, and ``update`` makes it a Cache
+    for transformers' attention layers (``forward.ModelForward``): the engine sets ``lo``,
+    ``hi`` (the contiguous rows of this forward), ``index`` (each row's positions,
+    expanded for scatter) and ``kv_len`` before each forward; ``update`` writes the new
+    keys/values there and returns the rows' cache up to ``kv_len``, which the attention
+    mask then restricts per row.
     """
 
     def __init__(self, layers: int, rows: int, heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        shape = (rows, heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.kv = torch.zeros((layers, 2, rows, heads, max_len, head_dim), dtype=dtype, device=device)
+        self.k = list(self.kv[:, 0])
+        self.v = list(self.kv[:, 1])
         self.lo = self.hi = self.kv_len = 0
         self.index: torch.Tensor | None = None
 
@@ -32,8 +35,12 @@ class SlotCache:
         return k[:, :, :self.kv_len], v[:, :, :self.kv_len]
 
     def move_row(self, src: int, dst: int, length: int) -> None:
-        for t in (*self.k, *self.v):
-            t[dst, :, :length] = t[src, :, :length]
+        self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
+
+    def copy_rows(self, src: list[int], dst: int, length: int) -> None:
+        """Rows dst, dst+1, ... get the first ``length`` slots of rows src (one copy)."""
+        index = torch.tensor(src, device=self.kv.device)
+        self.kv[:, :, dst:dst + len(src), :, :length] = self.kv[:, :, index, :, :length]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # asked by some model code paths
         return self.kv_len
@@ -55,6 +62,7 @@ def sample_rows(scaled: torch.Tensor, top_p: list[float], u: torch.Tensor) -> to
     cdf = probs.cumsum(-1)
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     # u * total can round up to total: never step past the last token that has mass.
-    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
-    pick = torch.minimum(pick, last)
+    if bool((pick >= cdf.shape[-1]).any()):
+        last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+        pick = torch.minimum(pick, last)
     return pick if order is None else order.gather(1, pick[:, None])[:, 0]

@@ -13,6 +13,7 @@ import torch
 
 from rlfleet.common.wire import GenerateRequest, GenerateResult, Int32Array
 from rlfleet.daemons.rollout.engine import TorchEngine
+from rlfleet.daemons.rollout.forward import LeanForward, ModelForward
 from rlfleet.daemons.rollout.slots import sample_rows
 
 from .conftest import VOCAB
@@ -276,3 +277,111 @@ def test_prefill_budget_admits_long_prompts_over_several_steps(tiny_model):
     results = run_all(engine)
     for i, p in enumerate(ps):
         assert results[f"r{i}"].token_ids.tolist() == greedy_reference(tiny_model, p, 3)
+
+
+def test_the_tiny_qwen2_runs_the_lean_forward_and_the_model_path_stays_available(tiny_model):
+    assert isinstance(TorchEngine(tiny_model, max_batch=2, max_len=64).forward, LeanForward)
+    assert isinstance(TorchEngine(tiny_model, max_batch=2, max_len=64, lean=False).forward, ModelForward)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_decode_and_prefill_share_a_step_on_both_forwards(tiny_model, lean):
+    """A request joining while others decode: one forward for the step on the lean pass
+    (two on the model's own), and every answer still equals generate() alone."""
+    engine = TorchEngine(tiny_model, max_batch=4, max_len=64, lean=lean)
+    ps = prompts(4, seed=11)
+    engine.add(req("a", ps[0], max_new=9))
+    engine.add(req("b", ps[1], max_new=6))
+    engine.step()
+    calls = engine.forward.calls
+    engine.add(req("c", ps[2], max_new=7))
+    engine.add(req("d", ps[3], max_new=5))
+    engine.step()  # a, b decode; c, d (different prompt lengths) prefill
+    assert engine.forward.calls - calls == (1 if lean else 2)
+    results = run_all(engine)
+    for rid, p, n in zip("abcd", ps, [9, 6, 7, 5]):
+        assert results[rid].token_ids.tolist() == greedy_reference(tiny_model, p, n), rid
+        ref = full_forward_logprobs(tiny_model, p, results[rid].token_ids.tolist())
+        np.testing.assert_allclose(results[rid].logprobs.numpy(), ref, atol=1e-4)
+
+
+def test_a_lean_forward_that_disagrees_is_not_used(tiny_model, monkeypatch):
+    right = LeanForward.__call__
+    monkeypatch.setattr(LeanForward, "__call__", lambda self, *a: right(self, *a) * 1.01)
+    engine = TorchEngine(tiny_model, max_batch=2, max_len=64)
+    assert isinstance(engine.forward, ModelForward)
+    p = prompts(1, seed=12)[0]
+    engine.add(req("x", p, max_new=6))
+    assert run_all(engine)["x"].token_ids.tolist() == greedy_reference(tiny_model, p, 6)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_requests_sharing_a_prompt_copy_its_cache_and_match_generate(tiny_model, lean):
+    """A GRPO group: same prompt, in one step and in later steps (also after its first
+    holder finished and rows moved): prefilled once while a holder runs, answers equal
+    generate() and the full forward's log-probs, KV usage counts every copy."""
+    engine = TorchEngine(tiny_model, max_batch=6, max_len=64, lean=lean)
+    shared, other = prompts(2, seed=13)
+    prefilled = []
+    real_forward = engine.forward
+
+    def spy(dec_ids, dec_pos, pre_ids, pre_last):
+        prefilled.append(0 if pre_ids is None else pre_ids.shape[0])
+        return real_forward(dec_ids, dec_pos, pre_ids, pre_last)
+
+    engine.forward = spy
+    engine.add(req("s0", shared, max_new=3))   # its holder finishes first
+    engine.add(req("o0", other, max_new=10))
+    engine.add(req("s1", shared, max_new=9))
+    engine.add(req("s2", shared, max_new=5, temperature=1.0, seed=7))
+    engine.step()
+    assert prefilled == [2]  # shared and other; s1, s2 copied
+    assert engine.stats().kv_used == 3 * len(shared) + len(other)
+    results: dict[str, GenerateResult] = {}
+    for r in engine.step() + engine.step() + engine.step():  # s0 finishes; rows move
+        results[r.request_id] = r
+    assert "s0" in results
+    assert {"s1", "o0"} <= set(engine.running_ids())
+    engine.add(req("s3", shared, max_new=6))  # copies from s1 (s0, the first holder, is gone)
+    engine.add(req("n0", other, max_new=4))   # copies from o0
+    run_all(engine, results)
+    assert prefilled[4] == 0 and sum(prefilled) == 2
+    for rid, p, n in [("s0", shared, 3), ("s1", shared, 9), ("o0", other, 10), ("s3", shared, 6),
+                      ("n0", other, 4)]:
+        assert results[rid].token_ids.tolist() == greedy_reference(tiny_model, p, n), rid
+    for rid, p in [("s1", shared), ("s2", shared), ("n0", other), ("s3", shared)]:
+        ref = full_forward_logprobs(tiny_model, p, results[rid].token_ids.tolist())
+        np.testing.assert_allclose(results[rid].logprobs.numpy(), ref, atol=1e-4)
+    alone = TorchEngine(tiny_model, max_batch=1, max_len=64, lean=lean)
+    alone.add(req("s2", shared, max_new=5, temperature=1.0, seed=7))
+    assert run_all(alone)["s2"].token_ids.tolist() == results["s2"].token_ids.tolist()
+    assert engine.stats().kv_used == 0
+
+
+def test_a_checkpoint_loaded_without_transformers_answers_as_through_transformers(tiny_model_dir, tiny_model):
+    """lean_model.load reads the safetensors itself: same tokens, same log-probs, same
+    state-dict names (a trainer's weights load into it), and no transformers model."""
+    from rlfleet.daemons.rollout.lean_model import LeanModel
+
+    lean = TorchEngine.from_pretrained(tiny_model_dir, max_batch=4, max_len=64, seed=0)
+    hf = TorchEngine.from_pretrained(tiny_model_dir, max_batch=4, max_len=64, seed=0, lean=False)
+    assert isinstance(lean.model, LeanModel) and not isinstance(hf.model, LeanModel)
+    assert isinstance(hf.forward, ModelForward)
+    assert set(lean.model.state_dict()) == set(tiny_model.state_dict())
+    assert lean.eos == hf.eos
+    ps = prompts(4, seed=14)
+    for engine in (lean, hf):
+        for i, p in enumerate(ps):
+            engine.add(req(f"r{i}", p, max_new=12, temperature=[0.0, 1.0][i % 2], seed=i))
+    a, b = run_all(lean), run_all(hf)
+    for i, p in enumerate(ps):
+        assert a[f"r{i}"].token_ids.tolist() == b[f"r{i}"].token_ids.tolist()
+        np.testing.assert_allclose(a[f"r{i}"].logprobs.numpy(), b[f"r{i}"].logprobs.numpy(), atol=1e-5)
+    new = {k: (v.detach().numpy() * 0.5).astype(np.float32) for k, v in tiny_model.state_dict().items()}
+    lean.load_weights(1, new)
+    lean.add(req("w", ps[0], max_new=8))
+    r = run_all(lean)["w"]
+    scaled = copy.deepcopy(tiny_model)
+    scaled.load_state_dict({k: torch.from_numpy(v) for k, v in new.items()})
+    np.testing.assert_allclose(r.logprobs.numpy(), full_forward_logprobs(scaled, ps[0], r.token_ids.tolist()),
+                               atol=1e-4)

@@ -36,13 +36,26 @@ class MemoryReader:
         yield SimpleNamespace(version=v, tensors=self.versions[v])
 
 
+class ModelSizedEngine(TorchEngine):
+    """Steps of at least 2 ms, as a real model's: the tiny model's lean forward runs 250
+    tokens in well under 0.1 s, faster than these tests can act on a running request
+    (abort it, hold another behind it), and the tiny model's context ends at 256."""
+
+    def step(self):
+        done_at = time.monotonic() + 0.002
+        out = super().step()
+        while time.monotonic() < done_at:
+            time.sleep(0.0005)
+        return out
+
+
 @pytest.fixture
 def served(tiny_model):
     """(loop, client, reader, model): a running EngineLoop on loopback and a client of it."""
     model = copy.deepcopy(tiny_model)  # weights get replaced
     reader = MemoryReader()
     server = RequestServer("tcp://127.0.0.1:0", expect=(GenerateRequest, Abort, RolloutStats))
-    loop = EngineLoop(TorchEngine(model, max_batch=4, max_len=256), server, "rollout-t",
+    loop = EngineLoop(ModelSizedEngine(model, max_batch=4, max_len=256), server, "rollout-t",
                       lambda: reader, hold_max_s=30.0, check_every_s=0.01)
     loop.start()
     client = RequestClient(server.endpoint)
@@ -148,7 +161,7 @@ def test_a_held_request_is_admitted_after_hold_max_s(tiny_model):
     model = copy.deepcopy(tiny_model)
     reader = MemoryReader()
     server = RequestServer("tcp://127.0.0.1:0")
-    loop = EngineLoop(TorchEngine(model, max_batch=4, max_len=256), server, "rollout-h",
+    loop = EngineLoop(ModelSizedEngine(model, max_batch=4, max_len=256), server, "rollout-h",
                       lambda: reader, hold_max_s=0.05, check_every_s=0.01)
     loop.start()
     client = RequestClient(server.endpoint)
