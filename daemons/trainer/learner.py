@@ -145,7 +145,10 @@ class Learner:
             losses.append(loss.detach())
             parts.append(stats)
         loss_total = sum(float(x) for x in losses)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        # The optimizer's list is the model's parameters (built and replaced together);
+        # model.parameters() would walk the module tree again (~0.5 ms a step here).
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         lr = scheduled_lr(self.lr, self.version + 1, self.lr_schedule, self.warmup_steps,
                           self.total_steps)
         for group in self.optimizer.param_groups:
