@@ -42,6 +42,10 @@ HANDLED = Counter("rlfleet_reward_trajectories_total",
                   "Trajectories received by outcome: scored, reward_error, passed_dropped, duplicate",
                   ["outcome"])
 
+# the labelled children, looked up once (labels() costs more than the increment)
+_COUNTED = {o: HANDLED.labels(outcome=o.removesuffix("s"))
+            for o in ("scored", "reward_errors", "passed_dropped", "duplicates")}
+
 RECENT_IDS = 100_000  # acked ids remembered to answer late duplicates without re-scoring
 
 
@@ -55,13 +59,15 @@ class RewardService:
         self._trainer: str | None = None  # written by the daemon's thread, read here
         self._in_flight: dict[str, Trajectory] = {}
         self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._poller_for = zmq.Poller()
+        self._poller_key: tuple[object, tuple[int, ...]] | None = None
         self.stats = {"received": 0, "duplicates": 0, "scored": 0, "reward_errors": 0,
                       "passed_dropped": 0, "acked": 0, "refused": 0}
 
     def _count(self, outcome: str) -> None:
         self.stats[outcome] += 1
-        if outcome in ("scored", "reward_errors", "passed_dropped", "duplicates"):
-            HANDLED.labels(outcome=outcome.removesuffix("s")).inc()
+        if outcome in _COUNTED:
+            _COUNTED[outcome].inc()
 
     # -- thread-safe --------------------------------------------------------------------
     def set_trainer(self, address: str | None) -> None:
@@ -83,20 +89,36 @@ class RewardService:
         """Wait up to `timeout` for anything to do, then do all of it."""
         trainer = self._trainer
         self.outbox.set_addresses([trainer] if trainer else [])
-        poller = zmq.Poller()
-        poller.register(self.receiver.sock, zmq.POLLIN)
-        if self.outbox.sock is not None:
-            poller.register(self.outbox.sock, zmq.POLLIN)
-        for fd in self.pool.fds():
-            poller.register(fd, zmq.POLLIN)
-        poller.poll(max(0, int(1000 * min(timeout, self.pool.next_deadline_in()))))
-        for tid, msg in self.receiver.drain(0.0, max_n=1000):
-            assert isinstance(msg, Trajectory)
-            self._on_trajectory(tid, msg)
+        poller = self._poller()
+        ready = dict(poller.poll(max(0, int(1000 * min(timeout, self.pool.next_deadline_in())))))
+        if self.receiver.sock in ready:
+            for tid, msg in self.receiver.drain(0.0, max_n=1000):
+                assert isinstance(msg, Trajectory)
+                self._on_trajectory(tid, msg)
+        # The pool also has deadlines (timeouts, respawns) that no fd announces: asked always.
         for outcome in self.pool.poll(0.0):
             self._on_outcome(outcome)
+        acks: dict[tuple[bool, str], list[str]] = {}
         for tid, ok, error in self.outbox.poll(0.0):
-            self._on_trainer_ack(tid, ok, error)
+            acks.setdefault((ok, error), []).append(tid)
+            self._on_trainer_ack(tid)
+        for (ok, error), tids in acks.items():  # one Ack per sender, not one per id
+            self.receiver.ack(tids, ok=ok, error=error)  # refusals travel back to the env-host
+
+    def _poller(self) -> zmq.Poller:
+        """The poller over the sockets and the pool's fds, rebuilt only when they change
+        (a new trainer address, a respawned worker): building one per step cost more
+        than the step's work when trajectories arrive one at a time."""
+        key = (self.outbox.sock, tuple(self.pool.fds()))
+        if key != self._poller_key:
+            poller = zmq.Poller()
+            poller.register(self.receiver.sock, zmq.POLLIN)
+            if key[0] is not None:
+                poller.register(key[0], zmq.POLLIN)
+            for fd in key[1]:
+                poller.register(fd, zmq.POLLIN)
+            self._poller_for, self._poller_key = poller, key
+        return self._poller_for
 
     def _on_trajectory(self, tid: str, traj: Trajectory) -> None:
         self.stats["received"] += 1
@@ -134,9 +156,9 @@ class RewardService:
             self._count("scored")
         self.outbox.send(outcome.key, ScoredTrajectory(traj, outcome.reward, outcome.error))
 
-    def _on_trainer_ack(self, tid: str, ok: bool, error: str) -> None:
+    def _on_trainer_ack(self, tid: str) -> None:
+        """The trainer has it; the caller acks the env-host (all of a step's acks at once)."""
         self._in_flight.pop(tid, None)
-        self.receiver.ack([tid], ok=ok, error=error)  # refusals travel back to the env-host
         self.stats["acked"] += 1
         self._recent[tid] = None
         while len(self._recent) > RECENT_IDS:

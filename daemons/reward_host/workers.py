@@ -3,16 +3,26 @@
 Why not concurrent.futures.ProcessPoolExecutor: it cannot kill one worker. A reward
 function that loops forever would hold its worker for good, and killing a worker
 breaks the whole executor. Here each worker is a plain child process
-(`python -m rlfleet.daemons.reward_host.workers`) running one job at a time; the pool
-kills a worker that exceeds `timeout_s` (SIGKILL), reports the job as
-`timeout after Xs`, and starts a replacement. A worker that dies by itself (segfault,
-os._exit) costs only the job it held. Nothing in here raises into the caller: a pool
-that cannot start workers keeps the jobs queued, logs, and retries with backoff.
+(`python -m rlfleet.daemons.reward_host.workers`) running one job at a time.
+
+Batches: an idle worker is handed several queued jobs in one message (the queue split
+evenly over the idle workers, at most `MAX_BATCH` each), because one pipe round trip
+and one wake-up of the owner's loop per job cost more CPU than a rule reward itself.
+The worker still answers each job as soon as it is done, so the pool always knows
+which job is running and since when: each job has its own `timeout_s`, counted from
+the previous answer of its batch (or the hand-over). A job that exceeds it has its
+worker killed (SIGKILL) and is reported as `timeout after Xs`; the jobs of its batch
+not answered yet go back to the front of the queue (Dispatch.requeue) and run on a
+worker again, so each job gets exactly one outcome. A worker that dies by itself
+(segfault, os._exit) likewise costs only the job it was running. A replacement
+worker is started. Nothing in here raises into the caller: a pool that cannot start
+workers keeps the jobs queued, logs, and retries with backoff.
 
 Why plain subprocesses rather than multiprocessing: no fork() of a process that has
 ZeroMQ and gRPC threads, no re-import of the parent's __main__, and no pickle — jobs
 and outcomes cross the worker's stdin/stdout as length-prefixed msgpack (msgspec
-structs). A worker says "ready" once its imports are done, so start-up time never
+structs; a batch is an array of encoded jobs, decoded one by one so a malformed job
+fails alone). A worker says "ready" once its imports are done, so start-up time never
 counts against a job's timeout, and a worker that cannot start costs no job.
 
 The pool is driven by its owner's loop (`submit`, then `poll`); `fds()` lists the file
@@ -30,6 +40,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
@@ -45,6 +56,7 @@ log = logging.getLogger("rlfleet.reward_host")
 _ERROR_CHARS = 500
 _LEN = struct.Struct("<I")
 _MAX_FRAME = 64 * 1024 * 1024
+MAX_BATCH = 64  # jobs handed to one worker at once
 
 
 class RewardJob(msgspec.Struct, frozen=True):
@@ -116,32 +128,44 @@ def worker_main(reward_fn_path: str | None) -> int:
     os.dup2(devnull, 0)
     from rlfleet.daemons.tasks import get_task
 
+    batch_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
     decoder = msgspec.msgpack.Decoder(RewardJob)
     encoder = msgspec.msgpack.Encoder()
     reward_fn = load_reward_fn(reward_fn_path)
     tasks: dict[str, Any] = {}
     _write_frame(proto_out, encoder.encode(RewardOutcome("", 0.0)))  # ready
-    while (raw := _read_frame(proto_in)) is not None:
-        started = time.perf_counter()
-        key = ""
+    while (frame := _read_frame(proto_in)) is not None:
         try:
-            job = decoder.decode(raw)
-            key = job.key
-            cache_key = f"{job.task}:{sorted(job.difficulty.items())}"
-            task = tasks.get(cache_key)
-            if task is None:
-                task = tasks[cache_key] = get_task(job.task, **job.difficulty)
-            value = reward_fn(task, job.prompt, list(job.texts))
-            reward = float(value)
-            if not math.isfinite(reward):
-                raise ValueError(f"reward function returned {value!r}")
-            out = RewardOutcome(key, reward, "", time.perf_counter() - started)
-        except Exception as exc:  # noqa: BLE001 — the reward's failure is data, not our crash
-            key = key or _key_of(raw)  # a job that failed to decode is still answered as itself
-            error = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]
-            out = RewardOutcome(key, 0.0, error, time.perf_counter() - started)
-        _write_frame(proto_out, encoder.encode(out))
+            batch = batch_decoder.decode(frame)
+        except msgspec.DecodeError:
+            return 2  # not the pool's protocol: the pool sees EOF and answers for the batch
+        for raw in batch:
+            # Answered one by one, flushed: the pool times each job from the previous answer.
+            outcome = _score(bytes(raw), decoder, reward_fn, tasks, get_task)
+            _write_frame(proto_out, encoder.encode(outcome))
     return 0
+
+
+def _score(raw: bytes, decoder: msgspec.msgpack.Decoder, reward_fn: RewardFn,
+           tasks: dict[str, Any], get_task: Callable[..., Any]) -> RewardOutcome:
+    started = time.perf_counter()
+    key = ""
+    try:
+        job = decoder.decode(raw)
+        key = job.key
+        cache_key = f"{job.task}:{sorted(job.difficulty.items())}"
+        task = tasks.get(cache_key)
+        if task is None:
+            task = tasks[cache_key] = get_task(job.task, **job.difficulty)
+        value = reward_fn(task, job.prompt, list(job.texts))
+        reward = float(value)
+        if not math.isfinite(reward):
+            raise ValueError(f"reward function returned {value!r}")
+        return RewardOutcome(key, reward, "", time.perf_counter() - started)
+    except Exception as exc:  # noqa: BLE001 — the reward's failure is data, not our crash
+        key = key or _key_of(raw)  # a job that failed to decode is still answered as itself
+        error = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]
+        return RewardOutcome(key, 0.0, error, time.perf_counter() - started)
 
 
 # ----------------------------------------------------------------------------- pool side
@@ -153,7 +177,9 @@ class _Worker:
         os.set_blocking(self.fd, False)
         self.buf = bytearray()
         self.ready = False
-        self.job: RewardJob | None = None
+        # Handed over and not answered yet, in the order the worker runs them; the first
+        # is running since `started` (the hand-over, or the previous answer).
+        self.jobs: deque[RewardJob] = deque()
         self.spawned = time.monotonic()
         self.started = 0.0
 
@@ -223,8 +249,9 @@ class RewardPool(RewardBackend):
 
     # -- the owner's API ------------------------------------------------------------
     def submit(self, job: RewardJob) -> None:
+        """Queue a job; the next poll() hands the queue out, so jobs submitted together
+        travel to a worker together."""
         self.dispatch.add(job)
-        self._hand_out()
 
     def poll(self, timeout: float = 0.0) -> list[RewardOutcome]:
         """Outcomes that are ready, waiting up to `timeout` for the first one."""
@@ -243,14 +270,14 @@ class RewardPool(RewardBackend):
     def next_deadline_in(self) -> float:
         """Seconds until the earliest running job times out (or a respawn is due)."""
         now = time.monotonic()
-        due = [w.started + self.timeout_s - now for w in self._workers if w.job is not None]
+        due = [w.started + self.timeout_s - now for w in self._workers if w.jobs]
         if len(self._workers) < self.size and not self._closed:
             due.append(self._spawn_retry_at - now)
         return max(0.0, min(due, default=math.inf))
 
     @property
     def busy(self) -> int:
-        return sum(w.job is not None for w in self._workers)
+        return sum(bool(w.jobs) for w in self._workers)
 
     @property
     def queued(self) -> int:
@@ -319,40 +346,60 @@ class RewardPool(RewardBackend):
         self._spawn_backoff = min(self._spawn_backoff * 2, 30.0)
 
     def _hand_out(self) -> None:
-        """Start the jobs the dispatch picks on idle workers (index into _workers)."""
-        idle = [i for i, w in enumerate(self._workers) if w.ready and w.job is None]
+        """Give each idle worker its share of the queue, as the dispatch picks (pick
+        is asked once per job; a worker stays on offer until its share is full)."""
+        idle = [i for i, w in enumerate(self._workers) if w.ready and not w.jobs]
+        if not idle or not len(self.dispatch):
+            return
+        share = min(MAX_BATCH, -(-len(self.dispatch) // len(idle)))
+        batches: dict[int, list[RewardJob]] = {}
         while idle and (picked := self.dispatch.pick(idle)) is not None:
             i, job = picked
             if i not in idle:
+                self.dispatch.requeue(job)
+                for jobs in batches.values():
+                    self._requeue(jobs)
                 raise ValueError(f"dispatch picked worker {i}, which is not among the idle {idle}")
-            idle.remove(i)
+            batch = batches.setdefault(i, [])
+            batch.append(job)
+            if len(batch) >= share:
+                idle.remove(i)
+        for i, jobs in batches.items():
             w = self._workers[i]
             try:
-                body = self._encoder.encode(job)
+                body = self._encoder.encode(jobs)
                 w.proc.stdin.write(_LEN.pack(len(body)) + body)  # type: ignore[union-attr]
                 w.proc.stdin.flush()  # type: ignore[union-attr]
-            except OSError:  # the worker is gone; _collect reaps it, the job goes back
-                self.dispatch.requeue(job)
+            except OSError:  # the worker is gone; _collect reaps it, the jobs go back
+                self._requeue(jobs)
                 continue
-            w.job, w.started = job, time.monotonic()
+            w.jobs.extend(jobs)
+            w.started = time.monotonic()
+
+    def _requeue(self, jobs: list[RewardJob] | deque[RewardJob]) -> None:
+        """Back to the front of the queue, in their order."""
+        for job in reversed(jobs):
+            self.dispatch.requeue(job)
 
     def _collect(self) -> list[RewardOutcome]:
         out: list[RewardOutcome] = []
+        now = time.monotonic()
         for w in list(self._workers):
             frames, eof = w.frames()
             for raw in frames:
                 try:
                     outcome = self._decoder.decode(raw)
                 except msgspec.DecodeError as exc:
-                    outcome = RewardOutcome(w.job.key if w.job else "", 0.0,
+                    outcome = RewardOutcome(w.jobs[0].key if w.jobs else "", 0.0,
                                             f"unreadable worker reply: {exc}")
                 if not w.ready:
                     w.ready = True  # the hello; the worker takes jobs from now on
                     self._spawn_backoff = 0.5
                     continue
-                job, w.job = w.job, None
-                if job is None:
+                if not w.jobs:
                     continue  # nothing was asked: ignore
+                job = w.jobs.popleft()
+                w.started = now  # the next job of the batch starts now
                 if outcome.key != job.key:  # only a broken worker does this
                     outcome = RewardOutcome(job.key, 0.0, f"worker answered for {outcome.key!r}")
                 out.append(outcome)
@@ -370,22 +417,28 @@ class RewardPool(RewardBackend):
         self.died += 1
         log.warning("reward worker %d died (exit code %s)", w.proc.pid, code,
                     extra={"event": "worker_died"})
-        if w.job is not None:
-            out.append(RewardOutcome(w.job.key, 0.0, f"reward worker died (exit code {code})",
+        if w.jobs:  # the running job fails; the rest of its batch runs again elsewhere
+            job = w.jobs.popleft()
+            out.append(RewardOutcome(job.key, 0.0, f"reward worker died (exit code {code})",
                                      time.monotonic() - w.started))
+            self._requeue(w.jobs)
+            w.jobs.clear()
 
     def _reap_timeouts(self) -> list[RewardOutcome]:
         out = []
         now = time.monotonic()
         for w in list(self._workers):
-            if w.job is not None and now - w.started > self.timeout_s:
+            if w.jobs and now - w.started > self.timeout_s:
+                job = w.jobs.popleft()
                 self.killed += 1
-                log.warning("reward for %s exceeded %.3g s: killing worker %d", w.job.key,
+                log.warning("reward for %s exceeded %.3g s: killing worker %d", job.key,
                             self.timeout_s, w.proc.pid, extra={"event": "worker_killed"})
-                out.append(RewardOutcome(w.job.key, 0.0, f"timeout after {self.timeout_s:g}s",
+                out.append(RewardOutcome(job.key, 0.0, f"timeout after {self.timeout_s:g}s",
                                          now - w.started))
                 w.kill()
                 self._workers.remove(w)
+                self._requeue(w.jobs)  # not started, or not answered before the kill: again
+                w.jobs.clear()
         if out:
             self._fill()
         return out

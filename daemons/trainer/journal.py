@@ -326,10 +326,14 @@ class Journal:
             full = [g for g, ts in s.pending.items() if len(ts) >= group_size]
             return sorted(full, key=lambda g: s.last_arrival[g])
 
-    def group_sizes(self) -> dict[str, int]:
-        """Pending group -> how many trajectories it holds."""
+    def group_sizes(self, groups: Iterable[str] | None = None) -> dict[str, int]:
+        """Pending group -> how many trajectories it holds (only ``groups`` when given:
+        the intake asks about the groups arriving, not about every pending one)."""
         with self._lock:
-            return {g: len(ts) for g, ts in self.state.pending.items()}
+            pending = self.state.pending
+            if groups is None:
+                return {g: len(ts) for g, ts in pending.items()}
+            return {g: len(pending[g]) for g in groups if g in pending}
 
     def duplicates(self, items: Sequence[ScoredTrajectory]) -> list[bool]:
         with self._lock:

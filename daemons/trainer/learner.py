@@ -28,7 +28,7 @@ import torch
 from rlfleet.common.durable import fsync_path
 from rlfleet.common.wire import ScoredTrajectory
 
-from . import grpo
+from . import grpo, packing
 from .losses import PolicyLoss, PPOClipLoss
 
 log = logging.getLogger("rlfleet.trainer")
@@ -87,6 +87,7 @@ class Learner:
         self.model, self.optimizer = self._build(path)
         config = self.model.config
         self.vocab_size: int = int(config.vocab_size)
+        self.hidden_size: int = int(getattr(config, "hidden_size", 1 << 30))
         pad = getattr(config, "pad_token_id", None)
         self.pad_id: int = int(pad) if pad is not None else 0
 
@@ -123,21 +124,31 @@ class Learner:
 
         self.optimizer.zero_grad(set_to_none=True)
         denominator = batch.n_tokens if self.aggregate == "token" else float(len(batch.row_trajectory))
+        packed = packing.pack(batch, batch.prompt_lengths, pad_id=self.pad_id,
+                              hidden_size=self.hidden_size)
         parts = []
-        loss_total = 0.0
-        for rows in self._micro_batches(batch):
-            width = int(batch.attention_mask[rows].sum(dim=1).max())
-            ids = batch.input_ids[rows, :width]
-            logits = self.model(input_ids=ids, attention_mask=batch.attention_mask[rows, :width]).logits
-            logp, entropy = grpo.token_logprobs(logits, ids, self.temperature)
+        losses = []
+        for prows in self._micro_batches(packed):
+            rows = [n for p in prows for n in packed.source[p]]
+            pw = max(packed.widths[p] for p in prows)
+            width = max(packed.lengths[n] for n in rows)
+            logits = self.model(input_ids=packed.input_ids[prows, :pw],
+                                position_ids=packed.position_ids[prows, :pw],
+                                attention_mask=packed.attention[prows, :, :pw, :pw]).logits
+            logp, entropy = packing.token_logprobs(logits, packed, prows, rows,
+                                                   batch.input_ids[rows, 1:width], self.temperature)
             loss, stats = self.loss(
                 logp, batch.behaviour_logprobs[rows, :width - 1], batch.advantages[rows],
                 batch.loss_mask[rows, :width - 1], aggregate=self.aggregate,
                 denominator=denominator, entropy=entropy)
             loss.backward()
-            loss_total += loss.item()
+            losses.append(loss.detach())
             parts.append(stats)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        loss_total = sum(float(x) for x in losses)
+        # The optimizer's list is the model's parameters (built and replaced together);
+        # model.parameters() would walk the module tree again (~0.5 ms a step here).
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         lr = scheduled_lr(self.lr, self.version + 1, self.lr_schedule, self.warmup_steps,
                           self.total_steps)
         for group in self.optimizer.param_groups:
@@ -158,12 +169,11 @@ class Learner:
             "version": self.version,
         }
 
-    def _micro_batches(self, batch: grpo.TokenBatch) -> list[list[int]]:
-        """Consecutive row slices whose padded size stays under micro_batch_tokens."""
-        lengths = batch.attention_mask.sum(dim=1).tolist()
+    def _micro_batches(self, packed: packing.PackedRows) -> list[list[int]]:
+        """Consecutive packed-row slices whose padded size stays under micro_batch_tokens."""
         out: list[list[int]] = [[]]
         width = 0
-        for r, n in enumerate(lengths):
+        for r, n in enumerate(packed.widths):
             w = max(width, n)
             if out[-1] and w * (len(out[-1]) + 1) > self.micro_batch_tokens:
                 out.append([])

@@ -120,3 +120,26 @@ def test_a_bad_reward_function_path_fails_at_construction():
         RewardPool(1, 1.0, reward_fn="no_such_module_xyz:f")
     with pytest.raises(ValueError, match="workers: must be >= 1, got 0"):
         RewardPool(0, 1.0)
+
+
+def test_a_batch_loses_only_its_looping_or_dying_job(pool_factory):
+    """One worker gets all of the queue in one message: the looping job is killed at its
+    own timeout, the job that kills its worker fails alone, and the jobs of the batch not
+    answered yet run again on the replacement, each reported exactly once (collect checks)."""
+    task = get_task("arithmetic")
+    p = task.make_prompts("train", 1)[0]
+    pool = pool_factory(1, 1.0, reward_fn=SCORER)
+    deadline = time.monotonic() + 10
+    while pool.ready < 1 and time.monotonic() < deadline:
+        pool.poll(0.05)
+    texts = {"before": p.answer, "loop": "loop", "after": p.answer, "exit": "exit", "last": "0"}
+    for key, text in texts.items():
+        pool.submit(RewardJob(key, "arithmetic", {}, p, [text]))
+    t0 = time.monotonic()
+    got = collect(pool, len(texts))
+    assert got["loop"].error == "timeout after 1s"
+    assert got["exit"].error == "reward worker died (exit code 7)"
+    assert (got["before"].reward, got["after"].reward, got["last"].reward) == (1.0, 1.0, 0.0)
+    assert not any(got[k].error for k in ("before", "after", "last"))
+    assert pool.killed == 1 and pool.died == 1 and pool.queued == 0
+    assert time.monotonic() - t0 < 1.0 + 8.0  # one timeout, not one per job of the batch

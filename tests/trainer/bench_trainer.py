@@ -3,11 +3,14 @@
     .venv/bin/python -m tests.trainer.bench_trainer
 
 Journal append rate (one fsync per call) and replay rate; one GRPO step of
-B=32 (4 groups of 8) on the tiny random Qwen2; the weight snapshot; a checkpoint.
+B=32 (4 groups of 8) on the tiny random Qwen2; one step as the arithmetic job makes
+them (models/tiny-qwen2, 7 prompt + 1..5 generated tokens), wall and CPU; the weight
+snapshot; a checkpoint.
 """
 
 from __future__ import annotations
 
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -48,6 +51,7 @@ def main() -> None:
         stats = learner.train_step(groups)
     dt = (time.perf_counter() - t) / n
     print(f"train_step B=32 (41+16 tokens each): {dt * 1000:.0f} ms, {stats['tokens'] / dt:.0f} trained tokens/s")
+    arithmetic_step(Path(__file__).resolve().parents[2] / "models" / "tiny-qwen2")
     t = time.perf_counter()
     tensors = learner.state_tensors()
     print(f"state_tensors: {(time.perf_counter() - t) * 1000:.1f} ms for "
@@ -55,6 +59,32 @@ def main() -> None:
     t = time.perf_counter()
     learner.save_checkpoint(d / "checkpoints")
     print(f"save_checkpoint: {(time.perf_counter() - t) * 1000:.0f} ms")
+
+
+def arithmetic_step(model: Path, n: int = 100) -> None:
+    """Steps shaped like examples/arithmetic.toml's: 4 prompts x 8, short completions."""
+    rng = random.Random(0)
+
+    def groups(step: int) -> list:
+        out = []
+        for p in range(4):
+            prompt = tuple([3] + [rng.randrange(4, 36) for _ in range(6)])
+            out.append([scored(step * 4 + p, k, float(rng.random() < 0.5), prompt=prompt,
+                               tokens=tuple(rng.randrange(4, 36) for _ in range(m)),
+                               logprobs=[-rng.random() * 3 for _ in range(m)])
+                        for k, m in ((k, rng.randrange(1, 6)) for k in range(8))])
+        return out
+
+    learner = Learner(model, lr=1e-4)
+    batches = [groups(i) for i in range(n + 5)]
+    for b in batches[:5]:
+        learner.train_step(b)  # warm-up
+    t, c = time.perf_counter(), time.process_time()
+    for b in batches[5:]:
+        learner.train_step(b)
+    print(f"train_step arithmetic-shaped (tiny-qwen2, 32 x 7+1..5 tokens): "
+          f"{(time.perf_counter() - t) / n * 1000:.1f} ms wall, "
+          f"{(time.process_time() - c) / n * 1000:.1f} ms CPU per step")
 
 
 if __name__ == "__main__":
