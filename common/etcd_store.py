@@ -19,6 +19,7 @@ from typing import Any, Callable, TypeVar
 
 import grpc
 import pyetcd
+from pyetcd import etcdrpc
 from pyetcd import exceptions as etcd_exc
 
 from rlfleet.common.store import (
@@ -144,6 +145,29 @@ class EtcdStore(Store):
             return ok
         return self._call("compare_and_swap", txn)
 
+    def swap(self, key: str, expected_mod_revision: int, value: Any,
+             lease: Lease | None = None) -> tuple[bool, KeyValue | None]:
+        encoded = _encode(value)
+        lease_id = lease.id if lease else 0
+
+        def txn(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[bool, KeyValue | None]:
+            t = c.transactions
+            # prev_kv: the key's create_revision (unchanged by an update) without a read.
+            resp = _raw_txn(c, compare=[t.mod(key) == expected_mod_revision],
+                            success=[t.put(key, encoded, lease=lease_id or None, prev_kv=True)],
+                            failure=[t.get(key)])
+            if resp.succeeded:
+                prev = resp.responses[0].response_put.prev_kv
+                revision = resp.header.revision  # the txn's one write: the key's new mod_revision
+                created = prev.create_revision if prev.create_revision else revision
+                return True, KeyValue(key, _decode(encoded.encode()), created, revision, lease_id)
+            kvs = resp.responses[0].response_range.kvs
+            if not kvs:
+                return False, None
+            kv = kvs[0]
+            return False, KeyValue(key, _decode(kv.value), kv.create_revision, kv.mod_revision, kv.lease)
+        return self._call("swap", txn)
+
     def compare_and_swap_delete(self, key: str, expected_mod_revision: int) -> bool:
         def txn(c: pyetcd.MultiEndpointEtcd3Client) -> bool:
             t = c.transactions
@@ -189,6 +213,20 @@ class EtcdStore(Store):
     def close(self) -> None:
         with self._lock:
             self._client.close()
+
+
+def _raw_txn(c: pyetcd.MultiEndpointEtcd3Client, compare: list[Any], success: list[Any],
+             failure: list[Any]) -> Any:
+    """pyetcd's `transaction()` minus the part that drops the response header (whose
+    revision is the new mod_revision of what the txn wrote). Errors go through the
+    client's own handler, so a dead endpoint is marked failed exactly as for its calls."""
+    request = etcdrpc.TxnRequest(compare=[x.build_message() for x in compare],
+                                 success=c._ops_to_requests(success), failure=c._ops_to_requests(failure))
+    try:
+        return c.kvstub.Txn(request, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+    except grpc.RpcError as exc:
+        c._manage_grpc_errors(exc)  # raises pyetcd's exception for this code
+        raise
 
 
 class _EtcdWatch(Watch):

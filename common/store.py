@@ -99,6 +99,14 @@ class Store(abc.ABC):
         (0: only if the key does not exist). False means someone else wrote first."""
 
     @abc.abstractmethod
+    def swap(self, key: str, expected_mod_revision: int, value: Any,
+             lease: Lease | None = None) -> tuple[bool, KeyValue | None]:
+        """`compare_and_swap` that also says where the key stands, in one round trip:
+        (True, the KeyValue just written) or (False, the key as it is now, None if absent).
+        A writer that keeps the returned KeyValue can swap again at its mod_revision
+        without reading first (one request per update instead of a read and a swap)."""
+
+    @abc.abstractmethod
     def revision(self) -> int:
         """The store's current revision."""
 
@@ -129,10 +137,8 @@ class Store(abc.ABC):
         cycle). The key disappears with the lease, which is what hands
         leadership to a standby when a leader dies.
         """
-        if self.compare_and_swap(key, 0, value, lease=lease):
-            return True
-        current = self.get(key)
-        return current is not None and current.lease_id == lease.id
+        won, current = self.swap(key, 0, value, lease=lease)
+        return won or (current is not None and current.lease_id == lease.id)
 
     def resign(self, key: str, lease: Lease) -> bool:
         """Give up leadership if we hold it (delete only our own key)."""

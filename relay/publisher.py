@@ -22,7 +22,7 @@ import numpy
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.members import Member
 from rlfleet.common.records import RelayMaster, WeightsLatest
-from rlfleet.common.store import Store, StoreUnavailable
+from rlfleet.common.store import KeyValue, Store, StoreUnavailable
 from rlfleet.relay.link import Link, Rejected
 from rlfleet.relay.manifest import FlatSource, Manifest, build_manifest
 from rlfleet.relay.protocol import ProtocolError
@@ -86,6 +86,7 @@ class WeightPublisher:
         self._link: Link | None = None
         self._link_to: tuple[str, str] | None = None  # (master id, address)
         self._link_checked = 0.0  # monotonic time the link's master was last confirmed in etcd
+        self._latest_kv: KeyValue | None = None  # weights/latest as this publisher last saw or wrote it
 
     def _current_master(self) -> tuple[str, str] | None:
         now = time.monotonic()
@@ -175,16 +176,23 @@ class WeightPublisher:
             time.sleep(0.1)
 
     def _record_latest(self, manifest: Manifest, master: str) -> None:
-        """weights/latest = {version, bytes, checksum, master}; never moves backwards."""
+        """weights/latest = {version, bytes, checksum, master}; never moves backwards.
+
+        One transaction per version: the swap is made at the revision this publisher
+        wrote last time, and a swap that loses (first publish, another trainer, an
+        operator) returns the key as it is, which the next try decides on."""
         key = self.keys.weights_latest
         value = WeightsLatest(manifest.version, manifest.total_bytes, manifest.checksum, master).to_value()
-        for _ in range(5):
+        kv = self._latest_kv
+        for _ in range(6):  # the first try may use a stale revision; then as many as before
             try:
-                kv = self.store.get(key)
                 # A malformed value (version -1) is overwritten: it describes no version.
                 if kv is not None and WeightsLatest.from_kv(kv).version > manifest.version:
+                    self._latest_kv = kv
                     return
-                if self.store.compare_and_swap(key, kv.mod_revision if kv else 0, value):
+                won, kv = self.store.swap(key, kv.mod_revision if kv else 0, value)
+                self._latest_kv = kv
+                if won:
                     return
             except StoreUnavailable as exc:
                 log.warning("could not record %s (etcd unreachable: %s); the relays hold the version anyway", key, exc)

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.members import RelayMember, members_from
 from rlfleet.common.records import RelayLayoutRequest, RelayMaster
-from rlfleet.common.store import KeyValue, Store
+from rlfleet.common.store import KeyValue, Store, WatchEvent
 
-__all__ = ["ChainView", "RelayMember", "derive", "natural_key", "parse_members", "read_chain"]
+__all__ = ["ChainFollower", "ChainView", "RelayMember", "chain_of", "derive", "natural_key", "parse_members",
+           "read_chain"]
 
 
 def natural_key(s: str) -> list[Any]:
@@ -70,9 +72,53 @@ def derive(master: str | None, members: dict[str, RelayMember], layouts: frozens
     return ChainView(master if master in live else None, tuple(order), members, layouts)
 
 
-def read_chain(store: Store, keys: JobKeys) -> ChainView:
-    """One consistent-enough look at etcd (three reads; the watch corrects any race)."""
-    members = parse_members(keys, store.get_prefix(keys.role_members_prefix("relay")))
-    master = RelayMaster.read(store, keys)
-    layouts = {req.layout for req in RelayLayoutRequest.read_all(store, keys) if req.layout > 1}
+def chain_of(keys: JobKeys, member_kvs: Iterable[KeyValue], relay_kvs: Iterable[KeyValue]) -> ChainView:
+    """The chain from the keys under `members/relay/` and under `relay/` (master, layouts)."""
+    master, layouts = None, set()
+    for kv in relay_kvs:
+        if kv.key == keys.relay_master:
+            master = RelayMaster.from_kv(kv)
+        elif kv.key.startswith(keys.relay_layouts_prefix):
+            req = RelayLayoutRequest.from_kv(keys, kv)
+            if req.layout > 1:
+                layouts.add(req.layout)
+    members = parse_members(keys, list(member_kvs))
     return derive((master.id or None) if master else None, members, frozenset(layouts))
+
+
+def read_chain(store: Store, keys: JobKeys) -> ChainView:
+    """One consistent-enough look at etcd (two reads; the watch corrects any race)."""
+    return chain_of(keys, store.get_prefix(keys.role_members_prefix("relay")), store.get_prefix(keys.relay_prefix))
+
+
+class ChainFollower:
+    """The keys `chain_of` needs, kept current from watch events, so a relay re-derives
+    the chain on every change without reading etcd (a relay's registration and the
+    master's `newest` change with every version). `reload` re-reads them all."""
+
+    def __init__(self, keys: JobKeys) -> None:
+        self.keys = keys
+        self._members: dict[str, KeyValue] = {}
+        self._relay: dict[str, KeyValue] = {}
+
+    def reload(self, store: Store) -> None:
+        members = store.get_prefix(self.keys.role_members_prefix("relay"))
+        relay = store.get_prefix(self.keys.relay_prefix)
+        self._members = {kv.key: kv for kv in members}
+        self._relay = {kv.key: kv for kv in relay}
+
+    def apply(self, event: WatchEvent) -> None:
+        """One watch event. Events older than what a reload read (a watch replays from
+        before the read) are skipped, so a key never steps back to an older value."""
+        table = self._relay if event.key.startswith(self.keys.relay_prefix) else self._members
+        known = table.get(event.key)
+        if known is not None and event.revision <= known.mod_revision:
+            return
+        if event.kind == "delete":
+            table.pop(event.key, None)
+        else:
+            table[event.key] = KeyValue(event.key, event.value, known.create_revision if known else event.revision,
+                                        event.revision)
+
+    def chain(self) -> ChainView:
+        return chain_of(self.keys, self._members.values(), self._relay.values())

@@ -56,6 +56,7 @@ PROGRESS_EVERY_S = 5.0      # plain mode: a progress line this often while steps
 STOP_GRACE_S = 10.0
 TORCH_ROLES = ("trainer", "rollout")  # the processes that compute; they share the cores
 CPU_SAMPLE_S = 1.0          # how often each daemon's CPU time is read (what a kill -9 loses)
+TREE_RESCAN_S = 10.0        # how often a daemon's descendants are looked up again (a scan of all of /proc)
 
 
 def tree_cpu_s(pid: int) -> float:
@@ -72,6 +73,36 @@ def tree_cpu_s(pid: int) -> float:
         return total
     except psutil.Error:
         return 0.0
+
+
+class TreeCpu:
+    """`tree_cpu_s` for one daemon, sampled every CPU_SAMPLE_S: finding the descendants
+    scans every process on the machine (psutil reads each /proc/<pid>/stat for its
+    parent), so it is done every TREE_RESCAN_S, and at once after one of them ended;
+    a sample in between reads only the known processes' own counters."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._procs: list[psutil.Process] = []
+        self._scanned_at = -TREE_RESCAN_S
+
+    def read(self) -> float:
+        now = time.monotonic()
+        if now - self._scanned_at >= TREE_RESCAN_S:
+            self._scanned_at = now
+            try:
+                root = psutil.Process(self.pid)
+                self._procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                return 0.0
+        total = 0.0
+        for proc in self._procs:
+            try:
+                t = proc.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:  # it ended: look the tree up again at the next sample
+                self._scanned_at = -TREE_RESCAN_S
+        return total
 
 
 def torch_threads(placed: list[Placed], host: str) -> int:
@@ -95,6 +126,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     cpu_s_ended: float = 0.0    # CPU of this daemon's earlier (dead) processes, as last sampled
     cpu_s_current: float = 0.0  # CPU of the running process at the last sample
+    cpu_meter: TreeCpu | None = None
 
     @property
     def name(self) -> str:
@@ -106,7 +138,9 @@ class Child:
 
     def sample_cpu(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.cpu_s_current = max(self.cpu_s_current, tree_cpu_s(self.proc.pid))
+            if self.cpu_meter is None or self.cpu_meter.pid != self.proc.pid:
+                self.cpu_meter = TreeCpu(self.proc.pid)
+            self.cpu_s_current = max(self.cpu_s_current, self.cpu_meter.read())
 
     def process_ended(self) -> None:
         self.cpu_s_ended += self.cpu_s_current

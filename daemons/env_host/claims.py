@@ -74,6 +74,7 @@ class PromptClaimer:
         self.max_attempts = max_attempts
         self.budget = budget
         self.conflicts = 0  # lost swaps, for metrics and tests
+        self._cursor: PromptCursor | None = None
 
     def claim(self, k: int) -> range:
         """The next k unclaimed prompt ids, now ours; fewer (maybe none: an empty range)
@@ -81,19 +82,33 @@ class PromptClaimer:
         if k < 1:
             raise ValueError(f"k: must be >= 1, got {k}")
         key = self.keys.prompts_cursor
+        # The cursor as this claimer last wrote or saw it: the swap is made at its revision
+        # without reading first (a stale one only loses the swap, which returns the cursor
+        # as it stands). `next` only grows and the budget only shrinks as it grows, so a
+        # budget of nothing at a stale `next` is nothing at the real one too: a paced
+        # env-host re-checks its budget without asking etcd.
+        cursor = self._cursor
         for attempt in range(self.max_attempts):
-            cursor = PromptCursor.read(self.store, self.keys) or PromptCursor()  # none yet: from 0
-            nxt, claims = _usable(cursor)
-            revision = cursor.mod_revision
+            fresh = cursor is None
+            if fresh:
+                cursor = PromptCursor.read(self.store, self.keys) or PromptCursor()  # none yet: from 0
+            try:
+                nxt, claims = _usable(cursor)
+            except ClaimError:
+                self._cursor = None  # read it again next time: an operator may repair it
+                raise
             n = k if self.budget is None else min(k, self.budget(nxt))
             if n <= 0:
                 return range(nxt, nxt)
             _record(claims, self.owner, nxt, nxt + n)
-            if self.store.compare_and_swap(key, revision, {"next": nxt + n, "claims": claims}):
+            won, kv = self.store.swap(key, cursor.mod_revision, {"next": nxt + n, "claims": claims})
+            cursor = self._cursor = PromptCursor.from_kv(kv) if kv is not None else PromptCursor()
+            if won:
                 return range(nxt, nxt + n)
             self.conflicts += 1
-            # Another env-host won; jittered so a crowd of claimers spreads out.
-            time.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))
+            if fresh or attempt:
+                # Another env-host won; jittered so a crowd of claimers spreads out.
+                time.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))
         raise ClaimContention(f"{key}: lost {self.max_attempts} compare-and-swap races in a row")
 
     def recent(self) -> list[range]:

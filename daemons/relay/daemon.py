@@ -22,9 +22,9 @@ from typing import Any
 
 from rlfleet.common.daemon import Daemon
 from rlfleet.common.records import RelayMaster
-from rlfleet.common.store import StoreUnavailable
+from rlfleet.common.store import KeyValue, StoreUnavailable, Watch
 from rlfleet.relay.node import NodeConfig, RelayNode
-from rlfleet.relay.topology import ChainView, read_chain
+from rlfleet.relay.topology import ChainFollower, ChainView
 
 log = logging.getLogger("rlfleet.relay")
 
@@ -41,6 +41,7 @@ class Relay(Daemon):
     _said_successor: str | None = None
     _was_master = False
     _master_newest: int | None | str = "unwritten"  # the `newest` our relay/master value says
+    _master_kv: KeyValue | None = None  # relay/master as this relay last wrote or saw it
     _last_full_read = 0.0
 
     # ------------------------------------------------------------ lifecycle
@@ -121,7 +122,7 @@ class Relay(Daemon):
                     if self.store.campaign(self.keys.relay_master,
                                            RelayMaster(me, time.time(), newest).to_value(), self.session.lease):
                         said.append(f"became relay master (holding version {newest})")
-                        self._master_newest = newest
+                        self._master_newest, self._master_kv = newest, None
                         self._refresh.set()
             if chain.master == me:
                 self._keep_master_newest(node.store.newest_complete())
@@ -133,6 +134,7 @@ class Relay(Daemon):
                 self._was_master = True
             elif self._was_master:
                 self._was_master, self._written_chain, self._master_newest = False, None, "unwritten"
+                self._master_kv = None
                 said.append("no longer relay master")
         except StoreUnavailable as exc:
             said.append(f"etcd unreachable, keeping the current chain: {exc}")
@@ -145,17 +147,27 @@ class Relay(Daemon):
         assert self.session is not None and self.session.lease is not None
         if newest == self._master_newest:
             return
-        current = RelayMaster.read(self.store, self.keys)
-        if current is None or current.lease_id != self.session.lease.id:
-            return  # not (or no longer) ours: the next election writes its own
-        value = RelayMaster(current.id, current.since, newest).to_value()
-        if self.store.compare_and_swap(self.keys.relay_master, current.mod_revision, value,
-                                       lease=self.session.lease):
-            self._master_newest = newest
+        # At the revision this master wrote last (one request per version); a lost swap
+        # returns the key as it is, for one more try.
+        kv = self._master_kv or self.store.get(self.keys.relay_master)
+        for _ in range(2):
+            current = RelayMaster.from_kv(kv) if kv is not None else None
+            if current is None or current.lease_id != self.session.lease.id:
+                self._master_kv = None
+                return  # not (or no longer) ours: the next election writes its own
+            value = RelayMaster(current.id, current.since, newest).to_value()
+            won, kv = self.store.swap(self.keys.relay_master, current.mod_revision, value, lease=self.session.lease)
+            self._master_kv = kv
+            if won:
+                self._master_newest = newest
+                return
 
     def _watch_topology(self) -> None:
-        """Re-derive the chain whenever relay members or relay/ keys change."""
-        watches = []
+        """Re-derive the chain whenever relay members or relay/ keys change: from the
+        watch events themselves, re-reading etcd only on a refresh (start, a broken
+        watch, the FULL_READ_S safety net)."""
+        watches: list[Watch] = []
+        follower = ChainFollower(self.keys)
         while not self._topology_stop.is_set():
             try:
                 if not watches:
@@ -164,24 +176,32 @@ class Relay(Daemon):
                     self._refresh.set()
                 changed = False
                 for w in watches:
-                    while w.get(timeout=0) is not None:
+                    while (event := w.get(timeout=0)) is not None:
+                        follower.apply(event)
                         changed = True
-                if changed or self._refresh.is_set():
+                if self._refresh.is_set():
                     self._refresh.clear()
-                    chain = read_chain(self.store, self.keys)
-                    if self.node is not None:
-                        self.node.set_chain(chain)
-                    if chain.master is None and self._chain is not None and self._chain.master is not None:
-                        self._chain = chain
-                        self._wake.set()  # campaign now rather than at the next cycle
-                    self._chain = chain
+                    follower.reload(self.store)
+                    changed = True
+                if changed:
+                    self._set_chain(follower.chain())
                 else:
                     self._refresh.wait(0.05)
             except StoreUnavailable as exc:
                 log.warning("relay topology: etcd unreachable (%s); keeping the current chain", exc)
+                self._refresh.set()  # what the watches missed meanwhile is read again
                 self._topology_stop.wait(0.5)
             except Exception:  # noqa: BLE001 - the watcher must outlive any surprise
                 log.exception("relay topology watcher failed; retrying")
+                self._refresh.set()
                 self._topology_stop.wait(0.5)
         for w in watches:
             w.cancel()
+
+    def _set_chain(self, chain: ChainView) -> None:
+        if self.node is not None:
+            self.node.set_chain(chain)
+        if chain.master is None and self._chain is not None and self._chain.master is not None:
+            self._chain = chain
+            self._wake.set()  # campaign now rather than at the next cycle
+        self._chain = chain

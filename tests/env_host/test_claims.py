@@ -56,11 +56,11 @@ class _Interloper(EtcdStore):
         super().__init__(endpoints)
         self.other, self.fired = other, False
 
-    def compare_and_swap(self, key, expected_mod_revision, value, lease=None):
+    def swap(self, key, expected_mod_revision, value, lease=None):
         if not self.fired:
             self.fired = True
             self.other.claim(5)
-        return super().compare_and_swap(key, expected_mod_revision, value, lease)
+        return super().swap(key, expected_mod_revision, value, lease)
 
 
 def test_a_lost_swap_is_retried_from_the_new_cursor(etcd):
@@ -105,3 +105,53 @@ def test_claim_needs_a_positive_count(etcd):
     with EtcdStore(etcd.endpoints) as store:
         with pytest.raises(ValueError, match="k: must be >= 1, got 0"):
             PromptClaimer(store, KEYS, "env-a").claim(0)
+
+
+class _Counting(EtcdStore):
+    """A real store that counts the claim protocol's requests."""
+
+    def __init__(self, endpoints: str) -> None:
+        super().__init__(endpoints)
+        self.calls: list[str] = []
+
+    def get(self, key):
+        self.calls.append("get")
+        return super().get(key)
+
+    def swap(self, key, expected_mod_revision, value, lease=None):
+        self.calls.append("swap")
+        return super().swap(key, expected_mod_revision, value, lease)
+
+
+def test_a_claim_is_one_swap_and_a_paced_claim_asks_etcd_nothing(etcd):
+    allowed = {"n": 6}
+    with _Counting(etcd.endpoints) as store, EtcdStore(etcd.endpoints) as other_store:
+        mine = PromptClaimer(store, KEYS, "env-a", budget=lambda nxt: allowed["n"] - nxt)
+        assert mine.claim(4) == range(0, 4)
+        assert store.calls == ["get", "swap"]  # the first claim reads the cursor once
+        store.calls.clear()
+        assert mine.claim(4) == range(4, 6)  # budget: 2 more
+        assert mine.claim(4) == range(6, 6)  # paced
+        assert mine.claim(4) == range(6, 6)
+        assert store.calls == ["swap"]  # the paced claims decided on what this claimer wrote
+
+        # Another env-host claimed meanwhile: the stale swap loses and says where the cursor
+        # is; the retry goes at once (no back-off: nobody raced us, we were behind).
+        assert PromptClaimer(other_store, KEYS, "env-b").claim(3) == range(6, 9)
+        allowed["n"] = 20
+        store.calls.clear()
+        assert mine.claim(4) == range(9, 13)
+        assert store.calls == ["swap", "swap"] and mine.conflicts == 1
+        nxt, recorded = parse_cursor(store.get(KEYS.prompts_cursor).value)
+        assert nxt == 13 and recorded == {"env-a": [[0, 6], [9, 13]], "env-b": [[6, 9]]}
+
+
+def test_a_repaired_cursor_is_read_again(etcd):
+    with EtcdStore(etcd.endpoints) as store:
+        claimer = PromptClaimer(store, KEYS, "env-a")
+        assert claimer.claim(2) == range(0, 2)
+        store.put(KEYS.prompts_cursor, {"next": "seven"})
+        with pytest.raises(ClaimError, match="prompts/cursor.next"):
+            claimer.claim(1)  # the swap at the old revision lost and showed the bad value
+        store.put(KEYS.prompts_cursor, {"next": 7, "claims": {}})  # an operator repairs it
+        assert claimer.claim(1) == range(7, 8)

@@ -46,6 +46,21 @@ def test_cas_rejects_stale_write(etcd):
     assert store.get("/t/cursor").value == {"next": 8}
 
 
+def test_swap_returns_what_it_wrote_or_what_is_there(etcd):
+    store = EtcdStore(etcd.endpoints)
+    lease = store.grant_lease(10)
+    won, kv = store.swap("/t/swap", 0, {"n": 1}, lease=lease)  # create-only
+    assert won and kv == store.get("/t/swap")  # the same revisions and lease a read sees
+    assert kv.lease_id == lease.id and kv.create_revision == kv.mod_revision
+    won, again = store.swap("/t/swap", kv.mod_revision, {"n": 2})  # no read in between
+    assert won and again == store.get("/t/swap")
+    assert again.create_revision == kv.create_revision and again.mod_revision > kv.mod_revision
+    lost, current = store.swap("/t/swap", kv.mod_revision, {"n": 3})  # a stale revision
+    assert not lost and current == again and store.get("/t/swap").value == {"n": 2}
+    assert store.swap("/t/none", 5, {"n": 1}) == (False, None)
+    assert store.get("/t/none") is None
+
+
 def test_campaign_is_exclusive_and_follows_lease(etcd):
     a, b = EtcdStore(etcd.endpoints), EtcdStore(etcd.endpoints)
     la, lb = a.grant_lease(2), b.grant_lease(2)
