@@ -38,6 +38,11 @@ class WatchEvent:
     value: Any  # decoded JSON, None for deletes
     revision: int
 
+    def as_key_value(self, create_revision: int | None = None) -> KeyValue:
+        """The key as a put left it (a watcher's local copy of a prefix); the create
+        revision is the caller's if it knew the key, else this event's."""
+        return KeyValue(self.key, self.value, create_revision or self.revision, self.revision)
+
 
 @dataclasses.dataclass(frozen=True)
 class Lease:

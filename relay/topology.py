@@ -117,8 +117,7 @@ class ChainFollower:
         if event.kind == "delete":
             table.pop(event.key, None)
         else:
-            table[event.key] = KeyValue(event.key, event.value, known.create_revision if known else event.revision,
-                                        event.revision)
+            table[event.key] = event.as_key_value(known.create_revision if known else None)
 
     def chain(self) -> ChainView:
         return chain_of(self.keys, self._members.values(), self._relay.values())
