@@ -178,9 +178,10 @@ def test_daemon_survives_etcd_outage_and_reregisters(tmp_path, etcd):
         # lease may be the old one; what matters is that the daemon is back.)
         assert again["pid"] == first["pid"]
         wait_for("trainer leads again", lambda: store.get(JobKeys("outage").leader("trainer")), timeout_s=10)
-        log = (tmp_path / "t.log").read_text()
-        assert "etcd unreachable, degraded, keeping local work" in log
-        assert "etcd reachable again" in log
+        # The leader key is written inside the cycle whose sentence is logged after it.
+        wait_for("the cycle that found etcd again to be logged",
+                 lambda: "etcd reachable again" in (tmp_path / "t.log").read_text(), timeout_s=10)
+        assert "etcd unreachable, degraded, keeping local work" in (tmp_path / "t.log").read_text()
     finally:
         assert stop(proc) == 0
 
