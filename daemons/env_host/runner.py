@@ -15,7 +15,9 @@ Start-up order matters for the accounting invariant:
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import contextlib
 import logging
 import sys
 import threading
@@ -78,6 +80,8 @@ class EnvRunner:
         self._in_flight = 0  # mirrors of self._live, for other threads
         self._live_prompts = 0
         self._flush_scheduled = False
+        self._acked_keys: collections.deque[str] = collections.deque()  # acked, not yet forgotten
+        self._forget_pending = False
         # Metric children looked up once, not per turn / trajectory (.labels() costs a lock
         # and a dict lookup on a tuple of label values).
         self._turns_metric = TURNS.labels(id=name)
@@ -115,8 +119,14 @@ class EnvRunner:
             log.warning("%s refused by the reward-host: %s", key, err, extra={"trajectory": key})
             self.journal.record_acked([key], ok=False, error=err)
         self.acked += len(acked)
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self._forget, [k for k, _, _ in acked])
+        # One wake-up of the loop (a write to its self-pipe) per pass of the loop, not
+        # per ack: keys pile up in a deque (thread-safe) while a wake-up is pending; the
+        # flag is cleared before the deque is emptied, so a key is never left behind (a
+        # spare wake-up is harmless).
+        self._acked_keys.extend([k for k, _, _ in acked])
+        if not self._forget_pending and self._thread.is_alive():
+            self._forget_pending = True
+            self.loop.call_soon_threadsafe(self._forget_acked)
 
     def wake(self) -> None:
         """From any thread: look for work now (e.g. the trainer consumed groups, so the
@@ -326,6 +336,14 @@ class EnvRunner:
     async def _in_journal(self, fn: Callable[..., None], *args: Any) -> None:
         # fsynced writes off the loop, in order (one writer thread).
         await self.loop.run_in_executor(self._journal_exec, fn, *args)
+
+    def _forget_acked(self) -> None:
+        self._forget_pending = False
+        tids = []
+        with contextlib.suppress(IndexError):
+            while True:
+                tids.append(self._acked_keys.popleft())
+        self._forget(tids)
 
     def _forget(self, tids: list[str]) -> None:
         for tid in tids:
