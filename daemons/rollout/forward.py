@@ -81,6 +81,50 @@ class ModelForward:
                          past_key_values=c, use_cache=True).last_hidden_state
 
 
+@torch.inference_mode()
+def pick_forward(model: Any, cache: SlotCache, max_len: int, max_batch: int,
+                 allow_lean: bool = True) -> ModelForward | LeanForward:
+    """The lean forward if allowed, the model is Llama-style and it gives the model's own
+    logits on a probe (two prefills of different lengths, then decode and prefill in one
+    step); otherwise the model's own modules. The cache is left zeroed."""
+    own = ModelForward(model, cache, max_len)
+    lean = LeanForward.build(model, cache, max_len) if allow_lean else None
+    if lean is None:
+        return own
+    device, dtype = own.device, cache.kv.dtype
+    n = min(max_batch, 3)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [min(5, max_len - 1), min(3, max_len - 1), min(4, max_len - 1)][:n]
+    ids = [torch.randint(0, int(model.config.vocab_size), (k,), generator=gen).tolist() for k in lengths]
+    first = max(n - 1, 1)  # rows prefilled in the first step; the last row joins in the second
+
+    def probe(fwd: ModelForward | LeanForward) -> list[torch.Tensor]:
+        width = max(lengths[:first])
+        pre = torch.tensor([i + [0] * (width - len(i)) for i in ids[:first]], device=device)
+        last = torch.tensor([k - 1 for k in lengths[:first]], device=device)
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        a = fwd(none, none, pre, last)
+        dec_ids = a.argmax(-1)
+        dec_pos = torch.tensor(lengths[:first], device=device)
+        rest = ids[first:]
+        pre2 = torch.tensor(rest, device=device) if rest else None
+        last2 = torch.tensor([len(rest[0]) - 1], device=device) if rest else None
+        return [a, fwd(dec_ids, dec_pos, pre2, last2)]
+
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    try:
+        agree = all(torch.allclose(x.float(), y.float(), atol=tol, rtol=tol)
+                    for x, y in zip(probe(own), probe(lean)))
+    finally:
+        cache.kv.zero_()
+        own.calls = lean.calls = 0
+    if not agree:
+        log.warning("%s: the lean forward disagrees with the model's own; running the model's "
+                    "modules (slower)", type(model).__name__)
+        return own
+    return lean
+
+
 class _Layer:
     __slots__ = ("norm1", "qkv_w", "qkv_b", "o_w", "o_b", "norm2", "gate_up_w", "down_w", "eps1",
                  "eps2")
@@ -182,8 +226,9 @@ class LeanForward:
         p = width = 0
         if pre_ids is not None:
             p, width = pre_ids.shape
-            ids = torch.cat([dec_ids, pre_ids.reshape(-1)]) if d else pre_ids.reshape(-1)
-            pos = torch.cat([dec_pos, self.positions[:width].repeat(p)]) if d else self.positions[:width].repeat(p)
+            ids, pos = pre_ids.reshape(-1), self.positions[:width].repeat(p)
+            if d:
+                ids, pos = torch.cat([dec_ids, ids]), torch.cat([dec_pos, pos])
         else:
             ids, pos = dec_ids, dec_pos
         n = ids.shape[0]

@@ -147,12 +147,15 @@ def _unsupported(raw: dict[str, Any], path: Path) -> str | None:
         return f"rope {rope}"
     if raw.get("hidden_act", "silu") != "silu":
         return f"activation {raw.get('hidden_act')!r}"
-    if set(raw.get("layer_types") or ["full_attention"]) != {"full_attention"} or raw.get("use_sliding_window"):
+    layer_types = set(raw.get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"} or raw.get("use_sliding_window"):
         return "sliding-window layers"
     if kind == "llama" and (raw.get("attention_bias") or raw.get("mlp_bias")):
         return "llama with biases"
-    if raw.get("attention_dropout", 0.0) or raw.get("head_dim") not in (None, raw["hidden_size"] // raw["num_attention_heads"]):
-        return "dropout or an explicit head_dim"
+    if raw.get("attention_dropout", 0.0):
+        return "attention dropout"
+    if raw.get("head_dim") not in (None, raw["hidden_size"] // raw["num_attention_heads"]):
+        return "a head_dim other than hidden_size / heads"
     return None
 
 

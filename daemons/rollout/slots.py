@@ -46,6 +46,41 @@ class SlotCache:
         return self.kv_len
 
 
+def sample(logits: torch.Tensor, requests: list[Any], generators: list[torch.Generator | None],
+           shared: torch.Generator) -> tuple[list[int], list[float]]:
+    """(token, log-prob at temperature 1) per row of logits, for the requests of those rows.
+
+    Temperature 0 is argmax; otherwise ``sample_rows`` with one uniform per row, from the
+    row's own generator if it has one (seeded requests), else from ``shared`` (one draw
+    call for all rows, seeded or not, so the shared stream does not depend on seeds).
+    """
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)  # temperature 1, full vocabulary: see engine.py
+    rows = [i for i, r in enumerate(requests) if r.temperature > 0]
+    if len(rows) < len(requests):
+        tokens = logits.argmax(dim=-1)
+    if rows:
+        every = len(rows) == len(requests)
+        temps = [requests[i].temperature for i in rows]
+        top_p = [requests[i].top_p for i in rows]
+        u = torch.rand(len(rows), generator=shared)
+        seeded = [j for j, i in enumerate(rows) if generators[i] is not None]
+        if seeded:
+            u[torch.tensor(seeded)] = torch.cat([torch.rand(1, generator=generators[rows[j]])
+                                                 for j in seeded])
+        u = u.to(logits.device)
+        scaled = logits if every else logits[torch.tensor(rows, device=logits.device)]
+        if any(t != 1.0 for t in temps):  # x / 1.0 == x: skip the division
+            scaled = scaled / torch.tensor(temps, device=logits.device)[:, None]
+        picked = sample_rows(scaled, top_p, u)
+        if every:
+            tokens = picked
+        else:
+            tokens[torch.tensor(rows, device=logits.device)] = picked
+    chosen = logp.gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), chosen.tolist()
+
+
 def sample_rows(scaled: torch.Tensor, top_p: list[float], u: torch.Tensor) -> torch.Tensor:
     """One token per row from softmax(scaled) restricted to the top-p nucleus.
 
