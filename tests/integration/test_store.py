@@ -98,12 +98,23 @@ def test_swap_returns_what_it_wrote_or_what_is_there(etcd):
     assert store.get("/t/none") is None
 
 
+def _proposals(endpoint: str) -> float:
+    """Raft proposals etcd has committed so far (each one a WAL write)."""
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("etcd_server_proposals_committed_total"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_campaign_is_exclusive_and_follows_lease(etcd):
     a, b = EtcdStore(etcd.endpoints), EtcdStore(etcd.endpoints)
     la, lb = a.grant_lease(2), b.grant_lease(2)
     assert a.campaign("/t/leader", {"id": "a"}, la)
+    before = _proposals(etcd.members[0].endpoint)
     assert a.campaign("/t/leader", {"id": "a"}, la)  # idempotent for the holder
     assert not b.campaign("/t/leader", {"id": "b"}, lb)
+    assert _proposals(etcd.members[0].endpoint) == before  # confirming a holder writes nothing
     a.revoke_lease(la)
     assert b.campaign("/t/leader", {"id": "b"}, lb)
     assert b.resign("/t/leader", lb)
