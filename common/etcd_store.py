@@ -88,6 +88,7 @@ class EtcdStore(Store):
         self._client = self._new_client()
         # pyetcd's multi-endpoint client keeps unsynchronised stub caches.
         self._lock = threading.RLock()
+        self._keepalive: _KeepAliveStream | None = None
 
     def _new_client(self) -> pyetcd.MultiEndpointEtcd3Client:
         eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=ENDPOINT_RETRY_S) for h, p in self.endpoints]
@@ -186,8 +187,25 @@ class EtcdStore(Store):
         return Lease(lease.id, ttl)
 
     def refresh_lease(self, lease: Lease) -> int:
-        responses = self._call("refresh_lease", lambda c: list(c.refresh_lease(lease.id)))
-        ttl = responses[0].TTL if responses else 0
+        def refresh(c: pyetcd.MultiEndpointEtcd3Client) -> Any:
+            stream = self._keepalive
+            if stream is None or stream.stub is not c.leasestub:  # first use, or the client failed over
+                if stream is not None:
+                    stream.close()
+                stream = self._keepalive = _KeepAliveStream(c)
+            try:
+                return stream.refresh(lease.id, self.timeout_s)
+            except BaseException as exc:
+                stream.close()
+                self._keepalive = None
+                if isinstance(exc, grpc.RpcError):
+                    c._manage_grpc_errors(exc)  # marks the endpoint failed, raises pyetcd's error
+                if isinstance(exc, TimeoutError):
+                    c.endpoint_in_use.fail()  # as a deadline exceeded on a unary call would
+                    c._clear_old_stubs()
+                    raise etcd_exc.ConnectionTimeoutError() from None
+                raise
+        ttl = self._call("refresh_lease", refresh).TTL
         if ttl <= 0:
             raise LeaseExpired(f"lease {lease.id:x} expired")
         return ttl
@@ -212,6 +230,9 @@ class EtcdStore(Store):
 
     def close(self) -> None:
         with self._lock:
+            if self._keepalive is not None:
+                self._keepalive.close()
+                self._keepalive = None
             self._client.close()
 
 
@@ -227,6 +248,47 @@ def _raw_txn(c: pyetcd.MultiEndpointEtcd3Client, compare: list[Any], success: li
     except grpc.RpcError as exc:
         c._manage_grpc_errors(exc)  # raises pyetcd's exception for this code
         raise
+
+
+class _KeepAliveStream:
+    """One LeaseKeepAlive stream that every refresh reuses. pyetcd opens a new stream per
+    refresh, which cost ~0.75 ms more client CPU than a unary call, plus a stream set-up
+    in etcd, in every cycle of every daemon. Callers serialise refreshes (EtcdStore's
+    lock), so the one response in flight is the answer to the one request; after any
+    error or timeout the stream is dropped, so a late answer is never taken for a new one."""
+
+    _END = object()
+
+    def __init__(self, c: pyetcd.MultiEndpointEtcd3Client) -> None:
+        self.stub = c.leasestub
+        self._requests: queue.Queue[Any] = queue.Queue()
+        self._responses: queue.Queue[Any] = queue.Queue()
+        # No deadline: the stream lives until closed; each refresh has its own timeout.
+        self._call = self.stub.LeaseKeepAlive(iter(self._requests.get, self._END),
+                                              credentials=c.call_credentials, metadata=c.metadata)
+        threading.Thread(target=self._read, name="lease-keepalive", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for response in self._call:
+                self._responses.put(response)
+            self._responses.put(etcd_exc.ConnectionFailedError())  # etcd ended the stream
+        except grpc.RpcError as exc:
+            self._responses.put(exc)
+
+    def refresh(self, lease_id: int, timeout_s: float) -> Any:
+        self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
+        try:
+            item = self._responses.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no keep-alive answer within {timeout_s}s") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._requests.put(self._END)
+        self._call.cancel()
 
 
 class _EtcdWatch(Watch):

@@ -141,9 +141,18 @@ class Store(abc.ABC):
         True if we hold it now (just created, or already ours from an earlier
         cycle). The key disappears with the lease, which is what hands
         leadership to a standby when a leader dies.
+
+        A read first: while the key exists (every cycle but the hand-over) it
+        answers for holder and standby alike, and a read is no raft proposal,
+        where a create-only transaction is one (a WAL write and an fsync) even
+        when its comparison fails.
         """
-        won, current = self.swap(key, 0, value, lease=lease)
-        return won or (current is not None and current.lease_id == lease.id)
+        current = self.get(key)
+        if current is None:
+            won, current = self.swap(key, 0, value, lease=lease)
+            if won:
+                return True
+        return current is not None and current.lease_id == lease.id
 
     def resign(self, key: str, lease: Lease) -> bool:
         """Give up leadership if we hold it (delete only our own key)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import pytest
 
@@ -35,6 +36,42 @@ def test_lease_expiry_removes_registration(etcd):
         store.refresh_lease(lease)
 
 
+def _keepalive_streams(endpoint: str) -> float:
+    """LeaseKeepAlive streams etcd has opened so far (its own /metrics)."""
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("grpc_server_started_total") and 'grpc_method="LeaseKeepAlive"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_refreshes_share_one_keepalive_stream_and_survive_a_restart(etcd):
+    store = EtcdStore(etcd.endpoints, timeout_s=0.5)
+    lease = store.grant_lease(30)
+    before = _keepalive_streams(etcd.members[0].endpoint)
+    for _ in range(20):
+        assert store.refresh_lease(lease) == 30
+    assert _keepalive_streams(etcd.members[0].endpoint) == before + 1
+
+    member = etcd.members[0]
+    etcd.kill_member(member)
+    with pytest.raises(StoreUnavailable):
+        store.refresh_lease(lease)
+    etcd.start_member(member)  # same data dir: the lease survives
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert store.refresh_lease(lease) == 30
+            break
+        except StoreUnavailable:
+            assert time.monotonic() < deadline, "refreshes never recovered after the restart"
+            time.sleep(0.1)
+    store.revoke_lease(lease)
+    with pytest.raises(LeaseExpired):
+        store.refresh_lease(lease)
+    store.close()
+
+
 def test_cas_rejects_stale_write(etcd):
     store = EtcdStore(etcd.endpoints)
     assert store.compare_and_swap("/t/cursor", 0, {"next": 0})      # create-only
@@ -61,12 +98,23 @@ def test_swap_returns_what_it_wrote_or_what_is_there(etcd):
     assert store.get("/t/none") is None
 
 
+def _proposals(endpoint: str) -> float:
+    """Raft proposals etcd has committed so far (each one a WAL write)."""
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("etcd_server_proposals_committed_total"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_campaign_is_exclusive_and_follows_lease(etcd):
     a, b = EtcdStore(etcd.endpoints), EtcdStore(etcd.endpoints)
     la, lb = a.grant_lease(2), b.grant_lease(2)
     assert a.campaign("/t/leader", {"id": "a"}, la)
+    before = _proposals(etcd.members[0].endpoint)
     assert a.campaign("/t/leader", {"id": "a"}, la)  # idempotent for the holder
     assert not b.campaign("/t/leader", {"id": "b"}, lb)
+    assert _proposals(etcd.members[0].endpoint) == before  # confirming a holder writes nothing
     a.revoke_lease(la)
     assert b.campaign("/t/leader", {"id": "b"}, lb)
     assert b.resign("/t/leader", lb)
@@ -112,6 +160,8 @@ def test_unreachable_store_raises_store_unavailable_quickly():
 def test_failover_when_the_used_member_is_killed(etcd3):
     store = EtcdStore(etcd3.endpoints, timeout_s=0.5)
     store.put("/f/a", 1)
+    lease = store.grant_lease(30)
+    store.refresh_lease(lease)  # its keep-alive stream goes to the member about to die
     # Kill whichever member the client is talking to right now.
     in_use = store._client.endpoint_in_use.netloc
     victim = next(m for m in etcd3.members if m.endpoint == in_use)
@@ -126,6 +176,7 @@ def test_failover_when_the_used_member_is_killed(etcd3):
             time.sleep(0.1)
     assert store.get("/f/b").value == 2
     assert store._client.endpoint_in_use.netloc != in_use
+    assert store.refresh_lease(lease) == 30  # a new stream, to the member now in use
 
 
 def test_parse_endpoints_errors():

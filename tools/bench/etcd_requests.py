@@ -1,0 +1,110 @@
+"""What the control plane asks of etcd during a real run: requests per method.
+
+    python -m rlfleet.tools.bench.etcd_requests examples/arithmetic.toml --json etcd.json
+
+Runs `rlfleet run SPEC --no-view`, finds the private etcd's address in its output,
+scrapes that etcd's own Prometheus endpoint (`/metrics`) every two seconds while the
+run lasts, and reports, between the first and the last scrape: requests handled per
+gRPC method (`grpc_server_handled_total`; for the LeaseKeepAlive and Watch streams the
+messages received, `grpc_server_msg_received_total`, since a stream is handled once,
+when it ends), raft proposals committed (each a WAL write), the etcd process's CPU,
+and the run's `cpu_s` per daemon from its summary.json. Per-step sources are best
+compared per 1000 steps, per-second ones (leases, member polls) per second of wall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+_METHOD = re.compile(r'grpc_method="([^"]+)"')
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """{name: value} of the counters this report uses, per method where they have one."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        base = name.split("{", 1)[0]
+        if base in ("grpc_server_handled_total", "grpc_server_msg_received_total"):
+            method = _METHOD.search(name)
+            if method:
+                key = f"{base}:{method.group(1)}"
+                out[key] = out.get(key, 0.0) + float(value)  # summed over result codes
+        elif base in ("etcd_server_proposals_committed_total", "process_cpu_seconds_total"):
+            out[base] = float(value)
+    return out
+
+
+def report(first: dict[str, float], last: dict[str, float], seconds: float) -> dict[str, Any]:
+    delta = {k: last[k] - first.get(k, 0.0) for k in last}
+    methods: dict[str, float] = {}
+    for key, n in delta.items():
+        base, _, method = key.partition(":")
+        streamed = method in ("LeaseKeepAlive", "Watch")
+        if method and base == ("grpc_server_msg_received_total" if streamed else "grpc_server_handled_total"):
+            methods[method] = n
+    return {"seconds": round(seconds, 1),
+            "requests": {m: int(n) for m, n in sorted(methods.items()) if n},
+            "requests_per_s": {m: round(n / seconds, 1) for m, n in sorted(methods.items()) if n},
+            "raft_proposals": int(delta.get("etcd_server_proposals_committed_total", 0)),
+            "etcd_cpu_s": round(delta.get("process_cpu_seconds_total", 0.0), 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("spec")
+    ap.add_argument("--json", type=Path, help="write the report here too")
+    args = ap.parse_args(argv)
+    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.tools.cli", "run", args.spec, "--no-view"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    endpoint: list[str] = []
+    scrapes: list[tuple[float, dict[str, float]]] = []
+
+    def scrape() -> None:
+        while proc.poll() is None:
+            if endpoint:
+                try:
+                    with urllib.request.urlopen(f"http://{endpoint[0]}/metrics", timeout=2) as r:
+                        scrapes.append((time.monotonic(), parse_metrics(r.read().decode())))
+                except OSError:
+                    pass  # not up yet, or already stopped
+            time.sleep(2.0)
+
+    threading.Thread(target=scrape, daemon=True).start()
+    run_dir = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        if not endpoint and (m := re.search(r"etcd (\d+\.\d+\.\d+\.\d+:\d+)", line)):
+            endpoint.append(m.group(1))
+        if run_dir is None and (m := re.match(r"run dir: (\S+)", line)):
+            run_dir = Path(m.group(1))
+    code = proc.wait()
+    if len(scrapes) < 2:
+        print("etcd_requests: fewer than two scrapes of etcd's /metrics; nothing to report", file=sys.stderr)
+        return code or 1
+    (t0, first), (t1, last) = scrapes[0], scrapes[-1]
+    result = report(first, last, t1 - t0)
+    summary = run_dir / "summary.json" if run_dir else None
+    if summary is not None and summary.exists():
+        s = json.loads(summary.read_text())
+        result["cpu_s"], result["trainer_time_s"] = s.get("cpu_s"), s.get("trainer_time_s")
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
