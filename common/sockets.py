@@ -47,6 +47,7 @@ log = logging.getLogger("rlfleet.wire")
 Expect = type | tuple[type, ...] | None  # message type(s) a socket accepts; others rejected
 DEFAULT_HWM = 1000  # messages queued per peer before send blocks / fails
 _MAX_ID_BYTES = 256
+REPLY_LINGER_MS = 500  # how long a closing server keeps sending queued replies
 _WATCHDOG_S = 1.0  # AsyncRequestClient: how often the socket is read without a wake-up
 
 
@@ -246,6 +247,11 @@ class RequestServer(_Endpoint):
             return True
         log.info("%s: reply %s dropped: client gone or not reading", self.name, request_id)
         return False
+
+    def close(self) -> None:
+        # Replies sent just before a drain closes the socket (the answers to the running
+        # requests) must still leave: linger briefly instead of dropping them.
+        self.sock.close(linger=REPLY_LINGER_MS)
 
 
 class RequestClient(_Endpoint):
