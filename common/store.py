@@ -45,6 +45,20 @@ class Lease:
     ttl_s: int
 
 
+def apply_event(table: dict[str, KeyValue], event: WatchEvent) -> None:
+    """Keep `table` (key -> KeyValue, as a get_prefix read them) current with one watch
+    event. An event no newer than what the table holds is skipped: a watch started
+    before the read replays older events, which must not step a key back."""
+    known = table.get(event.key)
+    if known is not None and event.revision <= known.mod_revision:
+        return
+    if event.kind == "delete":
+        table.pop(event.key, None)
+    else:
+        table[event.key] = KeyValue(event.key, event.value, known.create_revision if known else event.revision,
+                                    event.revision)
+
+
 class Watch(abc.ABC):
     """An event stream over a key prefix that survives store restarts.
 
