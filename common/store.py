@@ -38,16 +38,25 @@ class WatchEvent:
     value: Any  # decoded JSON, None for deletes
     revision: int
 
-    def as_key_value(self, create_revision: int | None = None) -> KeyValue:
-        """The key as a put left it (a watcher's local copy of a prefix); the create
-        revision is the caller's if it knew the key, else this event's."""
-        return KeyValue(self.key, self.value, create_revision or self.revision, self.revision)
-
 
 @dataclasses.dataclass(frozen=True)
 class Lease:
     id: int
     ttl_s: int
+
+
+def apply_event(table: dict[str, KeyValue], event: WatchEvent) -> None:
+    """Keep `table` (key -> KeyValue, as a get_prefix read them) current with one watch
+    event. An event no newer than what the table holds is skipped: a watch started
+    before the read replays older events, which must not step a key back."""
+    known = table.get(event.key)
+    if known is not None and event.revision <= known.mod_revision:
+        return
+    if event.kind == "delete":
+        table.pop(event.key, None)
+    else:
+        table[event.key] = KeyValue(event.key, event.value, known.create_revision if known else event.revision,
+                                    event.revision)
 
 
 class Watch(abc.ABC):

@@ -22,7 +22,7 @@ from typing import Any
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.members import RelayMember, members_from
 from rlfleet.common.records import RelayLayoutRequest, RelayMaster
-from rlfleet.common.store import KeyValue, Store, WatchEvent
+from rlfleet.common.store import KeyValue, Store, WatchEvent, apply_event
 
 __all__ = ["ChainFollower", "ChainView", "RelayMember", "chain_of", "derive", "natural_key", "parse_members",
            "read_chain"]
@@ -108,16 +108,8 @@ class ChainFollower:
         self._relay = {kv.key: kv for kv in relay}
 
     def apply(self, event: WatchEvent) -> None:
-        """One watch event. Events older than what a reload read (a watch replays from
-        before the read) are skipped, so a key never steps back to an older value."""
-        table = self._relay if event.key.startswith(self.keys.relay_prefix) else self._members
-        known = table.get(event.key)
-        if known is not None and event.revision <= known.mod_revision:
-            return
-        if event.kind == "delete":
-            table.pop(event.key, None)
-        else:
-            table[event.key] = event.as_key_value(known.create_revision if known else None)
+        """One watch event (ones older than what a reload read are skipped)."""
+        apply_event(self._relay if event.key.startswith(self.keys.relay_prefix) else self._members, event)
 
     def chain(self) -> ChainView:
         return chain_of(self.keys, self._members.values(), self._relay.values())
