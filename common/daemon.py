@@ -112,9 +112,16 @@ class Daemon:
             if said:
                 log.info(said, extra={"event": "cycle"})
             metrics.CYCLE_SECONDS.labels(**self._labels).observe(time.monotonic() - started)
-            self._wake.wait(max(0.0, interval - (time.monotonic() - started)))
+            wait_s = min(interval, self.cycle_interval_s() or interval)
+            self._wake.wait(max(0.0, wait_s - (time.monotonic() - started)))
             self._wake.clear()
         return self.shutdown()
+
+    def cycle_interval_s(self) -> float | None:
+        """Seconds to the next cycle when a role is waiting for something it must act on
+        at once (a peer's address); None: the lease refresh interval. Never longer than
+        that interval, whatever a role returns, so the lease is always kept."""
+        return None
 
     def run_cycle(self) -> str:
         """One pass: reload if asked, keep the registration alive, run the role's work."""

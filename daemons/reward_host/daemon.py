@@ -16,6 +16,7 @@ processes, `workers` of them, each job killed after `timeout_s`), fed in the ord
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from rlfleet.common.daemon import Daemon
@@ -27,6 +28,9 @@ from rlfleet.common.wire import Trajectory
 from rlfleet.daemons.tasks.prompts import task_kwargs
 
 from .service import RewardService
+
+TRAINER_LOOKUP_S = 0.05  # etcd lookups of the trainer while there is none ...
+FAST_LOOKUP_FOR_S = 30.0  # ... for this long after it went missing, then every cycle
 
 
 def trainer_address(members: list[Member], leader_id: str | None) -> str | None:
@@ -56,6 +60,7 @@ class RewardHost(Daemon):
                                      task_name=spec.task.env.kind, task_kwargs=task_kwargs(spec),
                                      name=self.options.member_id)
         self._trainer: str | None = None
+        self._trainer_lost_at = time.monotonic()
         self._stop_service = threading.Event()
         self._thread = threading.Thread(target=self.service.run, args=(self._stop_service,),
                                         name="reward-service", daemon=True)
@@ -74,9 +79,18 @@ class RewardHost(Daemon):
         address = trainer_address(members, leader_id)
         if address == self._trainer:
             return None
+        if address is None:
+            self._trainer_lost_at = time.monotonic()
         self._trainer = address
         self.service.set_trainer(address)
         return f"trainer at {address}" if address else "no trainer leader: holding scored trajectories"
+
+    def cycle_interval_s(self) -> float | None:
+        # Without a trainer every scored trajectory waits: look for one often, for a while
+        # (a job's start, a trainer failover), then at the normal pace (a trainer long gone).
+        if self._trainer is None and time.monotonic() - self._trainer_lost_at < FAST_LOOKUP_FOR_S:
+            return TRAINER_LOOKUP_S
+        return None
 
     def drain(self) -> str | None:
         # Nothing to hand back: whatever the trainer did not ack is re-sent by env-hosts.

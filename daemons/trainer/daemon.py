@@ -38,7 +38,8 @@ from .worker import TrainingWorker
 log = logging.getLogger("rlfleet.trainer")
 
 RETRY_AFTER_S = (2.0, 30.0)  # back-off after a failed start: first, most
-DRAIN_TIMEOUT_S = 120.0  # finish the step in progress and write the last checkpoint
+DRAIN_TIMEOUT_S = 120.0
+ADDRESS_POLL_S = 0.02  # cycle period while a starting worker's address is unpublished  # finish the step in progress and write the last checkpoint
 
 
 class Trainer(Daemon):
@@ -89,6 +90,14 @@ class Trainer(Daemon):
                 self._failures, self._last_error = 0, ""
                 said.append(f"receiving trajectories on {w.endpoint} at version {w.version}")
         return "; ".join(said) or None
+
+    def cycle_interval_s(self) -> float | None:
+        # A leader whose worker is starting publishes its trajectories address the moment
+        # the socket is bound: until then reward-hosts hold every scored trajectory.
+        w = self._worker
+        if w is not None and self.addresses.get("trajectories") != w.endpoint:
+            return ADDRESS_POLL_S
+        return None
 
     def _set_address(self, endpoint: str | None) -> None:
         # A new dict, never an in-place change: the session compares the member value
