@@ -47,6 +47,7 @@ class Trainer(Daemon):
 
     def setup(self) -> None:
         self._worker: TrainingWorker | None = None
+        self._announced: str | None = None  # the trajectories address in the last member record
         self._stopping: TrainingWorker | None = None  # lost leadership, still finishing a step
         self._retry_at = 0.0
         self._failures = 0
@@ -58,6 +59,7 @@ class Trainer(Daemon):
 
     def cycle(self) -> str | None:
         assert self.spec is not None
+        self._announced = self.addresses.get("trajectories")
         said: list[str] = []
         w = self._worker
         if self._stopping is not None and not self._stopping.alive:
@@ -94,8 +96,10 @@ class Trainer(Daemon):
     def cycle_interval_s(self) -> float | None:
         # A leader whose worker is starting publishes its trajectories address the moment
         # the socket is bound: until then reward-hosts hold every scored trajectory.
+        # (The member record is written at the start of a cycle: `_announced` is what the
+        # last one published.)
         w = self._worker
-        if w is not None and self.addresses.get("trajectories") != w.endpoint:
+        if w is not None and self._announced != w.endpoint:
             return ADDRESS_POLL_S
         return None
 
