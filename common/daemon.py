@@ -87,6 +87,10 @@ class Daemon:
         self._stop.set()
         self._wake.set()
 
+    def wake(self) -> None:
+        """Run the next cycle now (from any thread): a role's worker has news to publish."""
+        self._wake.set()
+
     def request_reload(self, *_: object) -> None:
         self._reload.set()
         self._wake.set()

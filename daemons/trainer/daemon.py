@@ -83,7 +83,7 @@ class Trainer(Daemon):
             return "; ".join(said) or None
         if w is None and self._stopping is None and time.monotonic() >= self._retry_at:
             self._worker = TrainingWorker(self.spec, self.store, self.keys,
-                                          is_leader=lambda: self.is_leader)
+                                          is_leader=lambda: self.is_leader, on_bound=self.wake)
             self._worker.start()
             said.append("leader: resuming training from the last checkpoint and journal")
         elif w is not None:

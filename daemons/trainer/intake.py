@@ -85,12 +85,14 @@ class Intake:
     """Owns the trainer's ReliableReceiver socket, on the thread that calls ``run``."""
 
     def __init__(self, journal: Journal, *, bind_host: str, group_size: Callable[[], int],
-                 vocab_size: int | None, counts: Counter[str], on_data: Callable[[], None]) -> None:
+                 vocab_size: int | None, counts: Counter[str], on_data: Callable[[], None],
+                 on_bound: Callable[[], None] = lambda: None) -> None:
         """``group_size`` is asked per batch (a reloaded spec applies at once);
-        ``on_data`` wakes the training loop when something was journaled."""
+        ``on_data`` wakes the training loop when something was journaled; ``on_bound``
+        tells the daemon the address to publish is known."""
         self.journal, self.bind_host = journal, bind_host
         self.group_size, self.vocab_size = group_size, vocab_size
-        self.counts, self.on_data = counts, on_data
+        self.counts, self.on_data, self.on_bound = counts, on_data, on_bound
         self.endpoint: str | None = None
         self.bound = threading.Event()
 
@@ -102,6 +104,7 @@ class Intake:
         try:
             self.endpoint = receiver.endpoint
             self.bound.set()
+            self.on_bound()
             log.info("receiving trajectories on %s", receiver.endpoint, extra={"event": "bind"})
             while not stop.is_set():
                 got = list(receiver.drain(timeout=0.2, max_n=MAX_BATCH))

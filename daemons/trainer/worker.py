@@ -74,12 +74,13 @@ class Paths:
 
 class TrainingWorker:
     def __init__(self, spec: JobSpec, store: Store, keys: JobKeys, *,
-                 publisher: Any = None, is_leader: Callable[[], bool] = lambda: True) -> None:
+                 publisher: Any = None, is_leader: Callable[[], bool] = lambda: True,
+                 on_bound: Callable[[], None] = lambda: None) -> None:
         """``publisher``: anything with ``publish(version, tensors)`` to use instead of
         the relay's WeightPublisher (an in-process relay, a test's recorder).
         ``is_leader`` is asked before each checkpoint: a trainer that may have been
         replaced must not write into the shared checkpoint folder."""
-        self.is_leader = is_leader
+        self.is_leader, self.on_bound = is_leader, on_bound
         self.spec = spec  # replaced on SIGHUP (max_steps, max_staleness take effect at once)
         self.store, self.keys = store, keys
         self.paths = Paths.for_job(spec)
@@ -225,7 +226,8 @@ class TrainingWorker:
         self._intake = Intake(journal, bind_host=self.spec.trainer.bind_host,
                               group_size=lambda: self.spec.task.group_size,
                               vocab_size=getattr(learner, "vocab_size", None),
-                              counts=self.state.counts, on_data=self._data.set)
+                              counts=self.state.counts, on_data=self._data.set,
+                              on_bound=self.on_bound)
         log.info("resumed at version %d (checkpoint version %d, %d groups to re-train, "
                  "%d pending groups in the journal)", self.state.version,
                  self.state.checkpoint_version, len(reopened), len(journal.state.pending),
