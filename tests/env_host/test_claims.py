@@ -16,6 +16,7 @@ from rlfleet.daemons.env_host.claims import (
     PromptClaimer,
     parse_cursor,
 )
+from tests.integration.helpers import CountingStore
 
 KEYS = JobKeys("claims")
 
@@ -107,25 +108,9 @@ def test_claim_needs_a_positive_count(etcd):
             PromptClaimer(store, KEYS, "env-a").claim(0)
 
 
-class _Counting(EtcdStore):
-    """A real store that counts the claim protocol's requests."""
-
-    def __init__(self, endpoints: str) -> None:
-        super().__init__(endpoints)
-        self.calls: list[str] = []
-
-    def get(self, key):
-        self.calls.append("get")
-        return super().get(key)
-
-    def swap(self, key, expected_mod_revision, value, lease=None):
-        self.calls.append("swap")
-        return super().swap(key, expected_mod_revision, value, lease)
-
-
 def test_a_claim_is_one_swap_and_a_paced_claim_asks_etcd_nothing(etcd):
     allowed = {"n": 6}
-    with _Counting(etcd.endpoints) as store, EtcdStore(etcd.endpoints) as other_store:
+    with CountingStore(etcd.endpoints) as store, EtcdStore(etcd.endpoints) as other_store:
         mine = PromptClaimer(store, KEYS, "env-a", budget=lambda nxt: allowed["n"] - nxt)
         assert mine.claim(4) == range(0, 4)
         assert store.calls == ["get", "swap"]  # the first claim reads the cursor once

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from rlfleet.common.etcd_store import EtcdStore
+
 T = TypeVar("T")
 
 FAST_SPEC = """\
@@ -74,3 +76,20 @@ def stop(proc: subprocess.Popen, timeout_s: float = 20.0) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return proc.returncode
+
+
+class CountingStore(EtcdStore):
+    """A real store that records the reads (get) and swaps it is asked for, so a test can
+    assert how many etcd requests a protocol makes."""
+
+    def __init__(self, endpoints: str) -> None:
+        super().__init__(endpoints)
+        self.calls: list[str] = []
+
+    def get(self, key):
+        self.calls.append("get")
+        return super().get(key)
+
+    def swap(self, key, expected_mod_revision, value, lease=None):
+        self.calls.append("swap")
+        return super().swap(key, expected_mod_revision, value, lease)

@@ -10,6 +10,8 @@ import pytest
 from rlfleet.common.etcd_store import EtcdStore, parse_endpoints
 from rlfleet.common.store import LeaseExpired, StoreUnavailable
 
+from .helpers import wait_for
+
 
 def test_put_get_prefix_delete_are_json(etcd):
     store = EtcdStore(etcd.endpoints)
@@ -58,14 +60,8 @@ def test_refreshes_share_one_keepalive_stream_and_survive_a_restart(etcd):
     with pytest.raises(StoreUnavailable):
         store.refresh_lease(lease)
     etcd.start_member(member)  # same data dir: the lease survives
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            assert store.refresh_lease(lease) == 30
-            break
-        except StoreUnavailable:
-            assert time.monotonic() < deadline, "refreshes never recovered after the restart"
-            time.sleep(0.1)
+    assert wait_for("lease refreshes to recover after the restart",
+                    lambda: store.refresh_lease(lease), timeout_s=10) == 30
     store.revoke_lease(lease)
     with pytest.raises(LeaseExpired):
         store.refresh_lease(lease)

@@ -4,25 +4,9 @@ from __future__ import annotations
 
 import numpy
 
-from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.relay.manifest import build_manifest
 from rlfleet.relay.publisher import WeightPublisher
-
-
-class _CountingStore(EtcdStore):
-    """A real store that counts the requests the publisher makes."""
-
-    def __init__(self, endpoints: str) -> None:
-        super().__init__(endpoints)
-        self.calls: list[str] = []
-
-    def get(self, key):
-        self.calls.append("get")
-        return super().get(key)
-
-    def swap(self, key, expected_mod_revision, value, lease=None):
-        self.calls.append("swap")
-        return super().swap(key, expected_mod_revision, value, lease)
+from tests.integration.helpers import CountingStore
 
 
 def _record(publisher: WeightPublisher, version: int) -> None:
@@ -31,7 +15,7 @@ def _record(publisher: WeightPublisher, version: int) -> None:
 
 
 def test_latest_costs_one_request_per_version_and_never_moves_back(etcd):
-    store = _CountingStore(etcd.endpoints_arg)
+    store = CountingStore(etcd.endpoints_arg)
     publisher = WeightPublisher(store, "latest")
     key = publisher.keys.weights_latest
     for version in range(1, 6):

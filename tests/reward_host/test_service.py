@@ -13,6 +13,8 @@ from rlfleet.daemons.reward_host.service import RewardService
 from rlfleet.daemons.reward_host.workers import RewardPool
 from rlfleet.daemons.tasks import get_task
 
+from tests.integration.helpers import wait_for
+
 from .fakes import FakeTrainer, trajectory
 
 
@@ -27,10 +29,7 @@ def service():
     thread.start()
     # Tests count re-sends (resend_after_s=0.5): a worker still importing would make the
     # first copy wait long enough to be sent twice, so they start with the worker ready.
-    deadline = time.monotonic() + 30.0
-    while pool.ready < 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert pool.ready == 1, "reward worker not ready within 30 s"
+    wait_for("the reward worker to be ready", lambda: pool.ready >= 1, timeout_s=30, every_s=0.02)
     yield svc
     stop.set()
     thread.join(5)

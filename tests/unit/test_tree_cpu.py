@@ -10,6 +10,7 @@ import time
 import psutil
 
 from rlfleet.tools import supervisor
+from tests.integration.helpers import wait_for
 from rlfleet.tools.supervisor import TreeCpu, tree_cpu_s
 
 # A parent that starts one child burning ~0.3 s of CPU, then waiting for a line on its stdin
@@ -24,7 +25,7 @@ sys.stdin.readline()
 child.stdin.close()
 child.wait()
 print("reaped", flush=True)
-time.sleep(60)
+sys.stdin.read()  # until the test kills it
 """
 
 
@@ -42,10 +43,7 @@ def test_descendants_count_and_are_looked_up_again_after_the_rescan_interval(mon
         children = psutil.Process.children
         monkeypatch.setattr(psutil.Process, "children", lambda self, **kw: scans.append(1) or children(self, **kw))
         meter = TreeCpu(parent.pid)
-        deadline = time.monotonic() + 20
-        while _cpu(child) < 0.3:  # the child's burn is done
-            assert time.monotonic() < deadline, "the child never burnt its CPU"
-            time.sleep(0.05)
+        wait_for("the child to burn its 0.3 s of CPU", lambda: _cpu(child) >= 0.3, timeout_s=20)
         assert meter.read() >= _cpu(child) + _cpu(parent.pid) - 0.01
         sampled = meter.read()
         assert len(meter._procs) == 2 and len(scans) == 1  # one /proc scan for all those samples
