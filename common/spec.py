@@ -230,8 +230,17 @@ class TrainerSection(Section):
     bind_host: Host = "127.0.0.1"
 
 
+# How rollouts and the trainer coordinate weight versions (ARCHITECTURE §4, docs/modes.md):
+# sync: on-policy, a global barrier per batch; one_step_off: batch n+1 is generated with
+# version n while n trains; partial: every publish interrupts running requests, which go
+# on with the new weights (versions mix within a turn); trajectory: each rollout pulls the
+# newest version whenever it has nothing running (repack via [repack_manager.planner]).
+RolloutMode = Literal["sync", "one_step_off", "partial", "trajectory"]
+
+
 class RolloutSection(Section):
     engine: EngineConfig = ROLLOUT_ENGINES.field()
+    mode: RolloutMode = "trajectory"
     # Sampling: the env-host puts these in every request, whatever the engine.
     temperature: PosFloat = 1.0
     top_p: Annotated[float, Field(strict=True, gt=0, le=1, allow_inf_nan=False)] = 1.0

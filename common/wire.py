@@ -104,12 +104,27 @@ class GenerateRequest(_Msg):
     temperature: float
     top_p: float
     seed: int | None = None
+    # Continuation of an interrupted generation (ARCHITECTURE §4): serve it only with
+    # exactly this weight version; a rollout that does not hold it answers at once with
+    # finish_reason "version" instead of mixing versions within the turn.
+    required_version: int | None = None
+    # The last prefix_tokens of the prompt are this turn's own earlier tokens (a
+    # continuation after an abort or a repack): the same generation goes on from there.
+    prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         _require_arrays(self, prompt_token_ids=Int32Array)
 
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+# "version": the request required a weight version this rollout does not hold.
+FinishReason = Literal["stop", "length", "abort", "error", "version"]
+
+
+class Segment(msgspec.Struct, frozen=True, array_like=True):
+    """A run of consecutive generated tokens made by one weight version."""
+
+    tokens: int
+    version: int
 
 
 class GenerateResult(_Msg):
@@ -121,6 +136,14 @@ class GenerateResult(_Msg):
     weight_version: int
     finish_reason: FinishReason
     error: str = ""
+    # When more than one run of tokens made this result (continuations; versions mix
+    # only in the `partial` mode): their lengths and versions, in order. Empty: all
+    # tokens are one segment of weight_version.
+    segments: list[Segment] = msgspec.field(default_factory=list)
+    # On an abort ordered by a repack: the rollout (same version) to continue on.
+    continue_on: str = ""
+    # Seconds from the request's arrival at the rollout to its first token (queue + prefill).
+    first_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         _require_arrays(self, token_ids=Int32Array, logprobs=Float32Array)
@@ -138,9 +161,10 @@ class Turn(msgspec.Struct, frozen=True, array_like=True):
     prompt_token_ids: Int32Array
     token_ids: Int32Array
     logprobs: Float32Array
-    weight_version: int
+    weight_version: int  # the oldest segment's version when there are several
     observation: str
     action: str
+    segments: list[Segment] = msgspec.field(default_factory=list)  # as GenerateResult.segments
 
     def __post_init__(self) -> None:
         _require_arrays(
