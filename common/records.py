@@ -262,13 +262,14 @@ class TrainerProgress(_KeyRecord):
     dropped_groups: int = 0
     time: float = 0.0
     problem: str = ""
+    received_groups: int = 0  # consumed + complete and waiting (one_step_off starts batches by it)
 
     @classmethod
     def parse(cls, value: Any) -> TrainerProgress:
         f = _Fields(value, names.TRAINER_PROGRESS)
         consumed = f.int("consumed_groups", required=True)
         return cls(f.int("version"), max(0, consumed), f.int("trained_groups"), f.int("dropped_groups"),
-                   f.float("time"), f.problem)
+                   f.float("time"), f.problem, max(0, f.int("received_groups")))
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,7 @@ class TrainingWorker:
     def progress(self) -> dict[str, int]:
         """What trainer/progress says: env-hosts pace their claims by consumed_groups."""
         assert self._journal is not None
-        return progress_record(self._journal.state, self.state.version)
+        return progress_record(self._journal.state, self.state.version, self.spec.task.group_size)
 
     # -- lifecycle (called from the daemon's cycle) ------------------------------------
     def start(self) -> None:
