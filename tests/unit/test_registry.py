@@ -209,7 +209,7 @@ def test_every_seam_has_its_default_kind_registered():
         "rlfleet.reward_dispatch": ["fifo"],
         "rlfleet.tasks": ["arithmetic", "frozenlake"],
         "rlfleet.env_routers": ["least_loaded"],
-        "rlfleet.repack_planners": ["none"],
+        "rlfleet.repack_planners": ["laminar", "none"],
     }
 
 
