@@ -273,6 +273,35 @@ class TrainerProgress(_KeyRecord):
 
 
 @dataclass(frozen=True)
+class RepackPlan(_KeyRecord):
+    """`repack/plan`: the repack-manager's last plan; a new leader re-sends the orders of
+    one still "executing" (orders are idempotent by id)."""
+
+    KEY: ClassVar[str] = "repack_plan"
+
+    id: str = ""
+    state: str = ""  # executing | done
+    moves: tuple[tuple[str, str], ...] = ()  # (source, destination)
+    time: float = 0.0
+    problem: str = ""
+
+    @classmethod
+    def parse(cls, value: Any) -> RepackPlan:
+        f = _Fields(value, names.REPACK_PLAN)
+        raw = f.list("moves")
+        moves = tuple((m[0], m[1]) for m in raw
+                      if isinstance(m, (list, tuple)) and len(m) == 2 and all(isinstance(x, str) for x in m))
+        if len(moves) != len(raw):
+            f.problems.append(f"{names.REPACK_PLAN}.moves: expected [source, destination] pairs, "
+                              f"got {_short(thaw(raw))}")
+        return cls(f.str("id", required=True), f.str("state"), moves, f.float("time"), f.problem)
+
+    def to_value(self) -> dict[str, Any]:
+        return {"id": self.id, "state": self.state, "moves": [list(m) for m in self.moves],
+                "time": self.time}
+
+
+@dataclass(frozen=True)
 class Checkpoint(_KeyRecord):
     """`trainer/checkpoint`: the last checkpoint the trainer leader wrote (advisory: the
     checkpoint folder is the truth)."""
