@@ -164,22 +164,38 @@ class SimHost:
 
     # -- what the benchmark reads ------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
+        """Cumulative figures per simulated rollout since it started (elapsed_s): tokens
+        generated (aborted ones too), seconds with nothing running, the integral of
+        KV utilisation (kv_used / kv_total) over time, and its lag against the model."""
+        elapsed = time.monotonic() - self.started
         out = {}
         for core in self.cores:
             e: Any = core.engine
             out[core.member_id] = {
-                "weight_version": e.weight_version, **e.accounting(),
-            }
-        return {"time": time.time(), "elapsed_s": time.monotonic() - self.started, "rollouts": out}
+                "weight_version": e.weight_version, "generated_tokens": int(e.generated_tokens),
+                "idle_s": round(e.idle_s, 4), "kv_util_s": round(e.kv_utilization_mean() * elapsed, 4),
+                "lag": round(e.lag_fraction(), 5)}
+        return {"time": time.time(), "elapsed_s": round(elapsed, 4), "rollouts": out}
 
     def write_summary(self) -> None:
+        """``<run dir>/sim/<id>.json`` (the latest, per rollout) and one aggregate line per
+        call in ``<id>.jsonl`` (a time series: rates over any window)."""
         if self.summary_path is None:
             return
         try:
+            s = self.summary()
+            rollouts = s["rollouts"].values()
+            line = {"time": round(s["time"], 3), "elapsed_s": s["elapsed_s"], "rollouts": len(rollouts),
+                    "generated_tokens": sum(r["generated_tokens"] for r in rollouts),
+                    "idle_s": round(sum(r["idle_s"] for r in rollouts), 3),
+                    "kv_util_s": round(sum(r["kv_util_s"] for r in rollouts), 3),
+                    "max_lag": max((r["lag"] for r in rollouts), default=0.0)}
             self.summary_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.summary_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.summary()))
+            tmp.write_text(json.dumps(s))
             os.replace(tmp, self.summary_path)
+            with open(self.summary_path.with_suffix(".jsonl"), "a") as f:
+                f.write(json.dumps(line) + "\n")
         except Exception as exc:  # noqa: BLE001 — statistics must never stop serving
             log.warning("cannot write %s: %s", self.summary_path, exc)
 
