@@ -12,9 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StrictInt
+from pydantic import BaseModel, Field, StrictInt, field_validator
 
 from rlfleet.common.registry import Kind, KindConfig, Problem
+from rlfleet.common.spec_fields import NonNegInt, PosFloat, PosInt, fail
+
+from . import sim_timing
+from .sim_lengths import LENGTH_MODELS
+from .sim_timing import DEFAULT_PROFILE, PROFILES, SimTiming
 
 # More concurrent sequences than any engine here batches usefully (vLLM's default
 # max_num_seqs is 256): a larger number is a typo such as 1e9, refused before the
@@ -61,6 +66,97 @@ class TorchEngineKind(Kind):
                  f"({need.layers} layers, {need.kv_heads} KV heads x {need.head_dim} dims, "
                  f"{model.dtype}) takes {_size(need.bytes)}, more than this machine's memory "  # type: ignore[attr-defined]
                  f"({_size(have)}); the torch engine preallocates it")]
+
+
+NonNegFloat = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
+LengthsConfig = LENGTH_MODELS.config_type()  # [rollout.engine.lengths], tagged by kind
+
+
+class SimEngineConfig(KindConfig):
+    """``sim_engine.SimEngine``: a timing model instead of a model (docs/sim.md)."""
+
+    kind: Literal["sim"] = "sim"
+    profile: str = DEFAULT_PROFILE  # a name in sim_timing.PROFILES
+    time_scale: PosFloat = 1.0  # wall seconds per model second (0.02 = 50x faster than real)
+    # Tokens and lengths are a function of (seed, request): every engine of a fleet must
+    # share it, so a turn continued elsewhere goes on with the same tokens.
+    seed: Annotated[NonNegInt, Field(le=2**64 - 1)] = 0
+    # Each None: the profile's constant.
+    max_batch: Annotated[PosInt, Field(le=MAX_BATCH_LIMIT)] | None = None
+    kv_capacity_tokens: PosInt | None = None
+    base_s: PosFloat | None = None
+    roofline_batch: PosInt | None = None
+    kv_s_per_token: NonNegFloat | None = None
+    prefill_s_per_token: NonNegFloat | None = None
+    load_s: NonNegFloat | None = None
+    lengths: LengthsConfig = LENGTH_MODELS.field()  # type: ignore[valid-type]
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, name: str) -> str:
+        if name not in PROFILES:
+            raise fail(f"unknown profile {name!r} (known: {', '.join(map(repr, PROFILES))})")
+        return name
+
+    def timing(self) -> SimTiming:
+        """The profile's constants (model seconds) with this table's overrides."""
+        return sim_timing.timing(self.profile, max_batch=self.max_batch,
+                                 kv_capacity_tokens=self.kv_capacity_tokens, base_s=self.base_s,
+                                 roofline_batch=self.roofline_batch,
+                                 kv_s_per_token=self.kv_s_per_token,
+                                 prefill_s_per_token=self.prefill_s_per_token, load_s=self.load_s)
+
+
+class SimEngineKind(Kind):
+    """``sim_engine.SimEngine``: serves requests on a timing model (no weights, no torch).
+
+    ``build`` context: ``vocab_size`` and ``eos_token_id`` (default: from the model's
+    config.json at ``model_path``), ``clock`` (wall seconds; default time.monotonic)."""
+
+    Config = SimEngineConfig
+
+    @classmethod
+    def build(cls, config: SimEngineConfig, /, *, model_path: str | Path | None = None,
+              vocab_size: int | None = None, eos_token_id: int | None = None,
+              **context: Any) -> Any:
+        from .sim_engine import SimEngine  # numpy
+
+        if vocab_size is None or eos_token_id is None:
+            vocab, eos = _vocab_and_eos(model_path)
+            vocab_size = vocab if vocab_size is None else vocab_size
+            eos_token_id = eos if eos_token_id is None else eos_token_id
+        extra = {"clock": context["clock"]} if "clock" in context else {}
+        return SimEngine.from_config(config, vocab_size=vocab_size, eos_token_id=eos_token_id,
+                                     **extra)
+
+    @classmethod
+    def check(cls, config: SimEngineConfig, sections: Mapping[str, BaseModel]) -> list[Problem]:
+        model = sections.get("model")
+        if model is None:
+            return []
+        try:
+            _vocab_and_eos(model.path)  # type: ignore[attr-defined]
+        except ValueError as e:
+            return [(("kind",), str(e))]
+        return []
+
+
+def _vocab_and_eos(model_path: str | Path | None) -> tuple[int, int]:
+    """The sim engine's vocabulary and EOS id: config.json's vocab_size and (first) eos_token_id."""
+    import json
+
+    if model_path is None:
+        raise ValueError("the sim engine needs vocab_size and eos_token_id (or a model path)")
+    try:
+        mc = json.loads((Path(model_path) / "config.json").read_text())
+        vocab, eos = mc["vocab_size"], mc["eos_token_id"]
+        eos = eos[0] if isinstance(eos, list) else eos
+        if not (type(vocab) is int and type(eos) is int and vocab >= 2 and 0 <= eos < vocab):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        raise ValueError(f"the sim engine takes vocab_size (>= 2) and eos_token_id (< vocab_size) "
+                         f"from {model_path}/config.json, which lacks them") from None
+    return vocab, eos
 
 
 @dataclasses.dataclass(frozen=True)

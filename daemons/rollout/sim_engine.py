@@ -1,0 +1,503 @@
+"""The ``sim`` rollout engine: serves GenerateRequests on a timing model (docs/sim.md).
+
+No weights and no tensors: the engine knows, for each request, how many tokens it will
+generate (``sim_lengths``), and, from the batch it runs, how long each decode step takes
+(``sim_timing``). Its clock is the wall clock: a model second lasts ``time_scale`` wall
+seconds, and ``step()`` returns every result whose modelled finish time has passed.
+
+Event-driven, not a loop per token. Between two *events* (a request finishes, requests
+are admitted, the KV cache overflows and one is preempted, a weight load ends) the batch
+is constant: ``n`` requests holding ``K`` KV tokens, each step adds ``n``. The ``m``
+steps of such a *segment* take, in closed form::
+
+    t(m) = extra + m * b + kv * (m * K + n * m * (m - 1) / 2)      (t(0) = 0)
+
+(``b`` = the flat/linear batch term, ``kv`` = per KV token, ``extra`` = the prefill of
+the requests admitted at the segment's start). The engine jumps from event to event; the
+whole steps done by a given time solve a quadratic. A request's tokens are
+``G - base`` for the global step count ``G`` (one heap of finish step counts), and the KV
+held by the batch is ``kv_fixed + n * G``: each event costs O(log n), a finished request
+O(its length) in numpy to spell its tokens.
+
+Scheduling (vLLM-like): at each event, finished requests leave; while the next step
+would overflow the KV capacity, the most recently admitted request is preempted back to
+the head of the queue (recompute: it keeps its tokens and re-prefills prompt + tokens
+when readmitted); then waiting requests are admitted FIFO while fewer than ``max_batch``
+run and the KV cache has room for the prompt (and generated tokens) plus one step's
+growth of the batch. A request added mid-step joins at the next step boundary; one
+added while nothing runs starts at once.
+
+Tokens are a function of (seed, trajectory id, base prompt, position in the turn): a
+continuation (``prefix_tokens`` = k) generates exactly positions k.. of the
+uninterrupted turn, on any engine with the same seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array, Segment
+
+from .engine import BadRequest, Engine, EngineStats, error_result
+from .sim_lengths import LENGTH_MODELS, LengthModel, length_keys
+from .sim_timing import SimTiming
+
+_MAX_SEED = 2**63 - 1
+RATE_WINDOW_S = 5.0  # tokens_per_s: generated tokens over about this many recent wall seconds
+
+
+@dataclass(eq=False, slots=True)
+class _Req:
+    request: GenerateRequest
+    added_at: float  # wall time of add()
+    prompt_len: int
+    prefix: int  # prefix_tokens: positions of the turn generated before this request
+    total: int  # tokens this request generates when it runs to its end
+    reason: str  # "stop" or "length", when it runs to its end
+    token_key: int  # hash of (seed, trajectory, base prompt): its tokens' stream
+    gen_before: int = 0  # tokens generated before its current admission (preempted earlier)
+    base: int = 0  # while running: it holds G - base tokens at global step count G
+    finish: int = 0  # while running: the G at which it has all its tokens
+    order: int = -1  # admission sequence number (the latest admitted is preempted first)
+    running: bool = False
+    version: int = -1  # weight version at its first admission
+    first_version_tokens: int = -1  # tokens made by `version` when readmitted under another
+    first_token_at: float = -1.0
+
+
+class SimEngine(Engine):
+    """An Engine whose generation is a timing model; see the module docstring."""
+
+    def __init__(self, timing: SimTiming, lengths: LengthModel, *, vocab_size: int,
+                 eos_token_id: int, seed: int = 0, time_scale: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, weight_version: int = 0) -> None:
+        if not (vocab_size >= 2 and 0 <= eos_token_id < vocab_size):
+            raise ValueError(f"need vocab_size >= 2 and eos_token_id in [0, vocab_size), "
+                             f"got {vocab_size} and {eos_token_id}")
+        if not time_scale > 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        self.timing, self.lengths, self.clock = timing, lengths, clock
+        self.vocab_size, self.eos, self.seed = vocab_size, eos_token_id, seed
+        self.time_scale = time_scale
+        self.weight_version = weight_version
+        self.max_batch = timing.max_batch
+        self.kv_capacity = timing.kv_capacity_tokens
+        # The timing constants in wall seconds.
+        self._base = timing.base_s * time_scale
+        self._kv = timing.kv_s_per_token * time_scale
+        self._prefill = timing.prefill_s_per_token * time_scale
+        self._load = timing.load_s * time_scale
+        now = clock()
+        self._G = 0  # decode steps done up to the last event
+        self._Tb = now  # wall time of the last event (the current segment's start)
+        # The current segment (n = 0: none, the engine is idle or loading).
+        self._n_seg = self._K_seg = self._m_end = 0
+        self._b_seg = self._extra = 0.0
+        self._running: dict[str, _Req] = {}
+        self._kv_fixed = 0  # sum over running of prompt_len - base: KV held = kv_fixed + n * G
+        self._heap: list[tuple[int, int, _Req]] = []  # (finish, order, request), lazily pruned
+        self._stack: list[tuple[int, _Req]] = []  # (order, request) in admission order, lazy
+        self._orders = 0
+        self._admitted_now: list[_Req] = []  # admitted at the current segment's start
+        self._waiting: deque[_Req] = deque()
+        self._ids: set[str] = set()
+        self._load_until: float | None = None
+        self._due: list[tuple[float, GenerateResult, float]] = []  # (due, result, latency)
+        self._answers: list[tuple[float, GenerateResult]] = []  # refusals, due at add()
+        # Accounting (wall seconds; tokens).
+        self._t0 = now
+        self._gen = 0  # tokens generated in committed steps
+        self._kv_area = 0.0  # integral of KV tokens held over wall time, committed steps
+        self._idle_s, self._idle_since = 0.0, now
+        self._late_s = self._latency_s = self.max_late_s = 0.0
+        self.results_delivered = 0
+        self._rate = deque([(now, 0)])
+
+    @classmethod
+    def from_config(cls, config: Any, *, vocab_size: int, eos_token_id: int,
+                    clock: Callable[[], float] = time.monotonic) -> SimEngine:
+        """From a ``SimEngineConfig`` (engines.py)."""
+        return cls(config.timing(), LENGTH_MODELS.build(config.lengths), vocab_size=vocab_size,
+                   eos_token_id=eos_token_id, seed=config.seed, time_scale=config.time_scale,
+                   clock=clock)
+
+    # -- the segment's closed form ------------------------------------------------------
+    def _t(self, m: int) -> float:
+        """Wall seconds from the segment's start to the end of its m-th step."""
+        if m <= 0:
+            return 0.0
+        return self._extra + m * self._b_seg + self._kv * (m * self._K_seg
+                                                           + self._n_seg * m * (m - 1) / 2)
+
+    def _steps_by(self, t: float) -> int:
+        """Whole steps of the current segment done by wall time t (at most its event's)."""
+        if self._n_seg == 0:
+            return 0
+        e = t - self._Tb
+        if e < self._t(1):
+            return 0
+        if e >= self._t(self._m_end):
+            return self._m_end
+        # a m^2 + b m + (extra - e) = 0, the root in its cancellation-free form.
+        a = self._kv * self._n_seg / 2
+        b = self._b_seg + self._kv * self._K_seg - a
+        c = e - self._extra
+        m = int(2 * c / (b + math.sqrt(b * b + 4 * a * c)))
+        m = min(max(m, 1), self._m_end - 1)
+        while m > 1 and self._t(m) > e:  # float rounding: at most a step either way
+            m -= 1
+        while m + 1 < self._m_end and self._t(m + 1) <= e:
+            m += 1
+        return m
+
+    def _commit(self, m: int) -> None:
+        """Account m whole steps of the current segment and move G and the event time."""
+        if m <= 0:
+            return
+        n, k = self._n_seg, self._K_seg
+        s1 = m * k + n * m * (m - 1) / 2  # sum of the KV held during each step
+        s2 = m * k * k + k * n * m * (m - 1) + n * n * (m - 1) * m * (2 * m - 1) / 6
+        self._kv_area += self._b_seg * s1 + self._kv * s2 + k * self._extra
+        self._gen += n * m
+        self._Tb += self._t(m)
+        self._G += m
+
+    # -- events -------------------------------------------------------------------------
+    def _advance(self, t: float) -> None:
+        """Process every event up to wall time t."""
+        while True:
+            if self._load_until is not None:
+                if t < self._load_until:
+                    return
+                self._Tb, self._load_until = self._load_until, None
+                self._event()
+            elif self._n_seg == 0 or self._Tb + self._t(self._m_end) > t:
+                return
+            else:
+                self._commit(self._m_end)
+                self._event()
+
+    def _event(self) -> None:
+        """At the step boundary (G, Tb): finishes, preemptions, admissions, next segment."""
+        G, T, heap = self._G, self._Tb, self._heap
+        while heap and heap[0][0] <= G:
+            finish, _, r = heapq.heappop(heap)
+            if r.running and r.finish == finish:
+                self._remove(r)
+                self._deliver(r, r.total, r.reason, T)
+        n = len(self._running)
+        while n and self._kv_fixed + n * G + n > self.kv_capacity:
+            r = self._latest()
+            r.gen_before = G - r.base
+            self._remove(r)
+            self._waiting.appendleft(r)
+            n -= 1
+        self._admitted_now = []
+        self._extra = 0.0
+        self._admit()
+
+    def _admit(self) -> None:
+        """Admit waiting requests at the current event and start the next segment there."""
+        G, n = self._G, len(self._running)
+        kv = self._kv_fixed + n * G
+        while self._waiting and n < self.max_batch and self._load_until is None:
+            r = self._waiting[0]
+            need = r.prompt_len + r.gen_before  # recompute: its tokens are prefilled again
+            if kv + need + n + 1 > self.kv_capacity:
+                break  # FIFO: nobody overtakes the head
+            self._waiting.popleft()
+            if r.version < 0:
+                r.version = self.weight_version
+            elif r.version != self.weight_version and r.first_version_tokens < 0:
+                r.first_version_tokens = r.gen_before
+            r.base, r.finish, r.order, r.running = G - r.gen_before, G - r.gen_before + r.total, self._orders, True
+            self._orders += 1
+            self._running[r.request.request_id] = r
+            self._kv_fixed += r.prompt_len - r.base
+            heapq.heappush(self._heap, (r.finish, r.order, r))
+            self._stack.append((r.order, r))
+            self._extra += need * self._prefill
+            self._admitted_now.append(r)
+            kv += need
+            n += 1
+        self._start_segment()
+        for r in self._admitted_now:
+            if r.gen_before == 0:
+                r.first_token_at = self._Tb + self._t(1)
+
+    def _start_segment(self) -> None:
+        n = self._n_seg = len(self._running)
+        self._busy(n > 0, self._Tb)
+        if n == 0:
+            self._m_end = 0
+            return
+        heap = self._heap
+        while not (heap[0][2].running and heap[0][2].finish == heap[0][0]):
+            heapq.heappop(heap)  # stale: aborted, preempted or finished earlier
+        self._K_seg = self._kv_fixed + n * self._G
+        self._b_seg = self._base * max(1.0, n / self.timing.roofline_batch)
+        # The next event: the first finish, or the step whose growth would overflow the cache.
+        self._m_end = min(heap[0][0] - self._G, (self.kv_capacity - self._K_seg) // n)
+
+    def _remove(self, r: _Req) -> None:
+        del self._running[r.request.request_id]
+        r.running = False
+        self._kv_fixed -= r.prompt_len - r.base
+        if len(self._stack) > 2 * len(self._running) + 64:
+            self._stack = [(o, q) for o, q in self._stack if q.running and q.order == o]
+
+    def _latest(self) -> _Req:
+        while True:
+            order, r = self._stack.pop()
+            if r.running and r.order == order:
+                return r
+
+    def _busy(self, busy: bool, t: float) -> None:
+        if busy and self._idle_since >= 0:
+            self._idle_s += t - self._idle_since
+            self._idle_since = -1.0
+        elif not busy and self._idle_since < 0:
+            self._idle_since = t
+
+    def _change_at_next_boundary(self, t: float) -> None:
+        """The batch changes (an add, an abort) at the first step boundary after t."""
+        self._m_end = min(self._m_end, self._steps_by(t) + 1)
+
+    # -- results ------------------------------------------------------------------------
+    def _result(self, r: _Req, n: int, reason: str) -> GenerateResult:
+        """The first n of r's tokens (positions prefix.. of its turn); EOS last on "stop"."""
+        tokens, logprobs = self._tokens(r.token_key, r.prefix, r.prefix + n)
+        if reason == "stop":
+            tokens[-1] = self.eos
+        segments: list[Segment] = []
+        if r.first_version_tokens >= 0:  # readmitted under a new version after a preemption
+            segments = [Segment(r.first_version_tokens, r.version),
+                        Segment(n - r.first_version_tokens, self.weight_version)]
+        first = r.first_token_at - r.added_at if r.first_token_at >= 0 else 0.0
+        return GenerateResult(request_id=r.request.request_id,
+                              token_ids=Int32Array.frombuffer(tokens),
+                              logprobs=Float32Array.frombuffer(logprobs),
+                              weight_version=r.version if r.version >= 0 else self.weight_version,
+                              finish_reason=reason, segments=segments,  # type: ignore[arg-type]
+                              first_token_s=first)
+
+    def _tokens(self, key: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids (never EOS) and log-probs (in [-4.05, -0.05)) of positions start..stop-1:
+        splitmix64 of (key + position), so any slice of a turn is the same wherever made."""
+        with np.errstate(over="ignore"):
+            x = np.arange(start, stop, dtype=np.uint64) + np.uint64(key)
+            x *= np.uint64(0x9E3779B97F4A7C15)
+            x ^= x >> np.uint64(30)
+            x *= np.uint64(0xBF58476D1CE4E5B9)
+            x ^= x >> np.uint64(27)
+            x *= np.uint64(0x94D049BB133111EB)
+            x ^= x >> np.uint64(31)
+        tokens = ((x >> np.uint64(32)) % np.uint64(self.vocab_size - 1)).astype(np.int32)
+        tokens += tokens >= self.eos  # skip the EOS id
+        logprobs = (x & np.uint64(0xFFFFFF)).astype(np.float32) * np.float32(-4.0 / 2**24)
+        logprobs -= np.float32(0.05)
+        return tokens, logprobs
+
+    def _deliver(self, r: _Req, n: int, reason: str, due: float) -> None:
+        self._ids.discard(r.request.request_id)
+        self._due.append((due, self._result(r, n, reason), due - r.added_at))
+
+    # -- the Engine interface -----------------------------------------------------------
+    def add(self, request: GenerateRequest) -> None:
+        t = self.clock()
+        self._advance(t)
+        try:
+            r = self._make(request, t)
+        except BadRequest as exc:
+            self._answers.append((t, error_result(request, str(exc), self.weight_version)))
+            return
+        self._ids.add(request.request_id)
+        self._waiting.append(r)
+        if self._load_until is not None:
+            return  # admitted when the load ends
+        if self._n_seg == 0:  # idle: it starts now
+            self._Tb = t
+            self._event()
+        elif t <= self._Tb:  # the same instant as the last event: its batch is still open
+            self._admit()
+        elif len(self._waiting) == 1:  # (behind a waiting head it would not be admitted)
+            self._change_at_next_boundary(t)
+
+    def _make(self, r: GenerateRequest, t: float) -> _Req:
+        if not r.request_id:
+            raise BadRequest("request_id is empty")
+        if r.request_id in self._ids:
+            raise BadRequest(f"request_id {r.request_id!r} is already waiting or running")
+        if len(r.prompt_token_ids.shape) != 1:
+            raise BadRequest(f"prompt_token_ids must be 1-D, got shape {r.prompt_token_ids.shape}")
+        n = r.prompt_token_ids.size
+        if n == 0:
+            raise BadRequest("prompt_token_ids is empty")
+        ids = r.prompt_token_ids.numpy()
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            raise BadRequest(f"prompt token id out of range [0, {self.vocab_size}): min {lo}, max {hi}")
+        if not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:
+            raise BadRequest(f"max_new_tokens must be >= 1, got {r.max_new_tokens}")
+        if not isinstance(r.prefix_tokens, int) or not 0 <= r.prefix_tokens < n:
+            raise BadRequest(f"prefix_tokens must be in [0, {n}) (the prompt's length), "
+                             f"got {r.prefix_tokens}")
+        if n + r.max_new_tokens > self.kv_capacity:
+            raise BadRequest(f"prompt of {n} tokens + max_new_tokens {r.max_new_tokens} exceeds "
+                             f"the KV capacity of {self.kv_capacity} tokens")
+        if not (math.isfinite(r.temperature) and r.temperature >= 0):
+            raise BadRequest(f"temperature must be finite and >= 0 (0 = greedy), got {r.temperature}")
+        if not (math.isfinite(r.top_p) and 0 < r.top_p <= 1):
+            raise BadRequest(f"top_p must be in (0, 1], got {r.top_p}")
+        if r.seed is not None and not 0 <= r.seed <= _MAX_SEED:
+            raise BadRequest(f"seed must be in [0, 2**63), got {r.seed}")
+        k = r.prefix_tokens
+        group_key, member_key = length_keys(self.seed, r.prompt_token_ids.data[:(n - k) * 4],
+                                            r.trajectory_id)
+        cap = r.max_new_tokens + k  # the whole turn's budget
+        full = min(self.lengths.length(group_key, member_key), cap)
+        reason = "length" if full == cap else "stop"
+        # A continuation of a turn that would already have stopped (a prefix past its
+        # length, only from a caller that changed the budget) stops at once.
+        total = full - k if full > k else 1
+        return _Req(r, t, n, k, total, reason if full > k else "stop",
+                    (group_key ^ member_key) & 0xFFFFFFFFFFFFFFFF)
+
+    def abort(self, request_id: str) -> GenerateResult | None:
+        if request_id not in self._ids:
+            return None
+        t = self.clock()
+        self._advance(t)
+        self._ids.discard(request_id)
+        r = self._running.get(request_id)
+        if r is None:
+            r = next(q for q in self._waiting if q.request.request_id == request_id)
+            self._waiting.remove(r)
+            return self._result(r, r.gen_before, "abort")
+        m = self._steps_by(t)
+        self._remove(r)
+        result = self._result(r, self._G + m - r.base, "abort")
+        if t <= self._Tb:  # the same instant as the last event: its batch is still open
+            self._admit()
+        elif self._running:
+            self._change_at_next_boundary(t)
+        else:  # nothing left: the step in flight is dropped, the engine idles from now
+            k = self._K_seg + self._n_seg * m
+            self._commit(m)
+            self._kv_area += k * (t - self._Tb)
+            self._Tb = t
+            self._n_seg = self._m_end = 0
+            self._busy(False, t)
+            if self._waiting:
+                self._event()
+        return result
+
+    def step(self) -> list[GenerateResult]:
+        t = self.clock()
+        self._advance(t)
+        out = [res for _, res in self._answers]
+        self._answers = []
+        for due, res, latency in self._due:
+            late = t - due
+            self._late_s += late
+            self._latency_s += latency
+            self.max_late_s = max(self.max_late_s, late)
+            out.append(res)
+        self.results_delivered += len(self._due)
+        self._due = []
+        return out
+
+    def next_event_at(self) -> float | None:
+        """Wall time of this engine's next event: a result comes due, a weight load ends, or
+        the batch changes (requests join after an add(), one is preempted). No result is
+        due before it; None when nothing is running, waiting, loading or to hand out.
+        Changes after add(), abort() and load_weights(): ask again after calling them."""
+        if self._answers or self._due:
+            return min([t for t, _ in self._answers] + [t for t, _, _ in self._due])
+        if self._load_until is not None:
+            return self._load_until
+        if self._n_seg == 0:
+            return None
+        return self._Tb + self._t(self._m_end)
+
+    def stats(self) -> EngineStats:
+        t = self.clock()
+        self._advance(t)
+        n = len(self._running)
+        generated = self.generated_tokens_at(t)
+        rate = self._rate
+        if t - rate[-1][0] >= 0.1:
+            rate.append((t, generated))
+        while len(rate) > 2 and rate[1][0] <= t - RATE_WINDOW_S:
+            rate.popleft()
+        t_old, gen_old = rate[0]
+        return EngineStats(weight_version=self.weight_version, running=n,
+                           waiting=len(self._waiting),
+                           kv_used=self._kv_fixed + n * (self._G + self._steps_by(t)),
+                           kv_total=self.kv_capacity,
+                           tokens_per_s=(generated - gen_old) / max(t - t_old, 0.1))
+
+    def has_running(self) -> bool:
+        return bool(self._running)
+
+    def running_ids(self) -> list[str]:
+        return list(self._running)
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting or self._answers or self._due)
+
+    def load_weights(self, version: int, tensors: Mapping[str, Any]) -> None:
+        """Take the version (the tensors are not looked at); nothing runs for load_s."""
+        if self._running:
+            raise RuntimeError(f"load_weights with {len(self._running)} running request(s): "
+                               "a version may change only between requests")
+        t = self.clock()
+        self._advance(t)
+        self.weight_version = version
+        self._load_until = t + self._load
+
+    # -- accounting for benchmarks -------------------------------------------------------
+    def generated_tokens_at(self, t: float) -> int:
+        """Tokens generated by wall time t (after advancing to t): finished, aborted, held."""
+        return self._gen + self._n_seg * self._steps_by(t)
+
+    @property
+    def generated_tokens(self) -> int:
+        t = self.clock()
+        self._advance(t)
+        return self.generated_tokens_at(t)
+
+    @property
+    def idle_s(self) -> float:
+        """Wall seconds since construction with no running request (loads included)."""
+        t = self.clock()
+        self._advance(t)
+        return self._idle_s + (t - self._idle_since if self._idle_since >= 0 else 0.0)
+
+    def kv_utilization_mean(self) -> float:
+        """Time-weighted mean of kv_used / kv_total since construction."""
+        t = self.clock()
+        self._advance(t)
+        area = self._kv_area
+        m = self._steps_by(t)
+        if self._n_seg:
+            n, k = self._n_seg, self._K_seg
+            s1 = m * k + n * m * (m - 1) / 2
+            s2 = m * k * k + k * n * m * (m - 1) + n * n * (m - 1) * m * (2 * m - 1) / 6
+            area += (self._b_seg * s1 + self._kv * s2 + k * self._extra if m else 0.0)
+            area += (k + n * m) * (t - self._Tb - self._t(m))  # the step in flight
+        elapsed = t - self._t0
+        return area / (self.kv_capacity * elapsed) if elapsed > 0 else 0.0
+
+    def lag_fraction(self) -> float:
+        """Sum over delivered results of (step() time - due time) / sum of their modelled
+        latencies (add to due). A run above 0.05 ran behind its timing model: invalid."""
+        return self._late_s / self._latency_s if self._latency_s > 0 else 0.0
