@@ -7,6 +7,9 @@ publisher), wait_s (waiting for data), published_version / push_s (the last push
 that finished), staleness {versions behind: trajectories in this step}, dropped
 {reason: groups, job total}, trained_groups / pending_groups (job totals),
 ratio_mean, clip_frac, approx_kl, entropy, grad_norm, lr, checkpoint (path or null).
+The sim trainer backend (sim_learner.py) has no ratio/KL/entropy/grad_norm/lr; it adds
+model_step_s (the modeled step, in model seconds), batch_tokens (the prompt + completion
+tokens it was modeled on) and sim_lag_s (wall seconds the step ran over its model).
 Eval lines (daemons/trainer/evaluation.py) share the file: time, step, eval_success.
 """
 
@@ -18,13 +21,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-_LEARNER_KEYS = ("ratio_mean", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr")
+_LEARNER_KEYS = ("ratio_mean", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr",
+                 "model_step_s", "batch_tokens", "sim_lag_s")
 
 
 def step_line(*, version: int, stats: dict[str, Any], ages: Counter[int], wait_s: float,
               snapshot_s: float, publisher: Any, summary: dict[str, Any],
               checkpoint: Path | None) -> dict[str, Any]:
-    """The metrics line of one training step (``stats``: what Learner.train_step returned;
+    """The metrics line of one training step (``stats``: what the learner's train_step returned;
     ``summary``: the journal's job totals)."""
     return {
         "time": round(time.time(), 3), "step": version, "version": version,
