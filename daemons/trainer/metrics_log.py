@@ -10,6 +10,9 @@ ratio_mean, clip_frac, approx_kl, entropy, grad_norm, lr, checkpoint (path or nu
 mixed_version (trajectories in this step with a turn made by more than one weight
 version: only the `partial` mode makes them), continuations (interrupted generations
 continued, this step), repack_overhead_s (each repacked generation's wait, this step).
+The sim trainer backend (sim_learner.py) has no ratio/KL/entropy/grad_norm/lr; it adds
+model_step_s (the modeled step, in model seconds), batch_tokens (the prompt + completion
+tokens it was modeled on) and sim_lag_s (wall seconds the step ran over its model).
 Eval lines (daemons/trainer/evaluation.py) share the file: time, step, eval_success.
 """
 
@@ -21,7 +24,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-_LEARNER_KEYS = ("ratio_mean", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr")
+_LEARNER_KEYS = ("ratio_mean", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr",
+                 "model_step_s", "batch_tokens", "sim_lag_s")
 
 
 def batch_versions(batch: list[Any]) -> dict[str, Any]:
@@ -57,8 +61,13 @@ def _seconds(raw: str) -> list[float]:
 
 def step_line(*, version: int, stats: dict[str, Any], ages: Counter[int], wait_s: float,
               snapshot_s: float, publisher: Any, summary: dict[str, Any],
+<<<<<<< HEAD
               checkpoint: Path | None, versions: dict[str, Any] | None = None) -> dict[str, Any]:
     """The metrics line of one training step (``stats``: what Learner.train_step returned;
+=======
+              checkpoint: Path | None) -> dict[str, Any]:
+    """The metrics line of one training step (``stats``: what the learner's train_step returned;
+>>>>>>> a391944
     ``summary``: the journal's job totals)."""
     return {
         "time": round(time.time(), 3), "step": version, "version": version,

@@ -1,7 +1,7 @@
 """The training thread's loop; one step reads like the algorithm.
 
     whenever B/G complete groups are pending:
-        select (staleness bound)  -> Learner.train_step  -> journal the trained groups
+        select (staleness bound)  -> learner.train_step  -> journal the trained groups
         -> hand the version to the publisher -> metrics line -> checkpoint every N steps
         -> held-out evaluation when due
 

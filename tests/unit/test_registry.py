@@ -205,6 +205,7 @@ def test_every_seam_has_its_default_kind_registered():
     assert {r.group: r.names() for r in SEAMS} == {
         "rlfleet.rollout_engines": ["torch"],  # sim and vllm come with their own issues
         "rlfleet.policy_losses": ["ppo_clip"],
+        "rlfleet.trainer_backends": ["sim", "torch"],
         "rlfleet.reward_backends": ["rule_pool"],
         "rlfleet.reward_dispatch": ["fifo"],
         "rlfleet.tasks": ["arithmetic", "frozenlake"],

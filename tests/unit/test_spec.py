@@ -109,6 +109,7 @@ def test_defaults(tree):
     # every seam's table, omitted: today's behaviour
     assert spec.rollout.engine.model_dump() == {"kind": "torch", "max_batch": 32}
     assert spec.trainer.loss.model_dump() == {"kind": "ppo_clip", "clip_eps": 0.2}
+    assert spec.trainer.backend.model_dump() == {"kind": "torch"}
     assert spec.reward_host.backend.model_dump() == {"kind": "rule_pool", "workers": 2, "timeout_s": 10.0}
     assert spec.reward_host.dispatch.kind == "fifo"
     assert spec.env_host.routing.kind == "least_loaded"
@@ -458,6 +459,61 @@ def test_engine_refuses_a_model_it_cannot_run(tree):
     assert_one_error(MINIMAL.replace("tiny-qwen2", "big"),
                      "rollout.engine.kind: the torch engine runs full-attention layers only; "
                      f"{model.resolve()} has ['sliding_attention']")
+
+
+SIM_TRAINER = '[trainer.backend]\nkind = "sim"\n'
+
+
+def test_sim_trainer_backend_defaults_and_keys(tree):
+    from rlfleet.daemons.trainer.backends import SIM_TOKENS_PER_S
+
+    Path("examples/sim.toml").write_text(MINIMAL + SIM_TRAINER)
+    backend = load_spec("examples/sim.toml").trainer.backend
+    assert backend.model_dump() == {"kind": "sim", "time_scale": 0.02, "tokens_per_s": SIM_TOKENS_PER_S,
+                                    "fixed_s": 1.0, "weight_mib": 64}
+    # 64 H800 x 989 TFLOPS x 40% MFU / (6 x 7.62e9 params), the derivation in backends.py
+    assert round(SIM_TOKENS_PER_S) == 553_771
+    Path("examples/sim.toml").write_text(
+        MINIMAL + SIM_TRAINER + "time_scale = 0.5\ntokens_per_s = 1e5\nfixed_s = 0\nweight_mib = 8\n")
+    backend = load_spec("examples/sim.toml").trainer.backend
+    assert (backend.time_scale, backend.tokens_per_s, backend.fixed_s, backend.weight_mib) == (0.5, 1e5, 0, 8)
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("time_scale = 0", "trainer.backend.time_scale: must be > 0, got 0"),
+    ("time_scale = -1", "trainer.backend.time_scale: must be > 0, got -1"),
+    ("time_scale = nan", "trainer.backend.time_scale: must be a finite number, got nan"),
+    ("time_scale = 100", "trainer.backend.time_scale: must be <= 10, got 100"),
+    ("tokens_per_s = 0", "trainer.backend.tokens_per_s: must be > 0, got 0"),
+    ("tokens_per_s = inf", "trainer.backend.tokens_per_s: must be a finite number, got inf"),
+    ("fixed_s = -0.5", "trainer.backend.fixed_s: must be >= 0, got -0.5"),
+    ("weight_mib = 0", "trainer.backend.weight_mib: must be > 0, got 0"),
+    ("weight_mib = 1_000_000", "trainer.backend.weight_mib: must be <= 16384, got 1000000"),
+    ("weight_mib = 1.5", "trainer.backend.weight_mib: expected an integer, got 1.5"),
+    ("weight_mb = 64", "trainer.backend.weight_mb: unknown key (did you mean 'weight_mib'?)"),
+])
+def test_bad_sim_trainer_parameters_name_the_key(tree, line, expected):
+    assert_one_error(MINIMAL + SIM_TRAINER + line + "\n", expected)
+
+
+def test_torch_trainer_backend_has_no_sim_keys(tree):
+    assert_one_error(MINIMAL + '[trainer.backend]\ntime_scale = 0.1\n',
+                     "trainer.backend.time_scale: unknown key")
+    assert_one_error(MINIMAL + '[trainer.backend]\nkind = "megatron"\n',
+                     "trainer.backend.kind: unknown kind 'megatron' (registered: 'sim', 'torch')")
+
+
+def test_sim_weights_beyond_the_machines_memory_are_refused(tree, monkeypatch):
+    from rlfleet.daemons.trainer import backends
+
+    # 4 GiB of memory: 1024 MiB x (3 trainer snapshots + 2 relay versions) = 5 GiB does not fit
+    monkeypatch.setattr(backends, "_machine_memory_bytes", lambda: 4 << 30)
+    assert_one_error(MINIMAL + SIM_TRAINER + "weight_mib = 1024\n",
+                     "trainer.backend.weight_mib: 1024 MiB of weights: up to 3 snapshots in the "
+                     "trainer plus relay.keep_versions (2) in the relay's shared memory take 5.0 GiB, "
+                     "more than this machine's memory (4.0 GiB)")
+    Path("examples/ok.toml").write_text(MINIMAL + SIM_TRAINER + "weight_mib = 512\n")
+    assert load_spec("examples/ok.toml").trainer.backend.weight_mib == 512
 
 
 def test_typed_task_knobs(tree):
