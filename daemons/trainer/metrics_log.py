@@ -61,13 +61,8 @@ def _seconds(raw: str) -> list[float]:
 
 def step_line(*, version: int, stats: dict[str, Any], ages: Counter[int], wait_s: float,
               snapshot_s: float, publisher: Any, summary: dict[str, Any],
-<<<<<<< HEAD
               checkpoint: Path | None, versions: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The metrics line of one training step (``stats``: what Learner.train_step returned;
-=======
-              checkpoint: Path | None) -> dict[str, Any]:
     """The metrics line of one training step (``stats``: what the learner's train_step returned;
->>>>>>> a391944
     ``summary``: the journal's job totals)."""
     return {
         "time": round(time.time(), 3), "step": version, "version": version,
