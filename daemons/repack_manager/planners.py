@@ -201,9 +201,12 @@ class LaminarPlanner(RepackPlanner):
             k = bisect_left(open_, (s.c_used, s.id))  # s is emptied: it leaves open_
             del open_[k]
             del open_[j - 1 if k < j else j]
-            insort(open_, (c_load + s.c_used, d))
             n_load[d] += s.n_reqs
             receiving.add(d)
+            if n_load[d] < limit[d]:  # type: ignore[operator]
+                insort(open_, (c_load + s.c_used, d))
+            # else d holds B requests: no candidate (N_reqs >= 1) fits it any more, and
+            # dropping it spares the walks of later sources.
         return moves
 
 

@@ -7,6 +7,7 @@ of Algorithm 1 that re-sums the plan every time, as the paper writes it.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -347,3 +348,15 @@ def test_property_plans_respect_the_limits_and_match_algorithm_1(fleet):
             assert not fits, (rid, d)
     # and the fast best-fit takes exactly the decisions of the literal algorithm
     assert list(plan.moves) == reference_plan(planner, loads, prev)
+
+
+def test_the_plan_time_bench_runs_and_writes_its_record(tmp_path, capsys):
+    from rlfleet.tools.bench.repack_plan import main
+
+    out = tmp_path / "plan.json"
+    assert main(["--rollouts", "60", "--plans", "5", "--warmup", "1", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["rollouts"] == 60 and len(record["plan_ms"]) == 5
+    assert 0 < record["plan_ms_p50"] <= record["plan_ms_p99"] <= record["plan_ms_max"]
+    assert record["candidates_mean"] > 0 and record["met"] is True
+    assert json.loads(capsys.readouterr().out.strip())["plan_ms_p50"] == record["plan_ms_p50"]
