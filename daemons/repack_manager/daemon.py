@@ -139,7 +139,7 @@ class RepackManager(Daemon):
                     next_plan = started + self.interval_s
                     self._published = max(self._published, published)
                     self._plan_and_execute(loads, clients)
-                self._previous = dict(loads)
+                self._previous.update(loads)  # a rollout that did not answer keeps its last
             self._stop.wait(max(0.0, POLL_EVERY_S - (time.monotonic() - started)))
         for client in clients.values():
             client.close()
