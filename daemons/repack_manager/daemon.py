@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Mapping
@@ -43,6 +45,7 @@ from .rollout_view import check_stats, engine_batch_limit
 
 log = logging.getLogger("rlfleet.repack")
 
+FAILPOINT_ENV = "RLFLEET_REPACK_FAILPOINT"
 POLL_EVERY_S = 1.0
 POLL_TIMEOUT_S = 1.0
 ORDER_TIMEOUT_S = 2.0
@@ -206,6 +209,7 @@ class RepackManager(Daemon):
         except StoreUnavailable:
             log.warning("repack plan %s not recorded in etcd (unreachable); executing anyway", plan_id)
         outcomes = self._execute(plan_id, record["moves"], clients)
+        self._failpoint_mid_plan()
         record.update(state="done", outcomes=outcomes, done=round(time.time(), 3))
         try:
             self.store.put(self.keys.repack_plan, record)
@@ -251,6 +255,18 @@ class RepackManager(Daemon):
         for o in outcomes:
             MOVES.labels(outcome=o["outcome"].split(":")[0]).inc()
         return outcomes
+
+    def _failpoint_mid_plan(self) -> None:
+        """Tests: RLFLEET_REPACK_FAILPOINT=kill_mid_plan kills this process (SIGKILL) once per
+        run, after a plan's orders went out and before it is recorded done."""
+        if os.environ.get(FAILPOINT_ENV) != "kill_mid_plan":
+            return
+        marker = job_run_dir(self.spec) / "repack-failpoint-fired"  # type: ignore[arg-type]
+        if marker.exists():
+            return
+        marker.write_text(str(os.getpid()))
+        log.warning("failpoint: killing the repack-manager mid-plan", extra={"event": "failpoint"})
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _resume_plan(self, clients: Mapping[str, RequestClient]) -> None:
         """A plan a previous leader left "executing": send its orders again (idempotent)."""
