@@ -144,7 +144,8 @@ class SimLearner:
 
         Tensor i holds the value ``version + i / 1024`` throughout (exact in float32 up to
         version 2**13 with 1024 tensors; beyond that the bytes still change per version).
-        A fill is a memset: ~10 ms for 64 MiB, the cost of making real bytes.
+        A fill is a memset: ~10 ms for 64 MiB here once the allocator reuses freed pages
+        (~150 ms for the first, page-faulted ones), the cost of making real bytes.
         """
         return {f"sim.layers.{i}.weight": np.full(n, self.version + i / 1024, dtype=np.float32)
                 for i, n in enumerate(self._lengths)}

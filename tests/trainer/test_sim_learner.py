@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlfleet.common.spec import parse_spec
 from rlfleet.common.seams import TRAINER_BACKENDS
+from rlfleet.common.spec import parse_spec
 from rlfleet.daemons.trainer.checkpointing import STATE_FILE, CheckpointError, checkpoints
+from rlfleet.daemons.trainer.evaluation import evaluation_off
 from rlfleet.daemons.trainer.sim_learner import SimLearner
 
 from .conftest import scored
@@ -177,6 +178,10 @@ def test_the_sim_kind_builds_it_from_the_spec(model_dir):
     assert isinstance(sim, SimLearner)
     assert (sim.time_scale, sim.fixed_s, sim.weight_mib) == (0.1, 1.0, 2)
     assert sum(a.nbytes for a in sim.state_tensors().values()) == 2 << 20
+    # no policy, no held-out evaluation; a learner with a model still needs the tokenizer
+    assert evaluation_off(spec, sim) == "the sim trainer backend has no policy to generate with"
+    with_model = type("WithModel", (), {"model": object()})()
+    assert evaluation_off(spec, with_model) == f"no tokenizer in {model_dir}"
 
 
 def test_the_sim_backend_never_imports_torch(model_dir):

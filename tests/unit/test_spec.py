@@ -258,7 +258,7 @@ def test_missing_required_sections(tree):
     assert errors_of("[trainer]\nbatch_size = 8\n") == [
         "examples/bad.toml: job.name: required key missing",
         "examples/bad.toml: model.path: required key missing",
-        "examples/bad.toml: task.env: required table missing: one with kind = 'arithmetic' or 'frozenlake'",
+        "examples/bad.toml: task.env: required table missing: one with kind = 'arithmetic', 'frozenlake' or 'sim'",
     ]
 
 
@@ -521,9 +521,34 @@ def test_typed_task_knobs(tree):
     assert_one_error(MINIMAL.replace('"arithmetic"', '"frozenlake"') + "p = 0\n",
                      "task.env.p: must be > 0, got 0")
     assert_one_error(MINIMAL.replace('"arithmetic"', '"chess"'),
-                     "task.env.kind: unknown kind 'chess' (registered: 'arithmetic', 'frozenlake')")
+                     "task.env.kind: unknown kind 'chess' (registered: 'arithmetic', 'frozenlake', 'sim')")
     assert_one_error(MINIMAL.replace('kind = "arithmetic"', "digits = 2"),
-                     "task.env.kind: required key missing (registered: 'arithmetic', 'frozenlake')")
+                     "task.env.kind: required key missing (registered: 'arithmetic', 'frozenlake', 'sim')")
+
+
+SIM_TASK = MINIMAL.replace('kind = "arithmetic"', 'kind = "sim"')
+
+
+def test_sim_task_knobs(tree):
+    Path("examples/sim.toml").write_text(SIM_TASK)
+    assert load_spec("examples/sim.toml").task.env.model_dump() == {
+        "kind": "sim", "max_new_tokens": 16384, "success_rate": 0.5}
+    Path("examples/sim.toml").write_text(SIM_TASK + "max_new_tokens = 1024\nsuccess_rate = 1\n")
+    env = load_spec("examples/sim.toml").task.env
+    assert (env.max_new_tokens, env.success_rate) == (1024, 1.0)
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("max_new_tokens = 0", "task.env.max_new_tokens: must be >= 1, got 0"),
+    ("max_new_tokens = 1_000_000", "task.env.max_new_tokens: must be <= 131072, got 1000000"),
+    ("max_new_tokens = 16384.0", "task.env.max_new_tokens: expected an integer, got 16384.0"),
+    ("success_rate = -0.1", "task.env.success_rate: must be >= 0, got -0.1"),
+    ("success_rate = 1.5", "task.env.success_rate: must be <= 1, got 1.5"),
+    ("success_rate = nan", "task.env.success_rate: must be a finite number, got nan"),
+    ("digits = 2", "task.env.digits: unknown key"),
+])
+def test_bad_sim_task_knobs_name_the_key(tree, line, expected):
+    assert_one_error(SIM_TASK + line + "\n", expected)
 
 
 def test_model_folder_without_weights(tree):
