@@ -39,7 +39,7 @@ import msgspec
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.wire import (Float32Array, GenerateRequest, GenerateResult, Int32Array, Segment,
                                  Trajectory, Turn)
-from rlfleet.daemons.tasks import Prompt, Task, TaskEnv
+from rlfleet.daemons.tasks import Prompt, Task, TaskEnv, undecoded_action
 from rlfleet.daemons.tasks.prompts import group_id, trajectory_id
 
 from .routing import RouteError, Router
@@ -275,7 +275,9 @@ class EnvManager:
             prompt_ids = self.codec.prompt_array(self.task.format_turn(obs))
             rollout_id, res = await self._generate(prompt_ids)
             ids = res.token_ids.tolist()
-            n, action = self.codec.completion(ids, decode=getattr(self.task, "decodes_completion", True))
+            n, action = self.codec.completion(ids, decode=self.task.decodes_completion)
+            if not self.task.decodes_completion:
+                action = undecoded_action(self.tid, len(self.turns))
             if n == len(ids):  # all of it (the usual case): the received arrays as they are
                 turn = Turn(prompt_ids, res.token_ids, res.logprobs, res.weight_version, obs, action,
                             res.segments)
