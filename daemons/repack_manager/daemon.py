@@ -106,6 +106,16 @@ class RepackManager(Daemon):
 
     # -- the poller thread: stats -> plan -> orders ----------------------------------------
     def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._poll_forever()
+                return
+            except Exception:  # noqa: BLE001 — the poller must outlive any surprise
+                log.exception("repack poller failed; starting it again in 1 s",
+                              extra={"event": "poller_error"})
+                self._stop.wait(1.0)
+
+    def _poll_forever(self) -> None:
         clients: dict[str, RequestClient] = {}
         next_plan = time.monotonic() + self.interval_s
         resumed = False
@@ -187,9 +197,10 @@ class RepackManager(Daemon):
 
     def _published_version(self) -> int:
         try:
-            return WeightsLatest.read(self.store, self.keys).version
+            latest = WeightsLatest.read(self.store, self.keys)
         except StoreUnavailable:
             return self._published
+        return self._published if latest is None else latest.version
 
     def _plan_and_execute(self, loads: Mapping[str, Any], clients: Mapping[str, RequestClient]) -> None:
         started = time.perf_counter()

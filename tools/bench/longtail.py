@@ -58,7 +58,9 @@ def spec_for(base: Path, mode: str, rollouts: int, prompts_per_rollout: int,
         engine["max_batch"] = engine["roofline_batch"] = slots
     group = spec["task"]["group_size"]
     spec["trainer"]["batch_size"] = rollouts * prompts_per_rollout * group
-    spec["env_host"]["max_concurrent"] = 4 * rollouts * prompts_per_rollout * group
+    # In flight: every slot of the fleet busy, plus a short queue (the spec's own ratio).
+    slots_each = engine.get("max_batch", 8)
+    spec["env_host"]["max_concurrent"] = max(group, int(1.25 * rollouts * slots_each))
     planner = spec.setdefault("repack_manager", {}).setdefault("planner", {})
     if mode == "trajectory_repack":
         planner["kind"] = "laminar"
