@@ -42,6 +42,7 @@ RELAY_LAYOUTS = "relay/layouts"
 PROMPTS_CURSOR = "prompts/cursor"
 TRAINER_CHECKPOINT = "trainer/checkpoint"
 TRAINER_PROGRESS = "trainer/progress"
+REPACK_PLAN = "repack/plan"
 
 _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -100,6 +101,11 @@ class JobKeys:
 
     def placement(self, host: str, role: str, member_id: str) -> str:
         return f"{self.host_placement_prefix(host)}{_check(role, 'role')}/{_check(member_id, 'member id')}"
+
+    @property
+    def repack_plan(self) -> str:
+        """The repack-manager's last plan: id, moves, state (executing | done)."""
+        return f"{self.prefix}{REPACK_PLAN}"
 
     # -- weights, prompts, checkpoints -----------------------------------
     @property

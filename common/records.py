@@ -262,13 +262,43 @@ class TrainerProgress(_KeyRecord):
     dropped_groups: int = 0
     time: float = 0.0
     problem: str = ""
+    received_groups: int = 0  # consumed + complete and waiting (one_step_off starts batches by it)
 
     @classmethod
     def parse(cls, value: Any) -> TrainerProgress:
         f = _Fields(value, names.TRAINER_PROGRESS)
         consumed = f.int("consumed_groups", required=True)
         return cls(f.int("version"), max(0, consumed), f.int("trained_groups"), f.int("dropped_groups"),
-                   f.float("time"), f.problem)
+                   f.float("time"), f.problem, max(0, f.int("received_groups")))
+
+
+@dataclass(frozen=True)
+class RepackPlan(_KeyRecord):
+    """`repack/plan`: the repack-manager's last plan; a new leader re-sends the orders of
+    one still "executing" (orders are idempotent by id)."""
+
+    KEY: ClassVar[str] = "repack_plan"
+
+    id: str = ""
+    state: str = ""  # executing | done
+    moves: tuple[tuple[str, str], ...] = ()  # (source, destination)
+    time: float = 0.0
+    problem: str = ""
+
+    @classmethod
+    def parse(cls, value: Any) -> RepackPlan:
+        f = _Fields(value, names.REPACK_PLAN)
+        raw = f.list("moves")
+        moves = tuple((m[0], m[1]) for m in raw
+                      if isinstance(m, (list, tuple)) and len(m) == 2 and all(isinstance(x, str) for x in m))
+        if len(moves) != len(raw):
+            f.problems.append(f"{names.REPACK_PLAN}.moves: expected [source, destination] pairs, "
+                              f"got {_short(thaw(raw))}")
+        return cls(f.str("id", required=True), f.str("state"), moves, f.float("time"), f.problem)
+
+    def to_value(self) -> dict[str, Any]:
+        return {"id": self.id, "state": self.state, "moves": [list(m) for m in self.moves],
+                "time": self.time}
 
 
 @dataclass(frozen=True)

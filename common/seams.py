@@ -3,6 +3,7 @@
     seam               spec table                  entry-point group            default
     rollout engine     [rollout.engine]            rlfleet.rollout_engines      torch
     policy loss        [trainer.loss]              rlfleet.policy_losses        ppo_clip
+    trainer backend    [trainer.backend]           rlfleet.trainer_backends     torch
     reward backend     [reward_host.backend]       rlfleet.reward_backends      rule_pool
     reward dispatch    [reward_host.dispatch]      rlfleet.reward_dispatch      fifo
     task               [task.env]                  rlfleet.tasks                (required)
@@ -19,10 +20,11 @@ from __future__ import annotations
 from .registry import Registry
 
 __all__ = ["ENV_ROUTERS", "POLICY_LOSSES", "REPACK_PLANNERS", "REWARD_BACKENDS",
-           "REWARD_DISPATCH", "ROLLOUT_ENGINES", "SEAMS", "TASKS"]
+           "REWARD_DISPATCH", "ROLLOUT_ENGINES", "SEAMS", "TASKS", "TRAINER_BACKENDS"]
 
 ROLLOUT_ENGINES = Registry("rollout engine", "rlfleet.rollout_engines", default="torch")
 POLICY_LOSSES = Registry("policy loss", "rlfleet.policy_losses", default="ppo_clip")
+TRAINER_BACKENDS = Registry("trainer backend", "rlfleet.trainer_backends", default="torch")
 REWARD_BACKENDS = Registry("reward backend", "rlfleet.reward_backends", default="rule_pool")
 REWARD_DISPATCH = Registry("reward dispatch", "rlfleet.reward_dispatch", default="fifo")
 # No default: which task a job trains is the one thing every spec must say.
@@ -30,5 +32,5 @@ TASKS = Registry("task", "rlfleet.tasks", default=None)
 ENV_ROUTERS = Registry("env-host routing", "rlfleet.env_routers", default="least_loaded")
 REPACK_PLANNERS = Registry("repack planner", "rlfleet.repack_planners", default="none")
 
-SEAMS: tuple[Registry, ...] = (ROLLOUT_ENGINES, POLICY_LOSSES, REWARD_BACKENDS, REWARD_DISPATCH,
-                               TASKS, ENV_ROUTERS, REPACK_PLANNERS)
+SEAMS: tuple[Registry, ...] = (ROLLOUT_ENGINES, POLICY_LOSSES, TRAINER_BACKENDS, REWARD_BACKENDS,
+                               REWARD_DISPATCH, TASKS, ENV_ROUTERS, REPACK_PLANNERS)

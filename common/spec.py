@@ -42,7 +42,8 @@ from pydantic import (
 )
 
 from .registry import KindSlot
-from .seams import ENV_ROUTERS, POLICY_LOSSES, REPACK_PLANNERS, REWARD_BACKENDS, REWARD_DISPATCH, ROLLOUT_ENGINES, TASKS
+from .seams import (ENV_ROUTERS, POLICY_LOSSES, REPACK_PLANNERS, REWARD_BACKENDS, REWARD_DISPATCH,
+                    ROLLOUT_ENGINES, TASKS, TRAINER_BACKENDS)
 from .spec_errors import describe, dotted, suggest, toml_error
 from .spec_fields import Host, NonNegInt, PosFloat, PosInt, Section, fail, show
 
@@ -96,6 +97,7 @@ _REQUIRED_BY_MOVED = {("task", "name"): ("task", "env"), ("task", "difficulty"):
 # A seam's table, typed from its registry (the kinds are found through entry points).
 EngineConfig = ROLLOUT_ENGINES.config_type()
 LossConfig = POLICY_LOSSES.config_type()
+TrainerBackendConfig = TRAINER_BACKENDS.config_type()
 RewardBackendConfig = REWARD_BACKENDS.config_type()
 RewardDispatchConfig = REWARD_DISPATCH.config_type()
 TaskEnvConfig = TASKS.config_type()
@@ -227,6 +229,9 @@ class TrainerSection(Section):
     checkpoint_every: PosInt = 10
     max_staleness: NonNegInt | None = None  # the bound α in versions; None = unbounded
     loss: LossConfig = POLICY_LOSSES.field()
+    # What makes the versions: "torch" trains the policy; "sim" sleeps a timing model
+    # and publishes stand-in weights (daemons/trainer/backends.py).
+    backend: TrainerBackendConfig = TRAINER_BACKENDS.field()
     bind_host: Host = "127.0.0.1"
 
 

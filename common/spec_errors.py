@@ -48,7 +48,8 @@ def describe(err: dict, model: type[BaseModel]) -> tuple[tuple, str]:
         return (*loc, "kind"), f"unknown kind {str(ctx.get('tag'))!r} (registered: {listed})"
     if kind == "missing":
         if slot is not None:
-            listed = " or ".join(map(repr, slot.registry.names()))
+            names = list(map(repr, slot.registry.names()))
+            listed = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 2 else names)
             return loc, f"required table missing: one with kind = {listed}"
         return loc, "required key missing"
     if kind == "extra_forbidden":

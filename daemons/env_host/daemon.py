@@ -53,6 +53,12 @@ def peer_addresses(members: list[Member], address_name: str) -> dict[str, str]:
     return out
 
 
+def _rollouts_sentence(rollouts: dict[str, str]) -> str:
+    if len(rollouts) > 8:  # a simulated fleet: hundreds of ids say nothing
+        return f"rollouts: {len(rollouts)}"
+    return f"rollouts: {', '.join(sorted(rollouts)) or 'none'}"
+
+
 class EnvHost(Daemon):
     role = "env-host"
 
@@ -62,6 +68,7 @@ class EnvHost(Daemon):
 
     def setup(self) -> None:
         self._peers: tuple[dict[str, str], dict[str, str]] = ({}, {})
+        self._versions: dict[str, int] = {}
         self._retry_setup_at = 0.0
         said = self._try_start()
         if said:
@@ -84,10 +91,15 @@ class EnvHost(Daemon):
         self.setup_error = ""
         self.journal = journal
         limit = claim_limit(spec)
+        barrier = spec.rollout.mode in ("sync", "one_step_off")
+        if barrier and limit is None:  # the barrier needs the trainer's progress all the same
+            limit = 1 << 30
         if self.pacer is not None:
             self.pacer.stop()
         self.pacer = None if limit is None else ClaimPacer(
-            self.store, self.keys, limit, on_progress=lambda: self.runner and self.runner.wake())
+            self.store, self.keys, limit, on_progress=lambda: self.runner and self.runner.wake(),
+            mode=spec.rollout.mode,
+            prompts_per_batch=max(1, spec.trainer.batch_size // spec.task.group_size))
         self.claimer = PromptClaimer(self.store, self.keys, member_id,
                                      budget=self.pacer.budget if self.pacer else None)
         self.outbox = OutboxThread(f"{member_id}->reward-host", on_acked=self._on_acked)
@@ -124,14 +136,19 @@ class EnvHost(Daemon):
             self.request_stop()  # the supervisor restarts us; the journal resumes the work
             return f"env loop died ({self.runner.error!r}); stopping"
         try:
-            rollouts = peer_addresses(self._members("rollout"), "requests")
+            rollout_members = self._members("rollout")
+            rollouts = peer_addresses(rollout_members, "requests")
             reward_hosts = peer_addresses(self._members("reward-host"), "trajectories")
         except StoreUnavailable:
             return None  # the session already said "etcd unreachable"; keep the current peers
+        versions = {m.id: v for m in rollout_members
+                    if isinstance(v := m.info.get("weight_version"), int) and m.id in rollouts}
         said = []
+        if rollouts != self._peers[0] or versions != self._versions:
+            self.runner.set_rollouts(rollouts, versions)
+            self._versions = versions
         if rollouts != self._peers[0]:
-            self.runner.set_rollouts(rollouts)
-            said.append(f"rollouts: {', '.join(sorted(rollouts)) or 'none'}")
+            said.append(_rollouts_sentence(rollouts))
         if reward_hosts != self._peers[1]:
             self.outbox.set_addresses(list(reward_hosts.values()))
             said.append(f"reward-hosts: {', '.join(sorted(reward_hosts)) or 'none'}")

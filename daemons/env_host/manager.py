@@ -30,12 +30,16 @@ import math
 import queue
 import random
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import msgspec
+
 from rlfleet.common.spec import JobSpec
-from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array, Trajectory, Turn
-from rlfleet.daemons.tasks import Prompt, Task, TaskEnv
+from rlfleet.common.wire import (Float32Array, GenerateRequest, GenerateResult, Int32Array, Segment,
+                                 Trajectory, Turn)
+from rlfleet.daemons.tasks import Prompt, Task, TaskEnv, undecoded_action
 from rlfleet.daemons.tasks.prompts import group_id, trajectory_id
 
 from .routing import RouteError, Router
@@ -43,6 +47,7 @@ from .routing import RouteError, Router
 log = logging.getLogger("rlfleet.env_host")
 
 _ERROR_CHARS = 300  # of an exception's text kept in a trajectory's info
+_MAX_CONTINUATIONS = 32  # interruptions of one trajectory before it is given up
 _ENCODED_MAX = 4096  # prompt texts whose token ids TurnCodec keeps
 
 
@@ -55,13 +60,30 @@ class ManagerConfig:
     top_p: float = 1.0
     backoff_s: float = 0.1  # first retry delay; doubles per retry
     max_backoff_s: float = 5.0
+    # An interrupted turn waits this long for a rollout holding its version, then is
+    # generated again from scratch.
+    continue_timeout_s: float = 5.0
+    mode: str = "trajectory"  # [rollout] mode
+    prompts_per_batch: int = 1  # trainer.batch_size // group_size
 
     @classmethod
     def from_spec(cls, spec: JobSpec) -> ManagerConfig:
         e = spec.env_host
         return cls(turn_timeout_s=e.turn_timeout_s, trajectory_timeout_s=e.trajectory_timeout_s,
                    max_retries=e.max_retries, temperature=spec.rollout.temperature,
-                   top_p=spec.rollout.top_p)
+                   top_p=spec.rollout.top_p, continue_timeout_s=min(5.0, e.turn_timeout_s),
+                   mode=spec.rollout.mode,
+                   prompts_per_batch=max(1, spec.trainer.batch_size // spec.task.group_size))
+
+    def required_version(self, prompt_id: int) -> int | None:
+        """The barrier modes' version for a prompt: its batch's (sync) or the one before
+        (one_step_off: batch n+1 is generated while n trains). None: any version."""
+        batch = prompt_id // self.prompts_per_batch
+        if self.mode == "sync":
+            return batch
+        if self.mode == "one_step_off":
+            return max(0, batch - 1)
+        return None
 
 
 class TurnCodec:
@@ -101,10 +123,22 @@ class TurnCodec:
             ids = self._encoded[text] = Int32Array(self.encode_prompt(text))
         return ids
 
-    def completion(self, token_ids: list[int]) -> tuple[int, str]:
-        """(how many tokens belong to the turn, including the end token; action text)."""
+    def completion(self, token_ids: list[int], decode: bool = True) -> tuple[int, str]:
+        """(how many tokens belong to the turn, including the end token; action text, ""
+        when the task does not read it: ``Task.decodes_completion``)."""
         n = token_ids.index(self.eos_id) + 1 if self.eos_id in token_ids else len(token_ids)
-        return n, self.tokenizer.decode(token_ids[:n], skip_special_tokens=True)
+        return n, self.tokenizer.decode(token_ids[:n], skip_special_tokens=True) if decode else ""
+
+
+def _cut(segments: list[Segment], n: int) -> list[Segment]:
+    """The segments of the first n tokens."""
+    out, left = [], n
+    for seg in segments:
+        if left <= 0:
+            break
+        out.append(Segment(min(seg.tokens, left), seg.version))
+        left -= seg.tokens
+    return out if len({s.version for s in out}) > 1 or len(out) > 1 else []
 
 
 def check_result(res: GenerateResult, vocab_size: int, max_new_tokens: int) -> str | None:
@@ -195,6 +229,9 @@ class EnvManager:
         self.env_reward = 0.0
         self.invalid_actions = 0
         self.reissues = 0
+        self.continuations = 0  # interrupted generations continued (repack, drain)
+        self.repack_overheads: list[float] = []
+        self.regenerated: list[str] = []  # why a turn was generated again from scratch
         self.rollouts_used: list[str] = []
 
     async def run(self) -> Trajectory:
@@ -217,6 +254,12 @@ class EnvManager:
     def _trajectory(self, reason: str, detail: str) -> Trajectory:
         info = {"turns": str(len(self.turns)), "invalid_actions": str(self.invalid_actions),
                 "reissues": str(self.reissues), "rollouts": ",".join(dict.fromkeys(self.rollouts_used))}
+        if self.continuations:
+            info["continuations"] = str(self.continuations)
+        if self.repack_overheads:
+            info["repack_overhead_s"] = ",".join(f"{x:g}" for x in self.repack_overheads)
+        if self.regenerated:
+            info["regenerated"] = "; ".join(self.regenerated)[:_ERROR_CHARS]
         if detail:
             info["error"] = detail
         return Trajectory(self.tid, self.prompt_id, group_id(self.prompt_id), self.task.name,
@@ -232,12 +275,15 @@ class EnvManager:
             prompt_ids = self.codec.prompt_array(self.task.format_turn(obs))
             rollout_id, res = await self._generate(prompt_ids)
             ids = res.token_ids.tolist()
-            n, action = self.codec.completion(ids)
+            n, action = self.codec.completion(ids, decode=self.task.decodes_completion)
+            if not self.task.decodes_completion:
+                action = undecoded_action(self.tid, len(self.turns))
             if n == len(ids):  # all of it (the usual case): the received arrays as they are
-                turn = Turn(prompt_ids, res.token_ids, res.logprobs, res.weight_version, obs, action)
+                turn = Turn(prompt_ids, res.token_ids, res.logprobs, res.weight_version, obs, action,
+                            res.segments)
             else:
                 turn = Turn(prompt_ids, Int32Array(ids[:n]), Float32Array(res.logprobs.tolist()[:n]),
-                            res.weight_version, obs, action)
+                            res.weight_version, obs, action, _cut(res.segments, n))
             next_obs, reward, done, info = await self._step(env, action)
             self.rollouts_used.append(rollout_id)
             self.invalid_actions += bool(info.get("invalid_action"))
@@ -332,36 +378,153 @@ class EnvManager:
                                        f"{str(exc)[:_ERROR_CHARS]}") from None
 
     async def _generate(self, prompt_ids: Int32Array) -> tuple[str, GenerateResult]:
-        """One turn's generation, retried on other rollouts; Dropped when retries run out."""
-        max_new = self.task.max_new_tokens + 1  # +1: room for the end token
+        """One turn's generation; Dropped when retries run out.
+
+        An interrupted generation (finish_reason "abort": a repack moved it, its rollout
+        drained) comes back with its tokens and version, and goes on from there on a
+        rollout holding that same version — the repack's destination when it names one
+        (``continue_on``). Only when no rollout holds it within continue_timeout_s is the
+        turn generated again from scratch on whatever version serves, and the reason is
+        recorded in the trajectory's info (``regenerated``). A rollout that died takes its
+        tokens with it: that turn is re-issued from scratch elsewhere, as before.
+        """
+        turn = _TurnInProgress(prompt_ids, self.task.max_new_tokens + 1,  # +1: the end token
+                               self.cfg.required_version(self.prompt_id))
         exclude: set[str] = set()
         reason, detail = "", ""
-        for attempt in range(self.cfg.max_retries + 1):
-            if attempt:
+        attempt = 0
+        while attempt <= self.cfg.max_retries:
+            if attempt and reason:
                 # Garbage may be a transient engine fault: back off before asking again. A
                 # timeout or a lost rollout already cost time: re-issue elsewhere at once.
                 delay = min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2 ** (attempt - 1))
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0)
                                     if reason == "rollout_garbage" else 0.0)
-            req = GenerateRequest(f"{self.tid}-t{len(self.turns)}-a{attempt}", self.tid,
-                                  prompt_ids, max_new, self.cfg.temperature, self.cfg.top_p)
+            req = turn.request(f"{self.tid}-t{len(self.turns)}-a{attempt}-c{turn.pieces}", self.tid,
+                               self.cfg.temperature, self.cfg.top_p)
+            continuing = turn.continuing
+            waited = time.monotonic() - turn.interrupted_at if continuing else 0.0
             try:
-                rollout_id, res = await self.router.generate(req, self.cfg.turn_timeout_s, exclude)
+                rollout_id, res = await self.router.generate(
+                    req, self.cfg.continue_timeout_s if continuing else self.cfg.turn_timeout_s,
+                    exclude, to=turn.destination if continuing else None,
+                    version=turn.version if continuing else None)
             except RouteError as exc:
+                if continuing and exc.kind == "no_rollout":
+                    if turn.destination:  # the named destination is gone: any holder will do
+                        turn.destination = ""
+                        continue
+                    self._regenerate(turn, f"no rollout holds weight version {turn.version}")
+                    continue
+                attempt += 1
                 self.reissues += 1
                 if exc.rollout_id:
                     exclude.add(exc.rollout_id)
                 reason, detail = "rollout_timeout", str(exc)
                 continue
-            problem = check_result(res, self.codec.vocab_size, max_new)
-            if problem is None and res.finish_reason != "abort":
-                return rollout_id, res
-            self.reissues += 1
-            exclude.add(rollout_id)
-            if res.finish_reason == "abort":  # aborted on the rollout's side (repack): go elsewhere
-                reason, detail = "rollout_timeout", f"aborted by {rollout_id}"
-            else:
+            if res.finish_reason == "version":  # it moved on from the version we need
+                exclude.add(rollout_id)
+                if continuing:
+                    turn.destination = ""
+                elif turn.required is not None:  # a barrier mode's batch version has gone
+                    self._regenerate(turn, f"{rollout_id}: {res.error[:_ERROR_CHARS]}")
+                continue
+            problem = check_result(res, self.codec.vocab_size, req.max_new_tokens)
+            if problem is not None and not (res.finish_reason == "abort" and not len(res.token_ids)):
+                attempt += 1
+                self.reissues += 1
+                exclude.add(rollout_id)
                 reason, detail = "rollout_garbage", f"{rollout_id}: {problem}"
                 log.warning("%s: garbage from rollout %s: %s", self.tid, rollout_id, problem,
                             extra={"trajectory": self.tid, "rollout": rollout_id})
+                continue
+            self.rollouts_used.append(rollout_id)
+            if continuing and turn.by_repack:
+                # Interrupted until the continuation was sent, plus its queue and prefill
+                # on the destination: Laminar's "repack overhead" (Table 1).
+                self.repack_overheads.append(round(waited + res.first_token_s, 4))
+            if res.finish_reason != "abort":
+                return rollout_id, turn.finish(res)
+            # Interrupted: keep what it made and go on with the same version.
+            self.continuations += 1
+            if not turn.carry(res, time.monotonic()):
+                self._regenerate(turn, "interrupted too often")
+            exclude.discard(res.continue_on)
+            if self.continuations > _MAX_CONTINUATIONS:
+                raise Dropped("rollout_timeout", f"interrupted {self.continuations} times")
         raise Dropped(reason, f"after {self.cfg.max_retries + 1} attempts: {detail}")
+
+    def _regenerate(self, turn: _TurnInProgress, why: str) -> None:
+        log.info("%s: turn %d generated again from scratch: %s", self.tid, len(self.turns), why,
+                 extra={"trajectory": self.tid, "event": "regenerated"})
+        self.regenerated.append(why[:_ERROR_CHARS])
+        turn.restart()
+
+
+class _TurnInProgress:
+    """The pieces of one turn's generation so far (continuations append to it)."""
+
+    def __init__(self, prompt_ids: Int32Array, max_new: int, required: int | None) -> None:
+        self.prompt_ids, self.max_new, self.required = prompt_ids, max_new, required
+        self.restart()
+
+    def restart(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.segments: list[Segment] = []
+        self.version: int | None = None  # the version a continuation must use
+        self.destination = ""  # a repack's named destination
+        self.by_repack = False
+        self.interrupted_at = 0.0
+        self.pieces = 0
+
+    @property
+    def continuing(self) -> bool:
+        return self.version is not None
+
+    def request(self, request_id: str, tid: str, temperature: float, top_p: float) -> GenerateRequest:
+        if not self.tokens:
+            prompt = self.prompt_ids
+        else:
+            prompt = Int32Array(self.prompt_ids.tolist() + self.tokens)
+        required = self.version if self.version is not None else self.required
+        return GenerateRequest(request_id, tid, prompt, self.max_new - len(self.tokens), temperature,
+                               top_p, required_version=required, prefix_tokens=len(self.tokens))
+
+    def carry(self, res: GenerateResult, now: float) -> bool:
+        """Keep an interrupted result's tokens; False when nothing is left to generate."""
+        self._append(res)
+        self.version = res.segments[-1].version if res.segments else res.weight_version
+        self.destination = res.continue_on
+        self.by_repack = bool(res.continue_on)
+        self.interrupted_at = now
+        self.pieces += 1
+        return len(self.tokens) < self.max_new
+
+    def _append(self, res: GenerateResult) -> None:
+        n = len(res.token_ids)
+        if not n:
+            return
+        self.tokens += res.token_ids.tolist()
+        self.logprobs += res.logprobs.tolist()
+        self.segments += res.segments or [Segment(n, res.weight_version)]
+
+    def finish(self, res: GenerateResult) -> GenerateResult:
+        if not self.tokens:
+            return res
+        self._append(res)
+        segments = _joined(self.segments)
+        return msgspec.structs.replace(
+            res, token_ids=Int32Array(self.tokens), logprobs=Float32Array(self.logprobs),
+            weight_version=segments[0].version, segments=segments)
+
+
+def _joined(segments: list[Segment]) -> list[Segment]:
+    """Adjacent segments of one version as one (a continuation on the same version)."""
+    out: list[Segment] = []
+    for seg in segments:
+        if out and out[-1].version == seg.version:
+            out[-1] = Segment(out[-1].tokens + seg.tokens, seg.version)
+        else:
+            out.append(seg)
+    return out

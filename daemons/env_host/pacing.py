@@ -45,6 +45,20 @@ def claim_limit(spec: JobSpec) -> int | None:
     return max(1, alpha) * max(1, spec.trainer.batch_size // spec.task.group_size)
 
 
+def barrier_limit(mode: str, prompts_per_batch: int, version: int, received: int) -> int | None:
+    """How far the cursor may go in a barrier mode (prompt ids below the result), or None.
+
+    sync: batch k is generated with version k, so it starts once version k is published.
+    one_step_off: batch k is generated with version k-1 while batch k-1 trains, so it
+    starts once version k-1 is published and every group of the batches before it has
+    reached the trainer."""
+    if mode == "sync":
+        return (version + 1) * prompts_per_batch
+    if mode == "one_step_off":
+        return (min(version + 1, received // prompts_per_batch) + 1) * prompts_per_batch
+    return None
+
+
 def consumed_of(value: Any) -> int:
     """consumed_groups from a trainer/progress value; 0 for anything malformed (never
     more claims than an honest value would allow: TrainerProgress's default)."""
@@ -56,11 +70,15 @@ class ClaimPacer:
     many prompts may be claimed when the cursor stands at `next`."""
 
     def __init__(self, store: Store, keys: JobKeys, limit: int,
-                 on_progress: Callable[[], None] = lambda: None) -> None:
+                 on_progress: Callable[[], None] = lambda: None, *, mode: str = "trajectory",
+                 prompts_per_batch: int = 1) -> None:
         if limit < 1:
             raise ValueError(f"limit: must be >= 1, got {limit}")
         self.store, self.keys, self.limit = store, keys, limit
         self.on_progress = on_progress
+        self.mode, self.prompts_per_batch = mode, prompts_per_batch
+        self.version = 0
+        self.received = 0
         self.consumed = 0
         self.written_off = 0  # prompts no longer counted as outstanding (STALL_S)
         self._progress_at = time.monotonic()
@@ -75,6 +93,12 @@ class ClaimPacer:
         self._stop.set()
 
     def budget(self, next_prompt: int) -> int:
+        barrier = barrier_limit(self.mode, self.prompts_per_batch, self.version, self.received)
+        if barrier is not None:
+            return min(self._paced(next_prompt), barrier - next_prompt)
+        return self._paced(next_prompt)
+
+    def _paced(self, next_prompt: int) -> int:
         outstanding = next_prompt - self.consumed - self.written_off
         if outstanding >= self.limit and time.monotonic() - self._progress_at > STALL_S:
             log.warning("no trainer progress for %.0f s with %d prompts outstanding (limit %d): "
@@ -86,10 +110,15 @@ class ClaimPacer:
         return min(self.limit, self.limit - outstanding)
 
     def _set(self, progress: TrainerProgress) -> None:
-        consumed = progress.consumed_groups
-        if consumed > self.consumed:  # never backwards: a stale event must not shrink it
-            self.consumed = consumed
+        # Never backwards: a stale event must not shrink them.
+        moved = progress.consumed_groups > self.consumed or progress.version > self.version or (
+            progress.received_groups > self.received)
+        if progress.consumed_groups > self.consumed:
+            self.consumed = progress.consumed_groups
             self._progress_at = time.monotonic()
+        self.version = max(self.version, progress.version)
+        self.received = max(self.received, progress.received_groups)
+        if moved:
             self.on_progress()
 
     def _follow(self) -> None:

@@ -33,7 +33,8 @@ log = logging.getLogger("rlfleet.env_host")
 
 
 class RouteError(Exception):
-    """A turn did not get a result from a rollout. ``kind``: timeout, gone, no_rollout."""
+    """A turn did not get a result from a rollout. ``kind``: timeout, gone, no_rollout
+    (none registered, or none that holds the version / is the rollout asked for)."""
 
     def __init__(self, kind: str, rollout_id: str, detail: str) -> None:
         super().__init__(f"{kind} ({rollout_id or 'no rollout'}): {detail}")
@@ -49,6 +50,7 @@ class _Rollout:
     outstanding: int = 0
     suspect_until: float = 0.0
     requests: int = 0
+    version: int | None = None  # the weight version it last reported (its record, its results)
 
 
 class _Gone(Exception):
@@ -74,8 +76,11 @@ class Router:
         self.reissued = {"timeout": 0, "gone": 0, "no_rollout": 0}
 
     # -- membership -----------------------------------------------------------------
-    def update(self, rollouts: Mapping[str, str]) -> list[str]:
-        """Make the live set exactly ``{rollout_id: requests address}``; returns what changed."""
+    def update(self, rollouts: Mapping[str, str],
+               versions: Mapping[str, int] | None = None) -> list[str]:
+        """Make the live set exactly ``{rollout_id: requests address}``; returns what changed.
+        ``versions``: the weight version each rollout's record states (continuations are
+        routed to a rollout that holds theirs)."""
         said = []
         for rid in list(self._rollouts):
             r = self._rollouts[rid]
@@ -86,10 +91,15 @@ class Router:
             if rid not in self._rollouts:
                 self._add(rid, address)
                 said.append(f"rollout {rid} added at {address}")
+        for rid, version in (versions or {}).items():
+            r = self._rollouts.get(rid)
+            if r is not None and (r.version is None or version > r.version):
+                r.version = version
+                said.append("")  # wakes continuations waiting for a holder; not a sentence
         if said:
             self._changed.set()
             self._changed = asyncio.Event()
-        return said
+        return [s for s in said if s]
 
     def load(self) -> dict[str, int]:
         """Outstanding requests per live rollout."""
@@ -136,12 +146,18 @@ class Router:
                     self._fail_inflight(r, "disconnected")
 
     # -- requests ---------------------------------------------------------------------
+    def holders(self, version: int) -> list[str]:
+        """Rollouts last known to hold this weight version."""
+        return [r.id for r in self._rollouts.values() if r.version == version]
+
     async def generate(self, req: GenerateRequest, timeout_s: float,
-                       exclude: Collection[str] = ()) -> tuple[str, GenerateResult]:
-        """(rollout id, result) for one turn; RouteError when there is none in time."""
+                       exclude: Collection[str] = (), *, to: str | None = None,
+                       version: int | None = None) -> tuple[str, GenerateResult]:
+        """(rollout id, result) for one turn; RouteError when there is none in time.
+        ``to``: only that rollout; ``version``: only rollouts known to hold it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        r = await self._pick(exclude, deadline)
+        r = await self._pick(exclude, deadline, to, version)
         r.outstanding += 1
         r.requests += 1
         rid, call = r.client.start(req, max(0.001, deadline - loop.time()))
@@ -164,20 +180,28 @@ class Router:
                 self._spawn(self._abort(r, req.request_id))
             r.client.discard(rid)
         assert isinstance(result, GenerateResult)
+        if result.finish_reason != "error":
+            r.version = result.weight_version
         return r.id, result
 
-    async def _pick(self, exclude: Collection[str], deadline: float) -> _Rollout:
+    async def _pick(self, exclude: Collection[str], deadline: float, to: str | None = None,
+                    version: int | None = None) -> _Rollout:
         loop = asyncio.get_running_loop()
         while True:
             now = loop.time()
-            every = list(self._rollouts.values())
+            every = [r for r in self._rollouts.values()
+                     if (to is None or r.id == to) and (version is None or r.version == version)]
+            if to is not None or version is not None:
+                every = [r for r in every if r.id not in exclude]
             for pool in ([r for r in every if r.id not in exclude and r.suspect_until <= now],
                          [r for r in every if r.id not in exclude], every):
                 if pool:
                     return self.policy.choose(pool)
             if now >= deadline:
                 self.reissued["no_rollout"] += 1
-                raise RouteError("no_rollout", "", "no live rollout registered")
+                wanted = (f"rollout {to}" if to else "live rollout") + (
+                    f" holding weight version {version}" if version is not None else "")
+                raise RouteError("no_rollout", "", f"no {wanted} registered")
             changed = self._changed
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(deadline - now):

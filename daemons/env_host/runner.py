@@ -104,9 +104,10 @@ class EnvRunner:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def set_rollouts(self, rollouts: Mapping[str, str]) -> None:
-        """{rollout id: requests address}, from etcd."""
+    def set_rollouts(self, rollouts: Mapping[str, str], versions: Mapping[str, int] | None = None) -> None:
+        """{rollout id: requests address} and the weight versions their records state, from etcd."""
         self._rollouts = dict(rollouts)
+        self._versions = dict(versions or {})
         if self._thread.is_alive():
             self.loop.call_soon_threadsafe(self._apply_rollouts)
 
@@ -182,7 +183,7 @@ class EnvRunner:
 
     def _apply_rollouts(self) -> None:
         if self.router is not None:
-            for sentence in self.router.update(self._rollouts):
+            for sentence in self.router.update(self._rollouts, getattr(self, "_versions", None)):
                 log.info(sentence, extra={"event": "rollouts"})
             self._poke()
 

@@ -21,11 +21,12 @@ from typing import Any
 
 from rlfleet.common.daemon import Daemon
 from rlfleet.common.sockets import RequestServer
-from rlfleet.common.wire import Abort, GenerateRequest, RolloutStats
+from rlfleet.common.wire import Abort, GenerateRequest, RepackOrder, RolloutStats
 
 log = logging.getLogger("rlfleet.rollout")
 
 THREADS_ENV = "RLFLEET_TORCH_THREADS"
+EXPECT = (GenerateRequest, Abort, RolloutStats, RepackOrder)  # what a rollout's socket serves
 
 
 def torch_threads(environ: dict[str, str] | None = None) -> int:
@@ -47,8 +48,14 @@ class Rollout(Daemon):
         super().__init__(*args, **kwargs)
         self.loop: Any = None  # EngineLoop, once set up
         self.server: RequestServer | None = None
+        self.sim: Any = None  # SimHost, when this process hosts simulated rollouts
+        self._sim_published: dict[str, int] = {}  # simulated rollout -> version in its record
 
     def setup(self) -> None:
+        assert self.spec is not None
+        if self.spec.rollout.engine.kind == "sim":
+            self._setup_sim()
+            return
         import torch  # here, not at import: `rlfleet daemon --help` stays instant
 
         from rlfleet.common.seams import ROLLOUT_ENGINES
@@ -66,14 +73,61 @@ class Rollout(Daemon):
         engine = ROLLOUT_ENGINES.build(rs.engine, model_path=self.spec.model.path,
                                        dtype=self.spec.model.dtype)
         self.server = RequestServer(f"tcp://{rs.bind_host}:0",
-                                    expect=(GenerateRequest, Abort, RolloutStats),
+                                    expect=EXPECT,
                                     name=f"{self.options.member_id}-requests")
         self.addresses["requests"] = self.server.endpoint
-        self.loop = EngineLoop(engine, self.server, self.options.member_id, self._make_reader)
+        self.loop = EngineLoop(engine, self.server, self.options.member_id, self._make_reader,
+                               mode=rs.mode)
         self.loop.start()
         log.info("serving %s on %s: engine %s, max_batch %d, cache %d tokens/slot, %d torch thread(s)",
                  self.spec.model.path, self.server.endpoint, rs.engine.kind, getattr(engine, "max_batch", 0),
                  getattr(engine, "max_len", 0), threads, extra={"event": "serving"})
+
+    def _setup_sim(self) -> None:
+        """Many simulated rollouts in this process (sim_host.py), each its own member."""
+        from rlfleet.common.run_dir import job_run_dir
+        from rlfleet.common.seams import ROLLOUT_ENGINES
+
+        from .core import RolloutCore
+        from .sim_host import SimHost, bind_servers, sim_member_id
+
+        assert self.spec is not None
+        rs, host_id = self.spec.rollout, self.options.member_id
+        count = rs.engine.rollouts  # type: ignore[attr-defined]
+        servers = bind_servers(count, rs.bind_host, host_id, EXPECT)
+        cores = []
+        for k, server in enumerate(servers):
+            member_id = sim_member_id(host_id, k, count)
+            engine = ROLLOUT_ENGINES.build(rs.engine, model_path=self.spec.model.path,
+                                           dtype=self.spec.model.dtype, rollout_index=k,
+                                           seed=self.spec.job.seed)
+            cores.append(RolloutCore(engine, server, member_id, mode=rs.mode))
+        self.sim = SimHost(cores, self._make_reader,
+                           summary_path=job_run_dir(self.spec) / "sim" / f"{host_id}.json")
+        self.sim.start()
+        log.info("hosting %d simulated rollouts (%s, profile %s, time scale %g)", count, rs.mode,
+                 rs.engine.profile, rs.engine.time_scale, extra={"event": "serving"})  # type: ignore[attr-defined]
+
+    def _publish_sim_members(self) -> str | None:
+        """Register each simulated rollout (bound to this daemon's lease) and keep its
+        weight version current in its record (at most once per cycle)."""
+        if self.session is None or self.session.lease is None:
+            return None
+        loaded = 0
+        for core in self.sim.cores:
+            version = core.engine.weight_version
+            if self._sim_published.get(core.member_id) == version:
+                continue
+            first = core.member_id not in self._sim_published
+            self.session.put_lease_bound(self.keys.member("rollout", core.member_id), {
+                "id": core.member_id, "role": "rollout", "host": self.options.host,
+                "pid": os.getpid(), "state": "running",
+                "addresses": {"requests": core.server.endpoint},
+                "started": round(self.started_at, 3), "weight_version": version,
+                "simulated_by": self.options.member_id})
+            self._sim_published[core.member_id] = version
+            loaded += not first
+        return f"{loaded} simulated rollouts loaded a newer version" if loaded else None
 
     def _make_reader(self) -> Any:
         """The local relay's reader, or None when this installation has no relay reader."""
@@ -89,8 +143,16 @@ class Rollout(Daemon):
         """Let the next weight load happen now; running requests end as "abort"."""
         if self.loop is not None:
             self.loop.release()
+        if self.sim is not None:
+            self.sim.release()
 
     def cycle(self) -> str | None:
+        if self.sim is not None:
+            if not self.sim.alive and self.sim.error is not None:
+                raise RuntimeError(f"sim host thread died: {self.sim.error!r}")
+            for core in self.sim.cores:
+                core.events.clear()  # versions are summarised below, not logged per rollout
+            return self._publish_sim_members()
         if self.loop is None:
             return None
         if not self.loop.alive and self.loop.error is not None:
@@ -103,9 +165,16 @@ class Rollout(Daemon):
         return "; ".join(said) or None
 
     def member_info(self) -> dict[str, Any]:
+        if self.sim is not None:
+            return {"simulated_rollouts": len(self.sim.cores)}
         return {"weight_version": self.loop.engine.weight_version if self.loop else 0}
 
     def drain(self) -> str | None:
+        if self.sim is not None:
+            self.sim.stop()
+            for core in self.sim.cores:
+                core.server.close()
+            return f"{len(self.sim.cores)} simulated rollouts stopped"
         if self.loop is None:
             return None
         self.loop.stop()

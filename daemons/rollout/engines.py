@@ -76,6 +76,9 @@ class SimEngineConfig(KindConfig):
     """``sim_engine.SimEngine``: a timing model instead of a model (docs/sim.md)."""
 
     kind: Literal["sim"] = "sim"
+    # Simulated rollouts one rollout process hosts, each its own member (sim_host.py):
+    # 64-1,000 fit on 2 cores. Killing the process is a machine failure for all of them.
+    rollouts: Annotated[PosInt, Field(le=4096)] = 1
     profile: str = DEFAULT_PROFILE  # a name in sim_timing.PROFILES
     time_scale: PosFloat = 1.0  # wall seconds per model second (0.02 = 50x faster than real)
     # Tokens and lengths are a function of (seed, request): every engine of a fleet must

@@ -8,7 +8,7 @@ from typing import Any
 from rlfleet.common.seams import TASKS
 
 from .arithmetic import ArithmeticTask  # pure Python, cheap: importable directly
-from .base import ANSWER_MARK, Prompt, Split, Task, TaskEnv, split_of
+from .base import ANSWER_MARK, Prompt, Split, Task, TaskEnv, split_of, undecoded_action
 
 
 def get_task(name: str, **difficulty: Any) -> Task:
@@ -30,4 +30,4 @@ def get_task(name: str, **difficulty: Any) -> Task:
 
 
 __all__ = ["ANSWER_MARK", "ArithmeticTask", "Prompt", "Split", "Task", "TaskEnv",
-           "get_task", "split_of"]
+           "get_task", "split_of", "undecoded_action"]

@@ -18,6 +18,11 @@ The conversation of one episode, as the env-host drives it::
 
 Each turn's prompt is built from the current observation alone: both tasks are Markov
 in their observation, which keeps sequences short for the tiny model.
+
+A task whose reward needs no completion text sets ``decodes_completion = False`` (the
+sim task: random tokens, a coin-flip reward). The env-host then skips the tokenizer's
+decode, and the action it passes to ``env.step`` and records in the Turn (which the
+reward-host scores) is ``undecoded_action(trajectory_id, turn)`` instead of the text.
 """
 
 from __future__ import annotations
@@ -74,6 +79,10 @@ class Task(abc.ABC):
     # cannot hang: the env-host then calls them on its event loop, without the thread hop
     # (and so without the turn timeout). False: each call runs on a thread of its own.
     env_calls_inline: bool = False
+    # False: the reward and the env need no completion text, so the env-host does not
+    # decode completions (for 10k-token ones that would be most of its work) and passes
+    # undecoded_action(trajectory_id, turn) as each turn's action instead.
+    decodes_completion: bool = True
 
     @abc.abstractmethod
     def difficulty(self) -> dict[str, Any]:
@@ -124,6 +133,13 @@ class Task(abc.ABC):
     def target(self, prompt: Prompt, observation: str) -> str:
         """A correct completion for this observation (supervised warm start, tests)."""
         raise NotImplementedError
+
+
+def undecoded_action(trajectory_id: str, turn: int) -> str:
+    """The action text of a turn of a task with ``decodes_completion = False``: names the
+    turn, so a reward computed from it is deterministic per trajectory, and identical on
+    the env-host and the reward-host."""
+    return f"<undecoded {trajectory_id} turn {turn}>"
 
 
 def split_of(task_name: str, question: str) -> str:

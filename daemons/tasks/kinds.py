@@ -81,6 +81,21 @@ class Arithmetic(TaskKind):
     task_module, task_class_name = "arithmetic", "ArithmeticTask"
 
 
+class SimConfig(KindConfig):
+    kind: Literal["sim"] = "sim"
+    # The per-turn token cap (sim.py: 16384 is Laminar's 16K output limit; at most 128K).
+    max_new_tokens: Annotated[StrictInt, Field(ge=1, le=131072)] = 16384
+    # P(reward 1) per trajectory: with 0 < rate < 1 a GRPO group has variance.
+    success_rate: float = Field(default=0.5, strict=True, ge=0, le=1, allow_inf_nan=False)
+
+
+class Sim(TaskKind):
+    """Synthetic single-turn prompts and a seeded coin-flip reward for the simulated fleet (sim.py)."""
+
+    Config = SimConfig
+    task_module, task_class_name = "sim", "SimTask"
+
+
 class FrozenLakeConfig(KindConfig):
     # Defaults = the map family models/tiny-qwen2 is warm-started for (its warmstart.json).
     kind: Literal["frozenlake"] = "frozenlake"

@@ -18,9 +18,10 @@ training, done, stopped, error: <why>), and while leading ``version`` and
 another process) is retried with back-off; the daemon itself stays up.
 
 The work itself is in worker.py (the threads, composing intake.py, training.py,
-checkpointing.py, progress.py, metrics_log.py) on top of journal.py, learner.py,
-grpo.py and batching.py; this class only follows leadership, and keeps
-``cycle()`` short as the Daemon base requires.
+checkpointing.py, progress.py, metrics_log.py) on top of journal.py, batching.py and
+the learner [trainer.backend] builds (backends.py: learner.py with grpo.py, or
+sim_learner.py); this class only follows leadership, and keeps ``cycle()`` short as
+the Daemon base requires.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ class Trainer(Daemon):
         self._retry_at = 0.0
         self._failures = 0
         self._last_error = ""
-        # Leader or standby, import torch and the model's code now: a standby that
-        # takes over then starts training seconds sooner.
-        threading.Thread(target=_prewarm, args=(str(self.spec.model.path),),
+        # Leader or standby, import what the trainer backend needs now (torch and the
+        # model's code): a standby that takes over then starts training seconds sooner.
+        threading.Thread(target=_prewarm, args=(self.spec,),
                          name="trainer-prewarm", daemon=True).start()
 
     def cycle(self) -> str | None:
@@ -143,13 +144,11 @@ class Trainer(Daemon):
                 "checkpoint_version": w.checkpoint_version}
 
 
-def _prewarm(model_dir: str) -> None:
+def _prewarm(spec: JobSpec) -> None:
+    from rlfleet.common.seams import TRAINER_BACKENDS
+
+    backend = spec.trainer.backend
     try:
-        from transformers import AutoConfig
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-        from . import learner  # noqa: F401 — torch
-
-        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_dir))]  # imports it
+        TRAINER_BACKENDS.get(backend.kind).prewarm(backend, model_path=str(spec.model.path))  # type: ignore[attr-defined]
     except Exception as exc:  # noqa: BLE001 — only an optimisation; the worker reports errors
         log.debug("prewarm skipped: %s", exc)

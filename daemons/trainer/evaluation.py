@@ -26,9 +26,15 @@ def task_for(spec: JobSpec) -> Any:
     return task_from_spec(spec)
 
 
-def can_evaluate(spec: JobSpec) -> bool:
-    """Evaluation needs the model's tokenizer (a bare weights folder has none)."""
-    return (Path(spec.model.path) / "tokenizer.json").exists()
+def evaluation_off(spec: JobSpec, learner: Any) -> str | None:
+    """Why held-out evaluation cannot run for this job, or None when it can. It needs a
+    policy to generate with (the sim backend has none) and the model's tokenizer (a bare
+    weights folder has none)."""
+    if getattr(learner, "model", None) is None:
+        return (f"the {spec.trainer.backend.kind} trainer backend has no policy to generate with")
+    if not (Path(spec.model.path) / "tokenizer.json").exists():
+        return f"no tokenizer in {spec.model.path}"
+    return None
 
 
 class Evaluator:

@@ -8,7 +8,8 @@ version. A checkpoint is a folder ``step-<version:08d>/`` holding an HF model
 (config.json + model.safetensors, loadable by every backend), the tokenizer
 files of the original model, ``optimizer.pt``, ``rng.pt`` and, written last,
 ``trainer_state.json``. It is written under a temporary name and renamed, so a
-folder named ``step-*`` is always complete; the newest ``keep`` are kept.
+folder named ``step-*`` is always complete; the newest ``keep`` are kept
+(checkpointing.write_checkpoint, shared with the sim backend).
 """
 
 from __future__ import annotations
@@ -25,15 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlfleet.common.durable import fsync_path
 from rlfleet.common.wire import ScoredTrajectory
 
 from . import grpo, packing
+from .checkpointing import STATE_FILE, CheckpointError, write_checkpoint
 from .losses import PolicyLoss, PPOClipLoss
 
 log = logging.getLogger("rlfleet.trainer")
 
-STATE_FILE = "trainer_state.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "vocab.json", "merges.txt", "chat_template.jinja", "warmstart.json")
 
@@ -56,10 +56,6 @@ def scheduled_lr(base: float, step: int, schedule: str = "constant", warmup_step
         span = max(total_steps - warmup_steps, 1)
         factor = max(0.0, (total_steps - step) / span)
     return base * factor
-
-
-class CheckpointError(Exception):
-    """A checkpoint folder that cannot be restored; the message names the file."""
 
 
 class Learner:
@@ -210,33 +206,20 @@ class Learner:
                         keep: int = 2, extra: dict[str, Any] | None = None) -> Path:
         """Write ``root/step-<version>/`` atomically; keep the newest ``keep``; returns it."""
         version = self.version if version is None else version
-        root = Path(root)
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"step-{version:08d}"
-        tmp = root / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        self.model.save_pretrained(str(tmp), safe_serialization=True)
-        for name in _TOKENIZER_FILES:
-            if (self.model_dir / name).is_file():
-                shutil.copy2(self.model_dir / name, tmp / name)
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
-        state = {"version": version, "time": time.time(), "lr": self.lr,
-                 "lr_schedule": self.lr_schedule, "loss": self.loss.describe(),
-                 "seed": self.seed, "base_model": str(self.model_dir), **(extra or {})}
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
-        for f in tmp.iterdir():
-            fsync_path(f)
-        fsync_path(tmp)
-        if final.exists():  # the same version saved again (e.g. on drain): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_path(root)
-        for old in checkpoints(root)[keep:]:
-            shutil.rmtree(old, ignore_errors=True)
-        log.info("checkpoint %s written (version %d)", final, version, extra={"event": "checkpoint"})
-        return final
+
+        def fill(folder: Path) -> None:
+            self.model.save_pretrained(str(folder), safe_serialization=True)
+            for name in _TOKENIZER_FILES:
+                if (self.model_dir / name).is_file():
+                    shutil.copy2(self.model_dir / name, folder / name)
+            torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+            torch.save({"torch": torch.get_rng_state()}, folder / "rng.pt")
+            state = {"version": version, "time": time.time(), "lr": self.lr,
+                     "lr_schedule": self.lr_schedule, "loss": self.loss.describe(),
+                     "seed": self.seed, "base_model": str(self.model_dir), **(extra or {})}
+            (folder / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+
+        return write_checkpoint(root, version, fill, keep)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> int:
         """Restore model, optimizer, RNG and version from a checkpoint folder; returns the version."""
@@ -260,13 +243,4 @@ class Learner:
         self.model, self.optimizer, self.version = model, optimizer, int(state["version"])
         torch.set_rng_state(rng["torch"])
         return self.version
-
-
-def checkpoints(root: str | os.PathLike[str]) -> list[Path]:
-    """Complete checkpoint folders under root, newest version first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob("step-*") if p.is_dir() and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: p.name, reverse=True)
 

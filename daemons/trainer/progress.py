@@ -21,11 +21,15 @@ log = logging.getLogger("rlfleet.trainer")
 PROGRESS_EVERY_S = 0.02  # trainer/progress is written at most this often
 
 
-def progress_record(state: JournalState, version: int) -> dict[str, int]:
-    """What trainer/progress says: env-hosts pace their claims by consumed_groups."""
+def progress_record(state: JournalState, version: int, group_size: int = 0) -> dict[str, int]:
+    """What trainer/progress says: env-hosts pace their claims by consumed_groups, and
+    in the one_step_off mode start a batch once every earlier group was received
+    (``received_groups``: trained, dropped, or complete and waiting)."""
     trained, dropped = len(state.trained), len(state.dropped)
+    waiting = sum(1 for ts in list(state.pending.values()) if group_size and len(ts) >= group_size)
     return {"version": version, "consumed_groups": trained + dropped,
-            "trained_groups": trained, "dropped_groups": dropped}
+            "trained_groups": trained, "dropped_groups": dropped,
+            "received_groups": trained + dropped + waiting}
 
 
 class ProgressWriter:

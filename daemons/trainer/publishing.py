@@ -1,6 +1,6 @@
 """Weight publishing off the training thread, newest version wins.
 
-The training thread snapshots the weights (``Learner.state_tensors()`` copies
+The training thread snapshots the weights (``learner.state_tensors()`` copies
 them) and hands them over; a publisher thread pushes them to the master relay
 through ``rlfleet.relay.publisher.WeightPublisher``. Training goes on at once:
 it never waits for the relay, and a relay that is slow or absent costs the

@@ -1,7 +1,7 @@
 """The training thread's loop; one step reads like the algorithm.
 
     whenever B/G complete groups are pending:
-        select (staleness bound)  -> Learner.train_step  -> journal the trained groups
+        select (staleness bound)  -> learner.train_step  -> journal the trained groups
         -> hand the version to the publisher -> metrics line -> checkpoint every N steps
         -> held-out evaluation when due
 
@@ -26,7 +26,7 @@ from rlfleet.common.spec import JobSpec
 from .batching import INVALID, STALENESS, select_groups
 from .checkpointing import Checkpointer
 from .journal import Journal
-from .metrics_log import MetricsLog, step_line
+from .metrics_log import MetricsLog, batch_versions, step_line
 
 log = logging.getLogger("rlfleet.trainer")
 
@@ -112,7 +112,8 @@ class TrainingLoop:
         ckpt = self.checkpoint() if version % self.spec().trainer.checkpoint_every == 0 else None
         self.metrics.append(step_line(version=version, stats=stats, ages=ages, wait_s=wait_s,
                                       snapshot_s=snapshot_s, publisher=self.publisher,
-                                      summary=self.journal.summary(), checkpoint=ckpt))
+                                      summary=self.journal.summary(), checkpoint=ckpt,
+                                      versions=batch_versions(batch)))
         log.info("step %d: loss %.4f reward %.3f, %d tokens in %.2f s", version, stats["loss"],
                  stats["reward_mean"], stats["tokens"], stats["step_s"], extra={"event": "step"})
         self.maybe_evaluate()

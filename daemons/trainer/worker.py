@@ -1,5 +1,10 @@
 """The leader's training machinery, composed: journal, learner, and three threads.
 
+The learner is what ``[trainer.backend]`` builds (backends.py): the torch
+``learner.Learner`` or the sim backend's ``sim_learner.SimLearner``; both have the
+interface used here (version, vocab_size, model, train_step, state_tensors,
+save_checkpoint, load_checkpoint).
+
 A TrainingWorker lives while its daemon leads. Starting it resumes from the
 newest loadable checkpoint and the journal; stopping it closes the socket and
 the journal (releasing the journal lock for whoever leads next). It only wires
@@ -8,7 +13,7 @@ the parts together and runs their threads; each part does one thing:
 - intake thread (``intake.Intake``, owns the ReliableReceiver socket): receive
   ScoredTrajectory -> validate -> journal (fsync) -> ack, so acks never wait for
   a training step;
-- train thread (``training.TrainingLoop``): select -> ``Learner.train_step`` ->
+- train thread (``training.TrainingLoop``): select -> ``learner.train_step`` ->
   journal -> publish (``publishing.AsyncPublisher``, its own thread) -> metrics
   line (``metrics_log``) -> checkpoint (``checkpointing``) -> evaluate;
 - progress thread (``progress.ProgressWriter``): trainer/progress in etcd.
@@ -28,7 +33,6 @@ journaled as pending again (REOPENED) to be trained once more.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -41,7 +45,7 @@ from rlfleet.common.run_dir import job_run_dir
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.store import Store
 
-from .checkpointing import Checkpointer
+from .checkpointing import Checkpointer, checkpoints
 from .intake import Intake
 from .journal import Journal
 from .metrics_log import MetricsLog
@@ -127,7 +131,7 @@ class TrainingWorker:
     def progress(self) -> dict[str, int]:
         """What trainer/progress says: env-hosts pace their claims by consumed_groups."""
         assert self._journal is not None
-        return progress_record(self._journal.state, self.state.version)
+        return progress_record(self._journal.state, self.state.version, self.spec.task.group_size)
 
     # -- lifecycle (called from the daemon's cycle) ------------------------------------
     def start(self) -> None:
@@ -193,12 +197,15 @@ class TrainingWorker:
 
     # -- building the parts ------------------------------------------------------------
     def _resume(self) -> None:
-        from .evaluation import Evaluator, can_evaluate
-        from .learner import checkpoints  # torch: imported only by a leader
+        from rlfleet.common.seams import TRAINER_BACKENDS
+
+        from .evaluation import Evaluator, evaluation_off
 
         self.state.status = "resuming"
         self._journal = journal = Journal(self.paths.journal)
-        learner = self._make_learner()
+        # [trainer.backend]: the torch Learner, or the sim backend's timing model
+        # (backends.py); torch is imported only here, by a leader, and only for torch.
+        learner = TRAINER_BACKENDS.build(self.spec.trainer.backend, spec=self.spec)
         for ckpt in checkpoints(self.paths.checkpoints):
             try:
                 learner.load_checkpoint(ckpt)
@@ -211,11 +218,11 @@ class TrainingWorker:
         self.state.version = learner.version
         self._publisher = self._make_publisher()
         evaluator = None
-        if can_evaluate(self.spec):
+        off = evaluation_off(self.spec, learner)
+        if off is None:
             evaluator = Evaluator(self.spec, self.paths.metrics)
         else:
-            log.warning("held-out evaluation off: no tokenizer in %s", self.spec.model.path,
-                        extra={"event": "no_eval"})
+            log.warning("held-out evaluation off: %s", off, extra={"event": "no_eval"})
         checkpointer = Checkpointer(learner, journal, self.paths.checkpoints, store=self.store,
                                     key=self.keys.trainer_checkpoint, is_leader=self.is_leader)
         self._loop = TrainingLoop(spec=lambda: self.spec, journal=journal, learner=learner,
@@ -232,24 +239,6 @@ class TrainingWorker:
                  "%d pending groups in the journal)", self.state.version,
                  self.state.checkpoint_version, len(reopened), len(journal.state.pending),
                  extra={"event": "resume"})
-
-    def _make_learner(self) -> Any:
-        from rlfleet.common.seams import POLICY_LOSSES
-
-        from .learner import Learner  # torch: imported only by a leader
-
-        t = self.spec.trainer
-        raw = os.environ.get("RLFLEET_TORCH_THREADS", "1")
-        if not raw.isdigit() or int(raw) < 1:
-            raise ValueError(f"RLFLEET_TORCH_THREADS must be an integer >= 1, got {raw!r}")
-        return Learner(self.spec.model.path, lr=t.learning_rate, loss=POLICY_LOSSES.build(t.loss),
-                       seed=self.spec.job.seed, threads=int(raw),
-                       lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
-                       total_steps=t.max_steps,
-                       # The rollout reports behaviour log-probs at temperature 1 (the
-                       # policy itself, see daemons/rollout/engine.py); the ratio must
-                       # compare like with like, whatever temperature sampling used.
-                       temperature=1.0)
 
     def _make_publisher(self) -> Any:
         from .publishing import AsyncPublisher

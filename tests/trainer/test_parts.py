@@ -131,7 +131,8 @@ def test_a_step_reads_like_the_algorithm(tmp_path, tiny_model):
         line = json.loads((tmp_path / "metrics.jsonl").read_text())
         assert (line["step"], line["staleness"], line["trained_groups"], line["wait_s"]) == (1, {"0": 4}, 2, 0.5)
         assert progress_record(journal.state, loop.state.version) == {
-            "version": 1, "consumed_groups": 2, "trained_groups": 2, "dropped_groups": 0}
+            "version": 1, "consumed_groups": 2, "trained_groups": 2, "dropped_groups": 0,
+            "received_groups": 2}
 
 
 def test_a_refused_batch_is_dropped_whole_and_nothing_is_published(tmp_path, tiny_model):

@@ -205,11 +205,12 @@ def test_every_seam_has_its_default_kind_registered():
     assert {r.group: r.names() for r in SEAMS} == {
         "rlfleet.rollout_engines": ["sim", "torch"],  # vllm comes with its own issue
         "rlfleet.policy_losses": ["ppo_clip"],
+        "rlfleet.trainer_backends": ["sim", "torch"],
         "rlfleet.reward_backends": ["rule_pool"],
         "rlfleet.reward_dispatch": ["fifo"],
-        "rlfleet.tasks": ["arithmetic", "frozenlake"],
+        "rlfleet.tasks": ["arithmetic", "frozenlake", "sim"],
         "rlfleet.env_routers": ["least_loaded"],
-        "rlfleet.repack_planners": ["none"],
+        "rlfleet.repack_planners": ["laminar", "none"],
     }
 
 
@@ -234,10 +235,14 @@ def test_the_shipped_kinds_build_what_the_daemons_used_to_build():
 
 def test_validating_a_spec_imports_no_implementation(tmp_path):
     """`rlfleet job validate` stays instant: the kinds' modules hold configs only."""
+    sim = tmp_path / "sim.toml"  # the sim kinds too (their check() runs on validation)
+    sim.write_text(f"""[job]\nname = "s"\n[model]\npath = {str(REPO / 'models' / 'tiny-qwen2')!r}\n"""
+                   """[task.env]\nkind = "sim"\n[trainer.backend]\nkind = "sim"\n""")
     code = textwrap.dedent(f"""
         import sys
         from rlfleet.common.spec import load_spec
         load_spec({str(REPO / 'examples' / 'frozenlake.toml')!r})
+        assert load_spec({str(sim)!r}).trainer.backend.kind == "sim"
         heavy = sorted(m for m in ("torch", "transformers", "gymnasium", "zmq", "numpy")
                        if m in sys.modules)
         print(",".join(heavy))

@@ -109,6 +109,7 @@ def test_defaults(tree):
     # every seam's table, omitted: today's behaviour
     assert spec.rollout.engine.model_dump() == {"kind": "torch", "max_batch": 32}
     assert spec.trainer.loss.model_dump() == {"kind": "ppo_clip", "clip_eps": 0.2}
+    assert spec.trainer.backend.model_dump() == {"kind": "torch"}
     assert spec.reward_host.backend.model_dump() == {"kind": "rule_pool", "workers": 2, "timeout_s": 10.0}
     assert spec.reward_host.dispatch.kind == "fifo"
     assert spec.env_host.routing.kind == "least_loaded"
@@ -207,7 +208,10 @@ def test_misspelled_section(tree):
         ("[reward_host.backend]\nworkers = 0", "reward_host.backend.workers: must be > 0, got 0"),
         ('[reward_host.dispatch]\nkind = "ebf"', "reward_host.dispatch.kind: unknown kind 'ebf' (registered: 'fifo')"),
         ('[env_host.routing]\nkind = "affinity"', "env_host.routing.kind: unknown kind 'affinity' (registered: 'least_loaded')"),
-        ('[repack_manager.planner]\nkind = "laminar"', "repack_manager.planner.kind: unknown kind 'laminar' (registered: 'none')"),
+        ('[repack_manager.planner]\nkind = "best_fit"', "repack_manager.planner.kind: unknown kind 'best_fit' (registered: 'laminar', 'none')"),
+        ('[repack_manager.planner]\nkind = "laminar"\nc_max = 1.5', "repack_manager.planner.c_max: must be <= 1, got 1.5"),
+        ('[repack_manager.planner]\nkind = "laminar"\nroofline_batch = 0', "repack_manager.planner.roofline_batch: must be > 0, got 0"),
+        ('[repack_manager.planner]\nkind = "laminar"\ninterval = 5', "repack_manager.planner.interval: unknown key (did you mean 'interval_s'?)"),
         ("[repack_manager]\nplaner = 1", "repack_manager.planer: unknown key (did you mean 'planner'?)"),
         ("[relay]\nkeep_versions = 0", "relay.keep_versions: must be >= 1, got 0"),
         ("[trainer]\nmax_staleness = -1", "trainer.max_staleness: must be >= 0, got -1"),
@@ -254,7 +258,7 @@ def test_missing_required_sections(tree):
     assert errors_of("[trainer]\nbatch_size = 8\n") == [
         "examples/bad.toml: job.name: required key missing",
         "examples/bad.toml: model.path: required key missing",
-        "examples/bad.toml: task.env: required table missing: one with kind = 'arithmetic' or 'frozenlake'",
+        "examples/bad.toml: task.env: required table missing: one with kind = 'arithmetic', 'frozenlake' or 'sim'",
     ]
 
 
@@ -457,14 +461,94 @@ def test_engine_refuses_a_model_it_cannot_run(tree):
                      f"{model.resolve()} has ['sliding_attention']")
 
 
+SIM_TRAINER = '[trainer.backend]\nkind = "sim"\n'
+
+
+def test_sim_trainer_backend_defaults_and_keys(tree):
+    from rlfleet.daemons.trainer.backends import SIM_TOKENS_PER_S
+
+    Path("examples/sim.toml").write_text(MINIMAL + SIM_TRAINER)
+    backend = load_spec("examples/sim.toml").trainer.backend
+    assert backend.model_dump() == {"kind": "sim", "time_scale": 0.02, "tokens_per_s": SIM_TOKENS_PER_S,
+                                    "fixed_s": 1.0, "weight_mib": 64}
+    # 64 H800 x 989 TFLOPS x 40% MFU / (6 x 7.62e9 params), the derivation in backends.py
+    assert round(SIM_TOKENS_PER_S) == 553_771
+    Path("examples/sim.toml").write_text(
+        MINIMAL + SIM_TRAINER + "time_scale = 0.5\ntokens_per_s = 1e5\nfixed_s = 0\nweight_mib = 8\n")
+    backend = load_spec("examples/sim.toml").trainer.backend
+    assert (backend.time_scale, backend.tokens_per_s, backend.fixed_s, backend.weight_mib) == (0.5, 1e5, 0, 8)
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("time_scale = 0", "trainer.backend.time_scale: must be > 0, got 0"),
+    ("time_scale = -1", "trainer.backend.time_scale: must be > 0, got -1"),
+    ("time_scale = nan", "trainer.backend.time_scale: must be a finite number, got nan"),
+    ("time_scale = 100", "trainer.backend.time_scale: must be <= 10, got 100"),
+    ("tokens_per_s = 0", "trainer.backend.tokens_per_s: must be > 0, got 0"),
+    ("tokens_per_s = inf", "trainer.backend.tokens_per_s: must be a finite number, got inf"),
+    ("fixed_s = -0.5", "trainer.backend.fixed_s: must be >= 0, got -0.5"),
+    ("weight_mib = 0", "trainer.backend.weight_mib: must be > 0, got 0"),
+    ("weight_mib = 1_000_000", "trainer.backend.weight_mib: must be <= 16384, got 1000000"),
+    ("weight_mib = 1.5", "trainer.backend.weight_mib: expected an integer, got 1.5"),
+    ("weight_mb = 64", "trainer.backend.weight_mb: unknown key (did you mean 'weight_mib'?)"),
+])
+def test_bad_sim_trainer_parameters_name_the_key(tree, line, expected):
+    assert_one_error(MINIMAL + SIM_TRAINER + line + "\n", expected)
+
+
+def test_torch_trainer_backend_has_no_sim_keys(tree):
+    assert_one_error(MINIMAL + '[trainer.backend]\ntime_scale = 0.1\n',
+                     "trainer.backend.time_scale: unknown key")
+    assert_one_error(MINIMAL + '[trainer.backend]\nkind = "megatron"\n',
+                     "trainer.backend.kind: unknown kind 'megatron' (registered: 'sim', 'torch')")
+
+
+def test_sim_weights_beyond_the_machines_memory_are_refused(tree, monkeypatch):
+    from rlfleet.daemons.trainer import backends
+
+    # 4 GiB of memory: 1024 MiB x (3 trainer snapshots + 2 relay versions) = 5 GiB does not fit
+    monkeypatch.setattr(backends, "_machine_memory_bytes", lambda: 4 << 30)
+    assert_one_error(MINIMAL + SIM_TRAINER + "weight_mib = 1024\n",
+                     "trainer.backend.weight_mib: 1024 MiB of weights: up to 3 snapshots in the "
+                     "trainer plus relay.keep_versions (2) in the relay's shared memory take 5.0 GiB, "
+                     "more than this machine's memory (4.0 GiB)")
+    Path("examples/ok.toml").write_text(MINIMAL + SIM_TRAINER + "weight_mib = 512\n")
+    assert load_spec("examples/ok.toml").trainer.backend.weight_mib == 512
+
+
 def test_typed_task_knobs(tree):
     assert_one_error(MINIMAL + "digits = -3\n", "task.env.digits: must be >= 1, got -3")
     assert_one_error(MINIMAL.replace('"arithmetic"', '"frozenlake"') + "p = 0\n",
                      "task.env.p: must be > 0, got 0")
     assert_one_error(MINIMAL.replace('"arithmetic"', '"chess"'),
-                     "task.env.kind: unknown kind 'chess' (registered: 'arithmetic', 'frozenlake')")
+                     "task.env.kind: unknown kind 'chess' (registered: 'arithmetic', 'frozenlake', 'sim')")
     assert_one_error(MINIMAL.replace('kind = "arithmetic"', "digits = 2"),
-                     "task.env.kind: required key missing (registered: 'arithmetic', 'frozenlake')")
+                     "task.env.kind: required key missing (registered: 'arithmetic', 'frozenlake', 'sim')")
+
+
+SIM_TASK = MINIMAL.replace('kind = "arithmetic"', 'kind = "sim"')
+
+
+def test_sim_task_knobs(tree):
+    Path("examples/sim.toml").write_text(SIM_TASK)
+    assert load_spec("examples/sim.toml").task.env.model_dump() == {
+        "kind": "sim", "max_new_tokens": 16384, "success_rate": 0.5}
+    Path("examples/sim.toml").write_text(SIM_TASK + "max_new_tokens = 1024\nsuccess_rate = 1\n")
+    env = load_spec("examples/sim.toml").task.env
+    assert (env.max_new_tokens, env.success_rate) == (1024, 1.0)
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("max_new_tokens = 0", "task.env.max_new_tokens: must be >= 1, got 0"),
+    ("max_new_tokens = 1_000_000", "task.env.max_new_tokens: must be <= 131072, got 1000000"),
+    ("max_new_tokens = 16384.0", "task.env.max_new_tokens: expected an integer, got 16384.0"),
+    ("success_rate = -0.1", "task.env.success_rate: must be >= 0, got -0.1"),
+    ("success_rate = 1.5", "task.env.success_rate: must be <= 1, got 1.5"),
+    ("success_rate = nan", "task.env.success_rate: must be a finite number, got nan"),
+    ("digits = 2", "task.env.digits: unknown key"),
+])
+def test_bad_sim_task_knobs_name_the_key(tree, line, expected):
+    assert_one_error(SIM_TASK + line + "\n", expected)
 
 
 def test_model_folder_without_weights(tree):

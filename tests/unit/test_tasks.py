@@ -157,3 +157,94 @@ def test_max_turns_ends_a_wandering_episode():
     results = [env.step(a) for a in ["L", "U", "L", "U", "L"]]  # bumps into the walls
     assert [r[2] for r in results] == [False] * 4 + [True]
     assert sum(r[1] for r in results) == 0.0 and results[-1][3]["truncated"]
+
+
+# ------------------------------------------------------------------------------- sim
+def test_sim_prompts_are_distinct_deterministic_and_split():
+    task = get_task("sim")
+    a = task.make_prompts("train", 300, seed=3)
+    assert a == get_task("sim").make_prompts("train", 300, seed=3)
+    assert a[:50] == task.make_prompts("train", 50, seed=3)  # prefix-stable in n
+    assert [p.question for p in a[:3]] == ["3:0:0", "3:0:1", "3:0:2"]
+    assert len({p.question for p in a}) == len({p.uid for p in a}) == 300
+    assert all(p.task == "sim" and p.split == "train" and p.answer == "" for p in a)
+    other_seed = {p.question for p in task.make_prompts("train", 300, seed=4)}
+    evals = {p.question for p in task.make_prompts("eval", 300, seed=3)}
+    assert not other_seed & {p.question for p in a} and not evals & {p.question for p in a}
+    with pytest.raises(ValueError, match="split"):
+        task.make_prompts("test", 3)  # type: ignore[arg-type]
+
+
+def test_sim_prompts_survive_the_shipped_character_tokenizer():
+    """The sim engine derives a prompt's length from its token ids: no character may be lost."""
+    from tokenizers import Tokenizer
+
+    from tests.integration.helpers import TINY_MODEL
+
+    tok = Tokenizer.from_file(str(TINY_MODEL / "tokenizer.json"))
+    task = get_task("sim")
+    for p in task.make_prompts("train", 20, seed=12) + task.make_prompts("eval", 5, seed=12):
+        text = task.format_turn(task.make_env().reset(p))
+        assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_sim_reward_is_a_seeded_coin_per_trajectory():
+    from rlfleet.daemons.tasks import undecoded_action
+
+    task = get_task("sim", success_rate=0.3)
+    prompts = task.make_prompts("train", 250, seed=0)
+    rewards = [[task.reward(p, [undecoded_action(f"p{i}-g{k}", 0)]) for k in range(8)]
+               for i, p in enumerate(prompts)]
+    flat = [r for g in rewards for r in g]
+    assert set(flat) == {0.0, 1.0}
+    assert abs(sum(flat) / len(flat) - 0.3) < 0.04  # 2000 draws: 4 standard errors ~ 0.04
+    # groups of 8 at 0.3 are all-equal with probability 0.7^8 + 0.3^8 ~ 6%: most have variance
+    assert sum(len(set(g)) == 2 for g in rewards) > 0.85 * len(rewards)
+    # deterministic: the same (seed, trajectory id) gives the same reward, in another task object
+    again = get_task("sim", success_rate=0.3)
+    assert again.reward(prompts[7], [undecoded_action("p7-g3", 0)]) == rewards[7][3]
+    # another job seed draws other coins
+    seed9 = get_task("sim", success_rate=0.3).make_prompts("train", 250, seed=9)
+    assert [[task.reward(p, [undecoded_action(f"p{i}-g{k}", 0)]) for k in range(8)]
+            for i, p in enumerate(seed9)] != rewards
+    p = prompts[0]
+    assert get_task("sim", success_rate=0.0).reward(p, ["x"]) == 0.0
+    assert get_task("sim", success_rate=1.0).reward(p, ["x"]) == 1.0
+
+
+def test_sim_env_is_one_inline_step_without_decoding():
+    task = get_task("sim", max_new_tokens=4096)
+    assert (task.max_new_tokens, task.max_turns, task.multi_turn) == (4096, 1, False)
+    assert task.env_calls_inline and not task.decodes_completion
+    assert get_task("arithmetic").decodes_completion and get_task("frozenlake").decodes_completion
+    assert get_task("sim").max_new_tokens == 16384  # Laminar's 16K output cap
+    p = task.make_prompts("train", 1, seed=5)[0]
+    env = task.make_env()
+    assert env.reset(p) == "5:0:0"
+    obs, reward, done, info = env.step("<undecoded p0-g1 turn 0>")
+    assert (obs, done, info) == ("", True, {})
+    assert reward == task.reward(p, ["<undecoded p0-g1 turn 0>"])  # the reward-host's check agrees
+    with pytest.raises(RuntimeError):
+        env.step("again")
+
+
+def test_sim_bad_knobs_are_refused_with_their_names():
+    with pytest.raises(ValueError, match=r"max_new_tokens: must be an integer in \[1, 131072\], got 0"):
+        get_task("sim", max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"success_rate: must be a number in \[0, 1\], got 1.5"):
+        get_task("sim", success_rate=1.5)
+    with pytest.raises(ValueError, match=r"no knob\(s\) \['digits'\]"):
+        get_task("sim", digits=2)
+
+
+def test_sim_kind_defaults_are_the_tasks():
+    from rlfleet.common.seams import TASKS
+    from rlfleet.daemons.tasks.sim import MAX_NEW_TOKENS_LIMIT
+
+    config = TASKS.get("sim").Config()
+    assert config.model_dump(exclude={"kind"}) == get_task("sim").difficulty()
+    bound = next(m.le for m in type(config).model_fields["max_new_tokens"].metadata
+                 if getattr(m, "le", None) is not None)
+    assert bound == MAX_NEW_TOKENS_LIMIT
+    built = TASKS.build(TASKS.get("sim").Config(max_new_tokens=100, success_rate=0.9))
+    assert built.difficulty() == {"max_new_tokens": 100, "success_rate": 0.9}

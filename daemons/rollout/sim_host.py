@@ -1,0 +1,206 @@
+"""Many simulated rollouts in one process and one thread (ARCHITECTURE §6).
+
+A rollout daemon whose engine is ``sim`` with ``rollouts = N`` hosts N simulated
+rollouts. Each is a full rollout to the rest of the fleet: its own member
+(``members/rollout/<daemon id>-<k>``, bound to the daemon's lease, so killing the
+process is a machine failure for all of them), its own ``requests`` socket, engine,
+weight version, statistics and repack orders (``core.RolloutCore``). The daemon's own
+member record carries no ``requests`` address: nobody routes to the host itself.
+
+One thread serves them all: it polls every socket, hands messages to their cores, and
+sleeps until the earliest engine event (``SimEngine.next_event_at``) or the next weight
+check. The relay's newest version is read once per check for all of them. Each engine
+measures how late its results leave against its timing model (its lag); a figure taken
+while that lag was above 5 % is not kept (tools/bench/longtail.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from rlfleet.common.sockets import RequestServer
+
+from .core import RolloutCore, WeightReader
+
+log = logging.getLogger("rlfleet.rollout")
+
+SUMMARY_EVERY_S = 2.0
+
+
+def sim_member_id(host_id: str, index: int, count: int) -> str:
+    return f"{host_id}-{index:0{max(2, len(str(count - 1)))}d}"
+
+
+class SimHost:
+    def __init__(self, cores: list[RolloutCore], reader_factory: Callable[[], WeightReader | None],
+                 *, check_every_s: float = 0.05, summary_path: Path | None = None,
+                 drain_timeout_s: float = 2.0) -> None:
+        self.cores = cores
+        self.reader_factory = reader_factory
+        self.reader: WeightReader | None = None
+        self.check_every_s = check_every_s
+        self.summary_path = summary_path
+        self.drain_timeout_s = drain_timeout_s
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+        self._next_reader_try = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sim-host", daemon=True)
+        self._by_socket = {core.server.sock: i for i, core in enumerate(cores)}
+        self._heap: list[tuple[float, int]] = []  # (engine's next event, core index)
+        self._due: dict[int, float] = {}
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def release(self) -> None:
+        for core in self.cores:
+            core.release()
+
+    # -- the thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            poller = zmq.Poller()
+            for core in self.cores:
+                poller.register(core.server.sock, zmq.POLLIN)
+            next_check = next_summary = 0.0
+            newest: int | None = None
+            while not self._stop.is_set():
+                now = time.monotonic()
+                wake = min(next_check, self._heap[0][0] if self._heap else next_check)
+                ready = poller.poll(max(0, int((wake - now) * 1000 + 0.999)))
+                dirty: set[int] = set()
+                for sock, _ in ready:
+                    i = self._by_socket[sock]
+                    self._receive(self.cores[i])
+                    dirty.add(i)
+                now = time.monotonic()
+                reader = self._get_reader(now)
+                if now >= next_check:
+                    next_check = now + self.check_every_s
+                    newest = self._newest(reader)
+                    for i, core in enumerate(self.cores):
+                        if core.held or (newest is not None and newest > core.engine.weight_version):
+                            dirty.add(i)
+                while self._heap and self._heap[0][0] <= now:
+                    _, i = heapq.heappop(self._heap)
+                    dirty.add(i)
+                for i in dirty:
+                    self.cores[i].tick(now, reader, newest)
+                    self._schedule(i)
+                if now >= next_summary:
+                    next_summary = now + SUMMARY_EVERY_S
+                    self.write_summary()
+            self._drain()
+        except BaseException as exc:  # a bug: the daemon's cycle() sees it and exits
+            log.exception("sim host thread died")
+            self.error = exc
+        finally:
+            self.write_summary()
+
+    def _receive(self, core: RolloutCore, max_messages: int = 1000) -> None:
+        for _ in range(max_messages):  # bounded: a flood must not starve the others
+            got = core.server.recv(0.0)
+            if got is None:
+                return
+            identity, rid, msg = got
+            core.on_message(identity, rid, msg, time.monotonic())
+
+    def _schedule(self, i: int) -> None:
+        at = self.cores[i].engine.next_event_at()  # type: ignore[attr-defined]
+        if at is not None and self._due.get(i) != at:
+            self._due[i] = at
+            heapq.heappush(self._heap, (at, i))
+
+    def _newest(self, reader: WeightReader | None) -> int | None:
+        if reader is None:
+            return None
+        try:
+            return reader.newest()
+        except Exception as exc:  # noqa: BLE001 — keep serving the versions held
+            log.warning("weight reader newest() failed: %s", exc)
+            return None
+
+    def _get_reader(self, now: float) -> WeightReader | None:
+        if self.reader is None and self.reader_factory is not None and now >= self._next_reader_try:
+            try:
+                self.reader = self.reader_factory()
+                if self.reader is None:
+                    self.reader_factory = None  # type: ignore[assignment]
+            except Exception as exc:  # noqa: BLE001 — the relay may come up later
+                log.warning("weight reader unavailable, retrying in 5 s: %s", exc)
+                self._next_reader_try = now + 5.0
+        return self.reader
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        for core in self.cores:
+            core.refuse_held()
+        while time.monotonic() < deadline and any(c.engine.has_work() for c in self.cores):
+            for core in self.cores:
+                self._receive(core)
+                core.tick(time.monotonic(), None)
+            time.sleep(0.001)
+        for core in self.cores:
+            self._receive(core)
+            core.cut(list(core.clients), "rollout is draining")
+
+    # -- what the benchmark reads ------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """Cumulative figures per simulated rollout since it started (elapsed_s): tokens
+        generated (aborted ones too), seconds with nothing running, the integral of
+        KV utilisation (kv_used / kv_total) over time, and its lag against the model."""
+        elapsed = time.monotonic() - self.started
+        out = {}
+        for core in self.cores:
+            e: Any = core.engine
+            out[core.member_id] = {
+                "weight_version": e.weight_version, "generated_tokens": int(e.generated_tokens),
+                "idle_s": round(e.idle_s, 4), "kv_util_s": round(e.kv_utilization_mean() * elapsed, 4),
+                "lag": round(e.lag_fraction(), 5)}
+        return {"time": time.time(), "elapsed_s": round(elapsed, 4), "rollouts": out}
+
+    def write_summary(self) -> None:
+        """``<run dir>/sim/<id>.json`` (the latest, per rollout) and one aggregate line per
+        call in ``<id>.jsonl`` (a time series: rates over any window)."""
+        if self.summary_path is None:
+            return
+        try:
+            s = self.summary()
+            rollouts = s["rollouts"].values()
+            line = {"time": round(s["time"], 3), "elapsed_s": s["elapsed_s"], "rollouts": len(rollouts),
+                    "generated_tokens": sum(r["generated_tokens"] for r in rollouts),
+                    "idle_s": round(sum(r["idle_s"] for r in rollouts), 3),
+                    "kv_util_s": round(sum(r["kv_util_s"] for r in rollouts), 3),
+                    "max_lag": max((r["lag"] for r in rollouts), default=0.0)}
+            self.summary_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.summary_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(s))
+            os.replace(tmp, self.summary_path)
+            with open(self.summary_path.with_suffix(".jsonl"), "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except Exception as exc:  # noqa: BLE001 — statistics must never stop serving
+            log.warning("cannot write %s: %s", self.summary_path, exc)
+
+
+def bind_servers(count: int, bind_host: str, host_id: str, expect: tuple[type, ...]) -> list[RequestServer]:
+    ctx = zmq.Context.instance()
+    return [RequestServer(f"tcp://{bind_host}:0", expect=expect, ctx=ctx,
+                          name=f"{sim_member_id(host_id, k, count)}-requests") for k in range(count)]

@@ -1,0 +1,168 @@
+"""The trainer-backend seam: ``[trainer.backend]``, one kind per way of making versions.
+
+    [trainer.backend]
+    kind = "torch"       # default: the policy itself, trained by learner.Learner
+
+    [trainer.backend]
+    kind = "sim"         # a timing model: sim_learner.SimLearner
+    time_scale = 0.02
+    weight_mib = 64
+
+Both build an object with the learner interface the rest of the trainer uses
+(worker.py, training.py, checkpointing.py): ``version``, ``vocab_size``,
+``model`` (None: nothing to evaluate), ``train_step(groups) -> stats``,
+``state_tensors()``, ``save_checkpoint`` and ``load_checkpoint``.
+
+Registered in pyproject.toml (``rlfleet.trainer_backends``). This module is imported
+whenever a spec is validated, so it holds configs and constants only; ``build``
+imports torch (torch kind) or numpy (sim kind).
+
+The sim kind's defaults model Laminar's 7B setting (Laminar §8, "Testbed" and
+"Models": Qwen2.5-7B trained on 64 H800 GPUs, 8 per machine, 8 x 400 Gbps between
+machines). A step of T tokens (every prompt and completion token of the batch) takes
+
+    fixed_s + T / tokens_per_s   model seconds, slept as  time_scale x that  wall seconds
+
+- ``tokens_per_s`` = GPUS x PEAK_FLOPS x MFU / (6 x PARAMS): a dense transformer's
+  forward and backward cost about 6 FLOPs per parameter per token (Kaplan et al. 2020,
+  "Scaling Laws for Neural Language Models", §2.1); PARAMS = 7.62e9 (Qwen2.5-7B's model
+  card); PEAK_FLOPS = 989e12, an H800 SXM's dense bf16 peak (the same die as the H100
+  SXM; NVIDIA's datasheet); MFU = 0.40, *an assumption*: what Megatron-style training
+  of 7B dense models typically reaches, and optimistic for RL batches of uneven lengths.
+  That gives 64 x 989e12 x 0.40 / (6 x 7.62e9) = 553,771 tokens/s. (Laminar also
+  recomputes old log-probs, a forward pass of 2 more FLOPs per parameter per token; set
+  ``tokens_per_s`` 25% lower to model that.)
+- ``fixed_s`` = 1.0, per step whatever its size: the gradient all-reduce of 7.62e9 bf16
+  gradients across 8 machines (a ring moves about 2 x 15.2 GB per GPU, at 50 GB/s per
+  GPU of inter-machine bandwidth ~0.6 s) plus the optimizer step and launch overheads,
+  rounded up. Also an assumption, stated so it can be argued with.
+- ``time_scale`` = 0.02 wall seconds per model second: the sim rollout engine's meaning,
+  so one factor scales the whole simulated fleet.
+- ``weight_mib`` = 64: bytes really published through the relay chain each step (the
+  7B model's 15 GB would not fit this machine's memory several times over); the relay's
+  cost per step is then real, its size scaled down.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, StrictInt
+
+from rlfleet.common.registry import Kind, KindConfig, Problem
+
+# -- the sim backend's model (see the module docstring for the sources) ------------------
+SIM_PARAMS = 7.62e9          # Qwen2.5-7B
+SIM_GPUS = 64                # Laminar §8: 7B trained on 64 H800s
+SIM_PEAK_FLOPS = 989e12      # H800 SXM dense bf16, per GPU
+SIM_MFU = 0.40               # assumed model FLOPs utilisation
+SIM_TOKENS_PER_S = SIM_GPUS * SIM_PEAK_FLOPS * SIM_MFU / (6 * SIM_PARAMS)  # ~553,771
+SIM_FIXED_S = 1.0            # all-reduce + optimizer + overheads per step (assumed)
+SIM_TIME_SCALE = 0.02        # wall s per model s, as the sim rollout engine
+SIM_WEIGHT_MIB = 64
+# Above this a weight_mib is a typo (16 GiB is a 7B model's bf16 weights with room to
+# spare); check() below then holds it against this machine's memory.
+MAX_WEIGHT_MIB = 16384
+# Snapshots of the weights alive at once on the trainer's host: the one being made, the
+# one waiting in the publisher's slot and the one being pushed (publishing.py).
+TRAINER_SNAPSHOTS = 3
+
+
+class TrainerBackend(Kind):
+    """A trainer backend kind: ``build(config, spec=JobSpec)`` returns the learner."""
+
+    @classmethod
+    def prewarm(cls, config: Any, /, *, model_path: str) -> None:
+        """Import what ``build`` will need, ahead of leadership (a standby that takes over
+        then starts training sooner). Best effort: the build reports errors."""
+
+
+class TorchBackendConfig(KindConfig):
+    kind: Literal["torch"] = "torch"
+
+
+class TorchBackend(TrainerBackend):
+    """``learner.Learner``: the HF policy on CPU or one GPU, trained with [trainer.loss]."""
+
+    Config = TorchBackendConfig
+
+    @classmethod
+    def build(cls, config: TorchBackendConfig, /, *, spec: Any, **_: Any) -> Any:
+        from rlfleet.common.seams import POLICY_LOSSES
+
+        from .learner import Learner  # torch: imported only by a leader
+
+        t = spec.trainer
+        raw = os.environ.get("RLFLEET_TORCH_THREADS", "1")
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"RLFLEET_TORCH_THREADS must be an integer >= 1, got {raw!r}")
+        return Learner(spec.model.path, lr=t.learning_rate, loss=POLICY_LOSSES.build(t.loss),
+                       seed=spec.job.seed, threads=int(raw),
+                       lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
+                       total_steps=t.max_steps,
+                       # The rollout reports behaviour log-probs at temperature 1 (the
+                       # policy itself, see daemons/rollout/engine.py); the ratio must
+                       # compare like with like, whatever temperature sampling used.
+                       temperature=1.0)
+
+    @classmethod
+    def prewarm(cls, config: TorchBackendConfig, /, *, model_path: str) -> None:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        from . import learner  # noqa: F401 — torch
+
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_path))]  # imports it
+
+
+Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+
+
+class SimBackendConfig(KindConfig):
+    kind: Literal["sim"] = "sim"
+    # Wall seconds per model second (0.02: a 60 s model step sleeps 1.2 s).
+    time_scale: Annotated[Finite, Field(gt=0, le=10)] = SIM_TIME_SCALE
+    # Model tokens trained per model second (prompt + completion tokens of the batch).
+    tokens_per_s: Annotated[Finite, Field(gt=0, le=1e12)] = SIM_TOKENS_PER_S
+    fixed_s: Annotated[Finite, Field(ge=0, le=3600)] = SIM_FIXED_S  # model seconds per step
+    # MiB of weights published through the relay chain per version.
+    weight_mib: Annotated[StrictInt, Field(gt=0, le=MAX_WEIGHT_MIB)] = SIM_WEIGHT_MIB
+
+
+class SimBackend(TrainerBackend):
+    """``sim_learner.SimLearner``: sleeps the modeled step time, publishes stamped bytes."""
+
+    Config = SimBackendConfig
+
+    @classmethod
+    def build(cls, config: SimBackendConfig, /, *, spec: Any, **_: Any) -> Any:
+        from .sim_learner import SimLearner
+
+        return SimLearner(spec.model.path, time_scale=config.time_scale,
+                          tokens_per_s=config.tokens_per_s, fixed_s=config.fixed_s,
+                          weight_mib=config.weight_mib)
+
+    @classmethod
+    def check(cls, config: SimBackendConfig, sections: Mapping[str, BaseModel]) -> list[Problem]:
+        relay = sections.get("relay")
+        keep = int(getattr(relay, "keep_versions", 2))
+        need = (config.weight_mib << 20) * (TRAINER_SNAPSHOTS + keep)
+        have = _machine_memory_bytes()
+        if have is None or need <= have:
+            return []
+        return [(("weight_mib",),
+                 f"{config.weight_mib} MiB of weights: up to {TRAINER_SNAPSHOTS} snapshots in the "
+                 f"trainer plus relay.keep_versions ({keep}) in the relay's shared memory take "
+                 f"{need / 2**30:.1f} GiB, more than this machine's memory "
+                 f"({have / 2**30:.1f} GiB)")]
+
+
+def _machine_memory_bytes() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:  # noqa: BLE001 — no figure, no check
+        return None

@@ -1,0 +1,145 @@
+"""The sim trainer backend in the real daemons: a trainer process and a relay process
+against a real etcd. Trajectories go in as the reward-host sends them; versions advance
+at the modeled pace, real bytes reach the master relay (weights/latest moves with them),
+and a trainer killed with -9 resumes exactly as the torch trainer does."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rlfleet.common.etcd_store import EtcdStore
+from rlfleet.common.keys import JobKeys
+from rlfleet.common.records import RelayMaster, WeightsLatest
+from rlfleet.common.sockets import ReliableSender
+from rlfleet.common.spec import load_spec
+
+from ..integration.helpers import TINY_MODEL, stop, wait_for, write_spec
+from .conftest import scored
+
+JOB = "simt"
+WEIGHT_MIB = 4
+SPEC = f"""\
+group_size = 2
+
+[trainer]
+batch_size = 4
+checkpoint_every = 2
+max_steps = 100
+
+[trainer.backend]
+kind = "sim"
+time_scale = 0.05      # a step of 1 model second + its tokens sleeps ~50 ms
+fixed_s = 1.0
+tokens_per_s = 1000.0
+weight_mib = {WEIGHT_MIB}
+
+[relay]
+chunk_mib = 1
+"""
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def fleet(tmp_path, etcd):
+    spec = write_spec(tmp_path, JOB, SPEC, model=TINY_MODEL)
+    store = EtcdStore(etcd.endpoints)
+    store.put(JobKeys(JOB).spec, load_spec(spec).to_dict())  # the relay reads its spec from etcd
+    shm_root = f"/dev/shm/rlfleet-test-{uuid.uuid4().hex[:8]}"
+    procs: list[subprocess.Popen] = []
+
+    def start(role: str, member_id: str) -> subprocess.Popen:
+        args = ["--spec", str(spec)] if role == "trainer" else ["--host", "host-a"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlfleet.tools.cli", "daemon", role, "--job", JOB,
+             "--etcd", etcd.endpoints_arg, "--id", member_id, *args],
+            stdout=open(tmp_path / f"{member_id}.log", "ab"), stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO,
+            env={**os.environ, "RLFLEET_RUN_DIR": str(tmp_path / "run"),
+                 "RLFLEET_RELAY_SHM_ROOT": shm_root})
+        procs.append(proc)
+        return proc
+
+    yield start, store, tmp_path
+    for proc in procs:
+        stop(proc)
+    store.close()
+    shutil.rmtree(shm_root, ignore_errors=True)
+
+
+def metrics(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "run" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def trainer_address(store: EtcdStore, member_id: str, log: Path) -> str:
+    def addr() -> str | None:
+        kv = store.get(JobKeys(JOB).member("trainer", member_id))
+        return (kv.value.get("addresses") or {}).get("trajectories") if kv else None
+    return wait_for(f"{member_id} serving trajectories (log: {log})", addr, timeout_s=30)
+
+
+def latest(store: EtcdStore) -> int:
+    record = WeightsLatest.read(store, JobKeys(JOB))
+    return record.version if record is not None else -1
+
+
+def send_groups(sender: ReliableSender, prompts: range, version: int = 0) -> None:
+    for p in prompts:
+        # 3 prompt + 2 or 3 generated tokens each: a group is 11 tokens, a batch of 2 groups 22
+        for st in (scored(p, 0, 1.0, tokens=(7, 8), version=version),
+                   scored(p, 1, 0.0, tokens=(9, 10, 2), version=version)):
+            sender.send(st.trajectory.trajectory_id, st)
+    assert sender.flush(20), f"{sender.pending()} trajectories not acked"
+
+
+def test_sim_trainer_publishes_real_bytes_through_the_relay_and_resumes(fleet):
+    start, store, tmp = fleet
+    keys = JobKeys(JOB)
+    start("relay", "relay-a")
+    wait_for("relay-a to become master",
+             lambda: (m := RelayMaster.read(store, keys)) is not None and m.id == "relay-a")
+    a = start("trainer", "trainer-a")
+    sender = ReliableSender(trainer_address(store, "trainer-a", tmp / "trainer-a.log"),
+                            resend_after_s=0.5)
+
+    # -- three steps: versions 1..3 at the modeled pace, each published whole ---------
+    send_groups(sender, range(6))
+    wait_for("3 steps in metrics.jsonl", lambda: len(metrics(tmp)) == 3)
+    m = metrics(tmp)
+    assert [x["version"] for x in m] == [1, 2, 3]
+    model_s = 1.0 + 22 / 1000.0
+    for line in m:
+        assert (line["tokens"], line["batch_tokens"], line["reward_mean"], line["loss"]) == (10, 22, 0.5, 0.0)
+        assert line["model_step_s"] == pytest.approx(model_s)
+        assert line["step_s"] >= 0.05 * model_s - 1e-3  # slept at least the modeled time
+    assert [x["staleness"] for x in m] == [{"0": 4}, {"1": 4}, {"2": 4}]
+    wait_for("weights/latest at version 3", lambda: latest(store) == 3, timeout_s=20)
+    record = WeightsLatest.read(store, keys)
+    assert record is not None and record.bytes == WEIGHT_MIB << 20 and record.master == "relay-a"
+    assert "held-out evaluation off: the sim trainer backend has no policy to generate with" in (
+        tmp / "trainer-a.log").read_text()
+
+    # -- kill -9 after the step-2 checkpoint: the next trainer resumes at version 3 ----
+    a.send_signal(signal.SIGKILL)
+    a.wait(10)
+    sender.close()
+    start("trainer", "trainer-b")
+    sender = ReliableSender(trainer_address(store, "trainer-b", tmp / "trainer-b.log"),
+                            resend_after_s=0.5)
+    log_b = (tmp / "trainer-b.log").read_text()
+    assert "resumed at version 3 (checkpoint version 2, 2 groups to re-train, 2 pending groups" in log_b
+    # The two re-opened groups of step 3 plus two new ones: versions 4 and 5, never back.
+    send_groups(sender, range(6, 8), version=3)
+    wait_for("2 more steps", lambda: len(metrics(tmp)) == 5)
+    assert [x["version"] for x in metrics(tmp)] == [1, 2, 3, 4, 5]
+    wait_for("weights/latest at version 5", lambda: latest(store) == 5, timeout_s=20)
+    sender.close()

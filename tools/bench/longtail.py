@@ -1,0 +1,352 @@
+"""The long tail at scale: rollout coordination modes side by side on the simulated fleet.
+
+    python -m rlfleet.tools.bench.longtail --rollouts 16,64 \\
+        --modes sync,one_step_off,partial,trajectory,trajectory_repack \\
+        --json runs/bench/longtail.json --plot runs/bench/longtail.png
+
+For every (rollouts, mode) it runs the real daemons (`rlfleet run`) on
+examples/longtail-sim.toml — sim rollout engines (one process hosting all the
+simulated rollouts), the sim trainer backend, the real relay chain, env-host,
+reward-host, repack-manager and etcd — with only these changed: ``[rollout] mode``,
+the repack planner (``laminar`` for trajectory_repack, else ``none``), the number of
+simulated rollouts, and the batch (``--prompts-per-rollout`` prompts per rollout and
+step, so every mode gets one full wave of work per step). Runs alternate modes in
+order, so a busy machine hurts them alike; the simulated rollouts' own lag says when
+it did (``valid``).
+
+Figures over the steady window, from the end of the first training step to the last:
+trained trajectories/s (metrics.jsonl), generated tokens/s, rollout idle fraction and
+mean KV utilisation (the sim rollouts' time series in sim/*.jsonl), the staleness
+histogram, mixed-version trajectories, repack events and overheads, etcd writes/s
+(raft proposals, scraped from the run's etcd) and CPU seconds per daemon.
+
+``--rollouts 1000 --modes trajectory_repack --duration-s 120`` is the control-plane
+check (etcd writes/s, CPU per daemon, repack plan time at 1,000 rollouts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from rlfleet.tools.bench.etcd_requests import parse_metrics
+from rlfleet.tools.bench.etcd_requests import report as etcd_report
+
+MODES = ("sync", "one_step_off", "partial", "trajectory", "trajectory_repack")
+MAX_LAG = 0.05  # a run whose sim engines ran this far behind their timing model is invalid
+
+
+# -- the spec of one run ---------------------------------------------------------------------
+def spec_for(base: Path, mode: str, rollouts: int, prompts_per_rollout: int,
+             slots: int | None) -> Path:
+    """A copy of the base spec beside it, with the mode, planner, fleet size and batch set."""
+    spec = tomllib.loads(base.read_text())
+    spec["rollout"]["mode"] = "trajectory" if mode == "trajectory_repack" else mode
+    engine = spec["rollout"]["engine"]
+    engine["rollouts"] = rollouts
+    if slots is not None:
+        engine["max_batch"] = engine["roofline_batch"] = slots
+    group = spec["task"]["group_size"]
+    spec["trainer"]["batch_size"] = rollouts * prompts_per_rollout * group
+    # In flight: every slot of the fleet busy, plus a short queue (the spec's own ratio).
+    slots_each = engine.get("max_batch", 8)
+    spec["env_host"]["max_concurrent"] = max(group, int(1.25 * rollouts * slots_each))
+    planner = spec.setdefault("repack_manager", {}).setdefault("planner", {})
+    if mode == "trajectory_repack":
+        planner["kind"] = "laminar"
+    else:
+        planner.clear()
+        planner["kind"] = "none"
+    spec["job"]["name"] = f"longtail-{mode.replace('_', '-')}-{rollouts}"
+    out = base.with_name(f".{base.stem}-{mode}-{rollouts}.toml")
+    out.write_text(to_toml(spec))
+    return out
+
+
+def to_toml(d: dict[str, Any], prefix: str = "") -> str:
+    """Enough TOML for a job spec: scalars, lists of scalars, tables, arrays of tables."""
+    lines, tables = [], []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            tables.append((k, v))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            for item in v:
+                tables.append((k, [item]))
+        else:
+            lines.append(f"{k} = {_value(v)}")
+    out = "\n".join(lines) + ("\n" if lines else "")
+    for k, v in tables:
+        name = f"{prefix}{k}"
+        if isinstance(v, list):
+            out += f"\n[[{name}]]\n" + to_toml(v[0], f"{name}.")
+        else:
+            out += f"\n[{name}]\n" + to_toml(v, f"{name}.")
+    return out
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+# -- one run ---------------------------------------------------------------------------------
+def run_once(spec: Path, duration_s: float) -> tuple[Path, dict[str, Any], int]:
+    """Run the job for duration_s; (run dir, etcd figures, exit code)."""
+    cmd = [sys.executable, "-m", "rlfleet.tools.cli", "run", str(spec), "--no-view",
+           "--duration", str(duration_s)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    endpoint: list[str] = []
+    scrapes: list[tuple[float, dict[str, float]]] = []
+
+    def scrape() -> None:
+        while proc.poll() is None:
+            if endpoint:
+                try:
+                    with urllib.request.urlopen(f"http://{endpoint[0]}/metrics", timeout=2) as r:
+                        scrapes.append((time.monotonic(), parse_metrics(r.read().decode())))
+                except OSError:
+                    pass
+            time.sleep(2.0)
+
+    threading.Thread(target=scrape, daemon=True).start()
+    run_dir, tail = None, []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail = (tail + [line])[-40:]
+        if not endpoint and (m := re.search(r"etcd (\d+\.\d+\.\d+\.\d+:\d+)", line)):
+            endpoint.append(m.group(1))
+        if run_dir is None and (m := re.match(r"run dir: (\S+)", line)):
+            run_dir = Path(m.group(1))
+    code = proc.wait()
+    if run_dir is None:
+        raise SystemExit(f"{spec}: rlfleet run printed no run dir (exit {code}):\n{''.join(tail)}")
+    etcd: dict[str, Any] = {}
+    if len(scrapes) >= 2:
+        (t0, first), (t1, last) = scrapes[0], scrapes[-1]
+        etcd = etcd_report(first, last, t1 - t0)
+        etcd["writes_per_s"] = round(etcd["raft_proposals"] / max(t1 - t0, 1e-9), 1)
+    return run_dir, etcd, code
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by the stop
+    return out
+
+
+def _at(series: list[dict[str, Any]], t: float) -> dict[str, Any] | None:
+    """The series' line nearest to unix time t."""
+    return min(series, key=lambda line: abs(line["time"] - t)) if series else None
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))], 4)
+
+
+def measure(run_dir: Path, mode: str, rollouts: int, etcd: dict[str, Any], code: int) -> dict[str, Any]:
+    steps = [m for m in _jsonl(run_dir / "metrics.jsonl") if "step" in m and "trajectories" in m]
+    record: dict[str, Any] = {"mode": mode, "rollouts": rollouts, "run_dir": str(run_dir), "exit": code,
+                              "steps": len(steps)}
+    window = steps[1:]
+    if len(window) >= 2:
+        t0, t1 = steps[0]["time"], steps[-1]["time"]
+        record["window_s"] = round(t1 - t0, 2)
+        record["trained_trajectories_per_s"] = round(sum(m["trajectories"] for m in window) / (t1 - t0), 2)
+    else:  # fewer than three steps: no steady window; the figure would be a guess
+        t0, t1 = (steps[0]["time"] if steps else 0.0), (steps[-1]["time"] if steps else 0.0)
+        record["window_s"] = 0.0
+        record["trained_trajectories_per_s"] = 0.0
+    hist: dict[str, int] = {}
+    overheads: list[float] = []
+    mixed = continued = 0
+    for m in steps:
+        for k, v in m.get("staleness", {}).items():
+            hist[k] = hist.get(k, 0) + v
+        overheads += m.get("repack_overhead_s", [])
+        mixed += m.get("mixed_version", 0)
+        continued += m.get("continuations", 0)
+    record["staleness_hist"] = dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
+    total = sum(hist.values())
+    record["staleness_le3_share"] = round(sum(v for k, v in hist.items() if int(k) <= 3) / total, 4) if total else None
+    record["mixed_version_trajectories"] = mixed
+    record["continuations"] = continued
+    series: list[dict[str, Any]] = []
+    lags: list[float] = []
+    for path in sorted((run_dir / "sim").glob("*.jsonl")):
+        series += _jsonl(path)
+    for path in sorted((run_dir / "sim").glob("*.json")):
+        try:
+            lags += [r["lag"] for r in json.loads(path.read_text())["rollouts"].values()]
+        except (OSError, ValueError, KeyError):
+            pass
+    a, b = _at(series, t0), _at(series, t1)
+    if a is not None and b is not None and b["elapsed_s"] > a["elapsed_s"]:
+        dt = b["elapsed_s"] - a["elapsed_s"]
+        n = max(1, b["rollouts"])
+        record["generated_tokens_per_s"] = round((b["generated_tokens"] - a["generated_tokens"]) / dt, 1)
+        record["rollout_idle_fraction"] = round((b["idle_s"] - a["idle_s"]) / (dt * n), 4)
+        record["kv_utilization_mean"] = round((b["kv_util_s"] - a["kv_util_s"]) / (dt * n), 4)
+    else:
+        record.update(generated_tokens_per_s=None, rollout_idle_fraction=None, kv_utilization_mean=None)
+    plans = [p for p in _jsonl(run_dir / "repack_plans.jsonl") if p.get("moves")]
+    record["repack_events"] = sum(len(p["moves"]) for p in plans)
+    record["repack_plans"] = len(plans)
+    record["repack_plan_ms_p50"] = _pct([p.get("plan_ms", 0.0) for p in plans], 0.5)
+    record["repack_plan_ms_max"] = max((p.get("plan_ms", 0.0) for p in plans), default=None)
+    record["repack_overhead_s_p50"] = _pct(overheads, 0.5)
+    record["repack_overhead_s_p99"] = _pct(overheads, 0.99)
+    record["max_lag"] = round(max(lags + [s.get("max_lag", 0.0) for s in series], default=0.0), 5)
+    summary = run_dir / "summary.json"
+    if summary.exists():
+        s = json.loads(summary.read_text())
+        record["cpu_s"] = s.get("cpu_s")
+        record["accounting_ok"] = s.get("accounting_ok", s.get("accounting", {}).get("ok")
+                                        if isinstance(s.get("accounting"), dict) else None)
+    record["etcd"] = etcd
+    record["etcd_writes_per_s"] = etcd.get("writes_per_s")
+    record["valid"] = bool(record["max_lag"] <= MAX_LAG and len(window) >= 2)
+    if not record["valid"]:
+        record["invalid_because"] = (f"sim lag {record['max_lag']:.3f} > {MAX_LAG}"
+                                     if record["max_lag"] > MAX_LAG else "fewer than 3 training steps")
+    return record
+
+
+# -- the table and the plot ----------------------------------------------------------------------
+def table(records: list[dict[str, Any]]) -> str:
+    head = ("rollouts", "mode", "traj/s", "tok/s", "idle", "KV util", "stale<=3", "mixed", "repacks",
+            "overhead p50/p99 s", "max lag", "valid")
+    rows = [head]
+    for r in records:
+        rows.append((str(r["rollouts"]), r["mode"], f"{r['trained_trajectories_per_s']:.1f}",
+                     f"{r['generated_tokens_per_s'] or 0:.0f}", f"{r['rollout_idle_fraction'] or 0:.2f}",
+                     f"{r['kv_utilization_mean'] or 0:.2f}",
+                     "-" if r["staleness_le3_share"] is None else f"{r['staleness_le3_share']:.2f}",
+                     str(r["mixed_version_trajectories"]), str(r["repack_events"]),
+                     f"{r['repack_overhead_s_p50']}/{r['repack_overhead_s_p99']}", f"{r['max_lag']:.3f}",
+                     "yes" if r["valid"] else "NO"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
+
+
+def ratios(records: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """trajectory_repack's trained trajectories/s over each other mode, per fleet size."""
+    out: dict[str, dict[str, float | None]] = {}
+    for n in sorted({r["rollouts"] for r in records}):
+        by_mode = {r["mode"]: r for r in records if r["rollouts"] == n}
+        best = by_mode.get("trajectory_repack")
+        if best is None:
+            continue
+        out[str(n)] = {}
+        for mode, r in by_mode.items():
+            if mode != "trajectory_repack" and r["trained_trajectories_per_s"]:
+                out[str(n)][f"over_{mode}"] = round(best["trained_trajectories_per_s"]
+                                                    / r["trained_trajectories_per_s"], 2)
+        plain = by_mode.get("trajectory")
+        if plain and plain.get("generated_tokens_per_s") and best.get("generated_tokens_per_s"):
+            out[str(n)]["tokens_over_trajectory"] = round(best["generated_tokens_per_s"]
+                                                          / plain["generated_tokens_per_s"], 3)
+    return out
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in MODES:
+        rs = sorted((r for r in records if r["mode"] == mode), key=lambda r: r["rollouts"])
+        if not rs:
+            continue
+        xs = [r["rollouts"] for r in rs]
+        ax1.plot(xs, [r["trained_trajectories_per_s"] for r in rs], "o-", label=mode)
+        ax2.plot(xs, [r["rollout_idle_fraction"] or 0 for r in rs], "o-", label=mode)
+    ax1.set(xlabel="simulated rollouts", ylabel="trained trajectories / s", title="throughput")
+    ax2.set(xlabel="simulated rollouts", ylabel="share of rollout time idle", title="rollout idle fraction",
+            ylim=(0, 1))
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spec", type=Path, default=Path("examples/longtail-sim.toml"))
+    ap.add_argument("--rollouts", default="16,64", help="comma-separated fleet sizes")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--duration-s", type=float, default=150.0, help="wall seconds per run")
+    ap.add_argument("--prompts-per-rollout", type=int, default=1,
+                    help="prompts per rollout in each training batch (x group_size trajectories)")
+    ap.add_argument("--slots", type=int, default=None,
+                    help="override the engine's max_batch and roofline batch (e.g. 2 at 1,000 rollouts)")
+    ap.add_argument("--json", type=Path, default=Path("runs/bench/longtail.json"))
+    ap.add_argument("--plot", type=Path, default=None)
+    args = ap.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    sizes = [int(x) for x in args.rollouts.split(",") if x.strip()]
+    records: list[dict[str, Any]] = []
+    for n in sizes:
+        for mode in modes:
+            spec = spec_for(args.spec, mode, n, args.prompts_per_rollout, args.slots)
+            started = time.monotonic()
+            try:
+                run_dir, etcd, code = run_once(spec, args.duration_s)
+            finally:
+                spec.unlink(missing_ok=True)
+            r = measure(run_dir, mode, n, etcd, code)
+            records.append(r)
+            print(f"{n:>5} rollouts {mode:<18} {r['trained_trajectories_per_s']:>8.1f} traj/s  "
+                  f"{r['generated_tokens_per_s'] or 0:>9.0f} tok/s  idle {r['rollout_idle_fraction']}  "
+                  f"steps {r['steps']}  lag {r['max_lag']:.3f}{'' if r['valid'] else '  INVALID'}  "
+                  f"({time.monotonic() - started:.0f} s, {run_dir})", flush=True)
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"spec": str(args.spec), "duration_s": args.duration_s,
+                                             "records": records, "ratios": ratios(records)}, indent=2))
+    print()
+    print(table(records))
+    print(json.dumps(ratios(records), indent=2))
+    if args.plot:
+        plot(records, args.plot)
+        print(f"wrote {args.plot}")
+    print(f"wrote {args.json}")
+    return 0 if all(r["valid"] for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
