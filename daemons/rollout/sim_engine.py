@@ -1,39 +1,38 @@
 """The ``sim`` rollout engine: serves GenerateRequests on a timing model (docs/sim.md).
 
-No weights and no tensors: the engine knows, for each request, how many tokens it will
-generate (``sim_lengths``), and, from the batch it runs, how long each decode step takes
-(``sim_timing``). Its clock is the wall clock: a model second lasts ``time_scale`` wall
-seconds, and ``step()`` returns every result whose modelled finish time has passed.
+No weights: the engine knows how many tokens each request will generate (``sim_lengths``)
+and how long each decode step of its batch takes (``sim_timing``). Its clock is the wall
+clock (a model second lasts ``time_scale`` wall seconds); ``step()`` returns every result
+whose modelled finish time has passed.
 
 Event-driven, not a loop per token. Between two *events* (a request finishes, requests
 are admitted, the KV cache overflows and one is preempted, a weight load ends) the batch
-is constant: ``n`` requests holding ``K`` KV tokens, each step adds ``n``. The ``m``
-steps of such a *segment* take, in closed form::
+is constant: ``n`` requests holding ``K`` KV tokens, each step adds ``n``, and the first
+``m`` steps of such a *segment* take, in closed form (``t(0) = 0``)::
 
-    t(m) = extra + m * b + kv * (m * K + n * m * (m - 1) / 2)      (t(0) = 0)
+    t(m) = extra + m * b + kv * (m * K + n * m * (m - 1) / 2)
 
-(``b`` = the flat/linear batch term, ``kv`` = per KV token, ``extra`` = the prefill of
-the requests admitted at the segment's start). The engine jumps from event to event; the
-whole steps done by a given time solve a quadratic. A request's tokens are
-``G - base`` for the global step count ``G`` (one heap of finish step counts), and the KV
-held by the batch is ``kv_fixed + n * G``: each event costs O(log n), a finished request
-O(its length) in numpy to spell its tokens.
+(``b`` = the flat/linear batch term, ``kv`` = per KV token, ``extra`` = the prefill of the
+requests admitted at the segment's start); the whole steps done by a given time solve a
+quadratic. A running request holds ``G - base`` tokens at global step count ``G`` (one
+heap of finish step counts) and the batch ``kv_fixed + n * G`` KV tokens: an event costs
+O(log n), a finished request one copy of its tokens.
 
-Scheduling (vLLM-like): at each event, finished requests leave; while the next step
-would overflow the KV capacity, the most recently admitted request is preempted back to
-the head of the queue (recompute: it keeps its tokens and re-prefills prompt + tokens
-when readmitted); then waiting requests are admitted FIFO while fewer than ``max_batch``
-run and the KV cache has room for the prompt (and generated tokens) plus one step's
-growth of the batch. A request added mid-step joins at the next step boundary; one
-added while nothing runs starts at once.
+Scheduling (vLLM-like): at each event, finished requests leave; while the next step would
+overflow the KV capacity, the latest admitted request is preempted to the head of the
+queue (recompute: it keeps its tokens, re-prefills prompt + tokens when readmitted); then
+waiting requests are admitted FIFO while fewer than ``max_batch`` run and the cache has
+room for their prompt (and tokens) plus one step's growth of the batch. A request added
+mid-step joins at the next step boundary; one added while nothing runs starts at once.
 
-Tokens are a function of (seed, trajectory id, base prompt, position in the turn): a
-continuation (``prefix_tokens`` = k) generates exactly positions k.. of the
-uninterrupted turn, on any engine with the same seed.
+Tokens are a function of (seed, trajectory id, base prompt, position in the turn), so a
+continuation (``prefix_tokens`` = k) generates exactly positions k.. of the uninterrupted
+turn on any engine with the same seed.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import time
@@ -44,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array, Segment
+from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array
 
 from .engine import BadRequest, Engine, EngineStats, error_result
 from .sim_lengths import LENGTH_MODELS, LengthModel, length_keys
@@ -68,9 +67,24 @@ class _Req:
     finish: int = 0  # while running: the G at which it has all its tokens
     order: int = -1  # admission sequence number (the latest admitted is preempted first)
     running: bool = False
-    version: int = -1  # weight version at its first admission
-    first_version_tokens: int = -1  # tokens made by `version` when readmitted under another
+    # Weight version at its first admission. A preempted request is readmitted at the
+    # latest when the running set empties, before a load can come: one version per request.
+    version: int = -1
     first_token_at: float = -1.0
+
+
+TOKEN_TABLE_SIZE = 1 << 20  # per (seed, vocab, eos) and process: 8 MiB of ids and log-probs
+
+
+@functools.lru_cache(maxsize=4)
+def _token_table(seed: int, vocab_size: int, eos: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random token ids in [0, vocab) without EOS, and log-probs in [-4.05, -0.05).
+    PCG64 from the seed: the same table in every process of a fleet."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    tokens = rng.integers(0, vocab_size - 1, TOKEN_TABLE_SIZE, dtype=np.int32)
+    tokens += tokens >= eos  # skip the EOS id
+    logprobs = -0.05 - 4.0 * rng.random(TOKEN_TABLE_SIZE, dtype=np.float32)
+    return tokens, logprobs
 
 
 class SimEngine(Engine):
@@ -79,11 +93,9 @@ class SimEngine(Engine):
     def __init__(self, timing: SimTiming, lengths: LengthModel, *, vocab_size: int,
                  eos_token_id: int, seed: int = 0, time_scale: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, weight_version: int = 0) -> None:
-        if not (vocab_size >= 2 and 0 <= eos_token_id < vocab_size):
-            raise ValueError(f"need vocab_size >= 2 and eos_token_id in [0, vocab_size), "
-                             f"got {vocab_size} and {eos_token_id}")
-        if not time_scale > 0:
-            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        if not (vocab_size >= 2 and 0 <= eos_token_id < vocab_size and time_scale > 0):
+            raise ValueError(f"need vocab_size >= 2, eos_token_id in [0, vocab_size), time_scale "
+                             f"> 0; got {vocab_size}, {eos_token_id}, {time_scale}")
         self.timing, self.lengths, self.clock = timing, lengths, clock
         self.vocab_size, self.eos, self.seed = vocab_size, eos_token_id, seed
         self.time_scale = time_scale
@@ -117,7 +129,8 @@ class SimEngine(Engine):
         self._gen = 0  # tokens generated in committed steps
         self._kv_area = 0.0  # integral of KV tokens held over wall time, committed steps
         self._idle_s, self._idle_since = 0.0, now
-        self._late_s = self._latency_s = self.max_late_s = 0.0
+        # Lag: over delivered results, (step() time - due time) and (due time - add time).
+        self.late_s = self.latency_s = self.max_late_s = 0.0
         self.results_delivered = 0
         self._rate = deque([(now, 0)])
 
@@ -158,15 +171,19 @@ class SimEngine(Engine):
             m += 1
         return m
 
-    def _commit(self, m: int) -> None:
-        """Account m whole steps of the current segment and move G and the event time."""
+    def _area(self, m: int) -> float:
+        """KV tokens held x wall seconds over the first m steps of the current segment."""
         if m <= 0:
-            return
+            return 0.0
         n, k = self._n_seg, self._K_seg
         s1 = m * k + n * m * (m - 1) / 2  # sum of the KV held during each step
         s2 = m * k * k + k * n * m * (m - 1) + n * n * (m - 1) * m * (2 * m - 1) / 6
-        self._kv_area += self._b_seg * s1 + self._kv * s2 + k * self._extra
-        self._gen += n * m
+        return self._b_seg * s1 + self._kv * s2 + k * self._extra
+
+    def _commit(self, m: int) -> None:
+        """Account m whole steps of the current segment and move G and the event time."""
+        self._kv_area += self._area(m)
+        self._gen += self._n_seg * m
         self._Tb += self._t(m)
         self._G += m
 
@@ -216,8 +233,6 @@ class SimEngine(Engine):
             self._waiting.popleft()
             if r.version < 0:
                 r.version = self.weight_version
-            elif r.version != self.weight_version and r.first_version_tokens < 0:
-                r.first_version_tokens = r.gen_before
             r.base, r.finish, r.order, r.running = G - r.gen_before, G - r.gen_before + r.total, self._orders, True
             self._orders += 1
             self._running[r.request.request_id] = r
@@ -277,34 +292,25 @@ class SimEngine(Engine):
         tokens, logprobs = self._tokens(r.token_key, r.prefix, r.prefix + n)
         if reason == "stop":
             tokens[-1] = self.eos
-        segments: list[Segment] = []
-        if r.first_version_tokens >= 0:  # readmitted under a new version after a preemption
-            segments = [Segment(r.first_version_tokens, r.version),
-                        Segment(n - r.first_version_tokens, self.weight_version)]
         first = r.first_token_at - r.added_at if r.first_token_at >= 0 else 0.0
         return GenerateResult(request_id=r.request.request_id,
                               token_ids=Int32Array.frombuffer(tokens),
                               logprobs=Float32Array.frombuffer(logprobs),
                               weight_version=r.version if r.version >= 0 else self.weight_version,
-                              finish_reason=reason, segments=segments,  # type: ignore[arg-type]
+                              finish_reason=reason,  # type: ignore[arg-type]
                               first_token_s=first)
 
     def _tokens(self, key: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids (never EOS) and log-probs (in [-4.05, -0.05)) of positions start..stop-1:
-        splitmix64 of (key + position), so any slice of a turn is the same wherever made."""
-        with np.errstate(over="ignore"):
-            x = np.arange(start, stop, dtype=np.uint64) + np.uint64(key)
-            x *= np.uint64(0x9E3779B97F4A7C15)
-            x ^= x >> np.uint64(30)
-            x *= np.uint64(0xBF58476D1CE4E5B9)
-            x ^= x >> np.uint64(27)
-            x *= np.uint64(0x94D049BB133111EB)
-            x ^= x >> np.uint64(31)
-        tokens = ((x >> np.uint64(32)) % np.uint64(self.vocab_size - 1)).astype(np.int32)
-        tokens += tokens >= self.eos  # skip the EOS id
-        logprobs = (x & np.uint64(0xFFFFFF)).astype(np.float32) * np.float32(-4.0 / 2**24)
-        logprobs -= np.float32(0.05)
-        return tokens, logprobs
+        """Token ids (never EOS) and log-probs of positions start..stop-1 of the turn with
+        this key: a window of the seed's token table at an offset given by the key, so any
+        slice of a turn is the same wherever it is made (a copy: ~1 us, not a hash a token)."""
+        tokens, logprobs = _token_table(self.seed, self.vocab_size, self.eos)
+        size = len(tokens)
+        lo = (key + start) % size
+        if lo + (stop - start) <= size:
+            return tokens[lo:lo + stop - start].copy(), logprobs[lo:lo + stop - start].copy()
+        idx = np.arange(lo, lo + stop - start) % size  # wraps around the table's end
+        return tokens[idx], logprobs[idx]
 
     def _deliver(self, r: _Req, n: int, reason: str, due: float) -> None:
         self._ids.discard(r.request.request_id)
@@ -365,11 +371,9 @@ class SimEngine(Engine):
         cap = r.max_new_tokens + k  # the whole turn's budget
         full = min(self.lengths.length(group_key, member_key), cap)
         reason = "length" if full == cap else "stop"
-        # A continuation of a turn that would already have stopped (a prefix past its
-        # length, only from a caller that changed the budget) stops at once.
-        total = full - k if full > k else 1
-        return _Req(r, t, n, k, total, reason if full > k else "stop",
-                    (group_key ^ member_key) & 0xFFFFFFFFFFFFFFFF)
+        # A prefix past the turn's length (only from a caller that changed the budget): stop now.
+        total, reason = (full - k, reason) if full > k else (1, "stop")
+        return _Req(r, t, n, k, total, reason, (group_key ^ member_key) & 0xFFFFFFFFFFFFFFFF)
 
     def abort(self, request_id: str) -> GenerateResult | None:
         if request_id not in self._ids:
@@ -407,8 +411,8 @@ class SimEngine(Engine):
         self._answers = []
         for due, res, latency in self._due:
             late = t - due
-            self._late_s += late
-            self._latency_s += latency
+            self.late_s += late
+            self.latency_s += latency
             self.max_late_s = max(self.max_late_s, late)
             out.append(res)
         self.results_delivered += len(self._due)
@@ -416,10 +420,9 @@ class SimEngine(Engine):
         return out
 
     def next_event_at(self) -> float | None:
-        """Wall time of this engine's next event: a result comes due, a weight load ends, or
-        the batch changes (requests join after an add(), one is preempted). No result is
-        due before it; None when nothing is running, waiting, loading or to hand out.
-        Changes after add(), abort() and load_weights(): ask again after calling them."""
+        """Wall time of the next event (a result due, a load's end, a change of the batch):
+        no result is due before it. None: nothing running, waiting, loading or to hand
+        out. add(), abort() and load_weights() change it: ask again after them."""
         if self._answers or self._due:
             return min([t for t, _ in self._answers] + [t for t, _, _ in self._due])
         if self._load_until is not None:
@@ -432,7 +435,7 @@ class SimEngine(Engine):
         t = self.clock()
         self._advance(t)
         n = len(self._running)
-        generated = self.generated_tokens_at(t)
+        generated = self._gen + self._n_seg * self._steps_by(t)
         rate = self._rate
         if t - rate[-1][0] >= 0.1:
             rate.append((t, generated))
@@ -465,15 +468,12 @@ class SimEngine(Engine):
         self._load_until = t + self._load
 
     # -- accounting for benchmarks -------------------------------------------------------
-    def generated_tokens_at(self, t: float) -> int:
-        """Tokens generated by wall time t (after advancing to t): finished, aborted, held."""
-        return self._gen + self._n_seg * self._steps_by(t)
-
     @property
     def generated_tokens(self) -> int:
+        """Tokens generated so far: finished, aborted and held by running requests."""
         t = self.clock()
         self._advance(t)
-        return self.generated_tokens_at(t)
+        return self._gen + self._n_seg * self._steps_by(t)
 
     @property
     def idle_s(self) -> float:
@@ -486,18 +486,14 @@ class SimEngine(Engine):
         """Time-weighted mean of kv_used / kv_total since construction."""
         t = self.clock()
         self._advance(t)
-        area = self._kv_area
         m = self._steps_by(t)
-        if self._n_seg:
-            n, k = self._n_seg, self._K_seg
-            s1 = m * k + n * m * (m - 1) / 2
-            s2 = m * k * k + k * n * m * (m - 1) + n * n * (m - 1) * m * (2 * m - 1) / 6
-            area += (self._b_seg * s1 + self._kv * s2 + k * self._extra if m else 0.0)
-            area += (k + n * m) * (t - self._Tb - self._t(m))  # the step in flight
+        area = self._kv_area + self._area(m)
+        if self._n_seg:  # the step in flight
+            area += (self._K_seg + self._n_seg * m) * (t - self._Tb - self._t(m))
         elapsed = t - self._t0
         return area / (self.kv_capacity * elapsed) if elapsed > 0 else 0.0
 
     def lag_fraction(self) -> float:
         """Sum over delivered results of (step() time - due time) / sum of their modelled
         latencies (add to due). A run above 0.05 ran behind its timing model: invalid."""
-        return self._late_s / self._latency_s if self._latency_s > 0 else 0.0
+        return self.late_s / self.latency_s if self.latency_s > 0 else 0.0
