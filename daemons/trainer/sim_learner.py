@@ -6,8 +6,9 @@ versions, checkpoints and resume, publishing through the real relay chain. Only 
 step itself is modeled:
 
 - ``train_step(groups)`` takes ``time_scale x (fixed_s + tokens / tokens_per_s)`` wall
-  seconds, tokens being every prompt and completion token of the batch (each turn's
-  prompt_token_ids + token_ids: what a trainer runs its forward and backward over). The
+  seconds, tokens being every prompt and completion token of the batch (each turn that
+  generated anything: prompt_token_ids + token_ids, the rows a trainer runs its forward
+  and backward over; a turn without generated tokens is no row, as in the torch learner). The
   stats are honest: ``loss`` is 0.0 (there is no model, so no loss to report; a stand-in
   any plot would show as flat), reward_mean/std, trajectories, groups and ``tokens``
   (generated tokens, as the torch learner counts them) come from the batch.
