@@ -445,6 +445,14 @@ class EnvManager:
                 self.repack_overheads.append(round(waited + res.first_token_s, 4))
             if res.finish_reason != "abort":
                 return rollout_id, turn.finish(res)
+            if not len(res.token_ids) and not turn.continuing:
+                # Cut before its first token (queued on a repack source, a draining
+                # rollout): nothing to continue, no version to keep. Ask again, anywhere.
+                exclude.add(rollout_id)
+                self.continuations += 1
+                if self.continuations > _MAX_CONTINUATIONS:
+                    raise Dropped("rollout_timeout", f"interrupted {self.continuations} times")
+                continue
             # Interrupted: keep what it made and go on with the same version.
             self.continuations += 1
             if not turn.carry(res, time.monotonic()):

@@ -174,7 +174,9 @@ class RolloutCore:
             ack = Ack([order.order_id], False, "a rollout cannot repack onto itself")
         else:
             wanted = set(order.request_ids)
-            ids = [r for r in self.engine.running_ids() if not wanted or r in wanted]
+            # Everything in the engine, running or queued: the source must empty to load
+            # the newest version (a queued one has no tokens and goes on unpinned).
+            ids = [r for r in self._requests if not wanted or r in wanted]
             ids += [h[2].request_id for h in self.held if not wanted or h[2].request_id in wanted]
             for request_id in ids:
                 self._continue_on[request_id] = order.target_rollout
