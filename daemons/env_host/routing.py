@@ -189,10 +189,21 @@ class Router:
         loop = asyncio.get_running_loop()
         while True:
             now = loop.time()
-            every = [r for r in self._rollouts.values()
-                     if (to is None or r.id == to) and (version is None or r.version == version)]
             if to is not None or version is not None:
-                every = [r for r in every if r.id not in exclude]
+                # A named destination (a repack's) is taken at its word; otherwise the known
+                # holders of the version first, then the rest: the request requires the
+                # version, so a rollout without it answers "version" at once.
+                candidates = [r for r in self._rollouts.values() if r.id not in exclude
+                              and (to is None or r.id == to)]
+                known = [r for r in candidates if version is None or to is not None or r.version == version]
+                pools = [known, [r for r in candidates if r.version is None or r.version < version]] \
+                    if version is not None and to is None else [known]
+                chosen = next((p for p in pools if p), None)
+                if chosen is not None:
+                    return self.policy.choose(chosen)
+                every: list[_Rollout] = []
+            else:
+                every = list(self._rollouts.values())
             for pool in ([r for r in every if r.id not in exclude and r.suspect_until <= now],
                          [r for r in every if r.id not in exclude], every):
                 if pool:
