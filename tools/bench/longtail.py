@@ -48,7 +48,7 @@ MAX_LAG = 0.05  # a run whose sim engines ran this far behind their timing model
 
 # -- the spec of one run ---------------------------------------------------------------------
 def spec_for(base: Path, mode: str, rollouts: int, prompts_per_rollout: int,
-             slots: int | None) -> Path:
+             slots: int | None, inflight: float = 1.25) -> Path:
     """A copy of the base spec beside it, with the mode, planner, fleet size and batch set."""
     spec = tomllib.loads(base.read_text())
     spec["rollout"]["mode"] = "trajectory" if mode == "trajectory_repack" else mode
@@ -58,9 +58,9 @@ def spec_for(base: Path, mode: str, rollouts: int, prompts_per_rollout: int,
         engine["max_batch"] = engine["roofline_batch"] = slots
     group = spec["task"]["group_size"]
     spec["trainer"]["batch_size"] = rollouts * prompts_per_rollout * group
-    # In flight: every slot of the fleet busy, plus a short queue (the spec's own ratio).
+    # In flight: every slot of the fleet busy, plus a queue (--inflight x the fleet's slots).
     slots_each = engine.get("max_batch", 8)
-    spec["env_host"]["max_concurrent"] = max(group, int(1.25 * rollouts * slots_each))
+    spec["env_host"]["max_concurrent"] = max(group, int(inflight * rollouts * slots_each))
     planner = spec.setdefault("repack_manager", {}).setdefault("planner", {})
     if mode == "trajectory_repack":
         planner["kind"] = "laminar"
@@ -312,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="prompts per rollout in each training batch (x group_size trajectories)")
     ap.add_argument("--slots", type=int, default=None,
                     help="override the engine's max_batch and roofline batch (e.g. 2 at 1,000 rollouts)")
+    ap.add_argument("--inflight", type=float, default=1.25,
+                    help="trajectories in flight per rollout slot (env_host.max_concurrent)")
     ap.add_argument("--json", type=Path, default=Path("runs/bench/longtail.json"))
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -323,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = []
     for n in sizes:
         for mode in modes:
-            spec = spec_for(args.spec, mode, n, args.prompts_per_rollout, args.slots)
+            spec = spec_for(args.spec, mode, n, args.prompts_per_rollout, args.slots, args.inflight)
             started = time.monotonic()
             try:
                 run_dir, etcd, code = run_once(spec, args.duration_s)
