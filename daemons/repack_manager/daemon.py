@@ -152,7 +152,12 @@ class RepackManager(Daemon):
                     next_plan = started + self.interval_s
                     self._published = max(self._published, published)
                     self._plan_and_execute(loads, clients)
-                self._previous.update(loads)  # a rollout that did not answer keeps its last
+                    # C_prev is the load at the previous planning round, not the previous
+                    # poll: running requests grow the KV a little every step, so over one
+                    # poll a ramp-down shows only when a request happens to finish; over an
+                    # interval (Laminar: 5 s) the finished ones outweigh the growth.
+                    # A rollout that did not answer keeps its last load.
+                    self._previous.update(loads)
             self._stop.wait(max(0.0, POLL_EVERY_S - (time.monotonic() - started)))
         for client in clients.values():
             client.close()

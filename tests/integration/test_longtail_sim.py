@@ -53,7 +53,7 @@ checkpoint_every = 5
 kind = "sim"
 time_scale = 0.1
 tokens_per_s = 200000
-fixed_s = 1.0
+fixed_s = 30.0            # a 3 s step: versions outlive a few stats polls
 weight_mib = 1
 
 [rollout]
@@ -75,7 +75,7 @@ p99 = 2000
 chunk_mib = 1
 
 [env_host]
-max_concurrent = 128
+max_concurrent = 24        # fewer than the 32 slots: rollouts ramp down, so repacks happen
 turn_timeout_s = 30
 
 [repack_manager.planner]
