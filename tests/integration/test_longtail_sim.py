@@ -62,14 +62,14 @@ mode = "{mode}"
 [rollout.engine]
 kind = "sim"
 rollouts = 4
-time_scale = 0.1
+time_scale = 0.3
 max_batch = 4
 roofline_batch = 4
 
 [rollout.engine.lengths]
 kind = "lognormal"
-median = 200
-p99 = 2000
+median = 300
+p99 = 3000
 
 [relay]
 chunk_mib = 1
@@ -79,8 +79,7 @@ max_concurrent = 24        # fewer than the 32 slots: rollouts ramp down, so rep
 turn_timeout_s = 30
 
 [repack_manager.planner]
-kind = "{planner}"
-interval_s = 0.5
+kind = "{planner}"{planner_keys}
 
 [[placement.hosts]]
 name = "localhost"
@@ -92,7 +91,8 @@ def start(tmp_path: Path, etcd, job: str, *, mode: str = "trajectory", planner: 
           duration_s: int = 45, env: dict[str, str] | None = None) -> subprocess.Popen:
     spec = tmp_path / f"{job}.toml"
     spec.write_text(SIM_JOB.format(job=job, runs=tmp_path / "runs", model=TINY_MODEL, mode=mode,
-                                   planner=planner))
+                                   planner=planner,
+                                   planner_keys="\ninterval_s = 2.0" if planner == "laminar" else ""))
     return subprocess.Popen([sys.executable, "-m", "rlfleet.tools.cli", "run", str(spec), "--no-view",
                              "--etcd", etcd.endpoints_arg, "--duration", str(duration_s)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -101,6 +101,7 @@ def start(tmp_path: Path, etcd, job: str, *, mode: str = "trajectory", planner: 
 
 def finish(proc: subprocess.Popen) -> tuple[Path, str]:
     out, err = proc.communicate(timeout=240)
+    assert out.startswith("run dir: "), out[-2000:] + err[-3000:]
     run_dir = Path(out.splitlines()[0].removeprefix("run dir: "))
     assert proc.returncode == Exit.STOPPED, out[-3000:] + err[-3000:]
     accounting = json.loads((run_dir / "accounting.json").read_text())
@@ -125,7 +126,7 @@ def run_dir_of(tmp_path: Path, job: str) -> Path:
 @needs_model
 def test_repack_manager_and_a_sim_rollout_process_killed_mid_migration_lose_nothing(tmp_path, etcd):
     job = "simfaults"
-    proc = start(tmp_path, etcd, job, env={"RLFLEET_REPACK_FAILPOINT": "kill_mid_plan"})
+    proc = start(tmp_path, etcd, job, duration_s=75, env={"RLFLEET_REPACK_FAILPOINT": "kill_mid_plan"})
     store = EtcdStore(etcd.endpoints_arg)
     try:
         run_dir = run_dir_of(tmp_path, job)
@@ -136,22 +137,21 @@ def test_repack_manager_and_a_sim_rollout_process_killed_mid_migration_lose_noth
         wait_for("a plan resumed by the next leader", lambda: any(
             json.loads(line).get("resumed") for line in (run_dir / "repack_plans.jsonl").read_text().splitlines())
             if (run_dir / "repack_plans.jsonl").exists() else False, 60)
-        # Once a later plan moved generations, kill -9 a whole sim rollout process.
-        seen = len((run_dir / "repack_plans.jsonl").read_text().splitlines())
-        wait_for("another repack plan", lambda: len(
-            (run_dir / "repack_plans.jsonl").read_text().splitlines()) > seen, 60)
+        # Right after (continuations of the moved generations in flight), kill -9 a whole
+        # sim rollout process: a machine failure for its 4 rollouts.
         host = next(m for m in rollouts(store, job) if not m.address("requests"))
         os.kill(host.pid, signal.SIGKILL)
         wait_for("its 4 rollouts gone and back", lambda: len(
             [m for m in rollouts(store, job) if m.address("requests") and m.pid != host.pid]) == 8, 60)
         trained = len(steps(run_dir))
-        wait_for("3 more training steps", lambda: len(steps(run_dir)) >= trained + 3, 60)
+        wait_for("2 more training steps", lambda: len(steps(run_dir)) >= trained + 2, 40)
     finally:
         store.close()
     run_dir, _ = finish(proc)
     lines = steps(run_dir)
     assert sum(m["mixed_version"] for m in lines) == 0  # outside `partial`, never
-    assert sum(len(m["repack_overhead_s"]) for m in lines) > 0  # repacked generations were trained
+    plans = [json.loads(line) for line in (run_dir / "repack_plans.jsonl").read_text().splitlines()]
+    assert any(o.get("moved", 0) > 0 for p in plans for o in p["outcomes"])  # generations did move
     assert (run_dir / "repack-failpoint-fired").exists()
 
 
