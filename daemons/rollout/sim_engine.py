@@ -380,12 +380,15 @@ class SimEngine(Engine):
             return None
         t = self.clock()
         self._advance(t)
-        self._ids.discard(request_id)
         r = self._running.get(request_id)
         if r is None:
-            r = next(q for q in self._waiting if q.request.request_id == request_id)
+            r = next((q for q in self._waiting if q.request.request_id == request_id), None)
+            if r is None:  # it finished by now: its result comes from the next step()
+                return None
+            self._ids.discard(request_id)
             self._waiting.remove(r)
             return self._result(r, r.gen_before, "abort")
+        self._ids.discard(request_id)
         m = self._steps_by(t)
         self._remove(r)
         result = self._result(r, self._G + m - r.base, "abort")

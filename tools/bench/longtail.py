@@ -48,7 +48,8 @@ MAX_LAG = 0.05  # a run whose sim engines ran this far behind their timing model
 
 # -- the spec of one run ---------------------------------------------------------------------
 def spec_for(base: Path, mode: str, rollouts: int, prompts_per_rollout: int,
-             slots: int | None, inflight: float = 1.25) -> Path:
+             slots: int | None, inflight: float = 1.25, time_scale: float | None = None,
+             batch: int | None = None) -> Path:
     """A copy of the base spec beside it, with the mode, planner, fleet size and batch set."""
     spec = tomllib.loads(base.read_text())
     spec["rollout"]["mode"] = "trajectory" if mode == "trajectory_repack" else mode
@@ -57,7 +58,12 @@ def spec_for(base: Path, mode: str, rollouts: int, prompts_per_rollout: int,
     if slots is not None:
         engine["max_batch"] = engine["roofline_batch"] = slots
     group = spec["task"]["group_size"]
-    spec["trainer"]["batch_size"] = rollouts * prompts_per_rollout * group
+    spec["trainer"]["batch_size"] = batch or rollouts * prompts_per_rollout * group
+    if time_scale is not None:  # one clock for the whole simulated job
+        engine["time_scale"] = spec["trainer"]["backend"]["time_scale"] = time_scale
+        planner_s = spec.get("repack_manager", {}).get("planner", {}).get("interval_s")
+        if planner_s is not None:
+            spec["repack_manager"]["planner"]["interval_s"] = round(5.0 * time_scale, 3)
     # In flight: every slot of the fleet busy, plus a queue (--inflight x the fleet's slots).
     slots_each = engine.get("max_batch", 8)
     spec["env_host"]["max_concurrent"] = max(group, int(inflight * rollouts * slots_each))
@@ -314,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="override the engine's max_batch and roofline batch (e.g. 2 at 1,000 rollouts)")
     ap.add_argument("--inflight", type=float, default=1.25,
                     help="trajectories in flight per rollout slot (env_host.max_concurrent)")
+    ap.add_argument("--time-scale", type=float, default=None,
+                    help="wall seconds per model second for the engines and the trainer (slower "
+                         "for the 1,000-rollout control-plane check)")
+    ap.add_argument("--batch", type=int, default=None, help="trajectories per training step")
     ap.add_argument("--json", type=Path, default=Path("runs/bench/longtail.json"))
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -325,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = []
     for n in sizes:
         for mode in modes:
-            spec = spec_for(args.spec, mode, n, args.prompts_per_rollout, args.slots, args.inflight)
+            spec = spec_for(args.spec, mode, n, args.prompts_per_rollout, args.slots, args.inflight,
+                            args.time_scale, args.batch)
             started = time.monotonic()
             try:
                 run_dir, etcd, code = run_once(spec, args.duration_s)
