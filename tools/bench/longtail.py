@@ -134,10 +134,12 @@ def run_once(spec: Path, duration_s: float) -> tuple[Path, dict[str, Any], int]:
             time.sleep(2.0)
 
     threading.Thread(target=scrape, daemon=True).start()
-    run_dir, tail = None, []
+    run_dir, tail, restarts = None, [], "unknown"
     assert proc.stdout is not None
     for line in proc.stdout:
         tail = (tail + [line])[-40:]
+        if line.strip().startswith("restarts "):
+            restarts = line.strip().removeprefix("restarts").strip()
         if not endpoint and (m := re.search(r"etcd (\d+\.\d+\.\d+\.\d+:\d+)", line)):
             endpoint.append(m.group(1))
         if run_dir is None and (m := re.match(r"run dir: (\S+)", line)):
@@ -150,6 +152,7 @@ def run_once(spec: Path, duration_s: float) -> tuple[Path, dict[str, Any], int]:
         (t0, first), (t1, last) = scrapes[0], scrapes[-1]
         etcd = etcd_report(first, last, t1 - t0)
         etcd["writes_per_s"] = round(etcd["raft_proposals"] / max(t1 - t0, 1e-9), 1)
+    etcd["restarts"] = restarts  # from the run's end summary: a restarted daemon voids a figure
     return run_dir, etcd, code
 
 
@@ -238,10 +241,13 @@ def measure(run_dir: Path, mode: str, rollouts: int, etcd: dict[str, Any], code:
                                         if isinstance(s.get("accounting"), dict) else None)
     record["etcd"] = etcd
     record["etcd_writes_per_s"] = etcd.get("writes_per_s")
-    record["valid"] = bool(record["max_lag"] <= MAX_LAG and len(window) >= 2)
-    if not record["valid"]:
-        record["invalid_because"] = (f"sim lag {record['max_lag']:.3f} > {MAX_LAG}"
-                                     if record["max_lag"] > MAX_LAG else "fewer than 3 training steps")
+    record["restarts"] = etcd.pop("restarts", "unknown")
+    problems = ([f"sim lag {record['max_lag']:.3f} > {MAX_LAG}"] if record["max_lag"] > MAX_LAG else []) + (
+        ["fewer than 3 training steps"] if len(window) < 2 else []) + (
+        [f"daemons restarted: {record['restarts']}"] if record["restarts"] != "none" else [])
+    record["valid"] = not problems
+    if problems:
+        record["invalid_because"] = "; ".join(problems)
     return record
 
 
