@@ -45,7 +45,7 @@ from rlfleet.common.sockets import RequestServer
 from rlfleet.common.wire import (Abort, Ack, Float32Array, GenerateRequest, GenerateResult,
                                  Int32Array, RepackOrder, RolloutStats, Segment)
 
-from .engine import Engine, error_result
+from .engine_api import Engine, error_result
 from .weight_policy import WeightUpdatePolicy
 
 log = logging.getLogger("rlfleet.rollout")

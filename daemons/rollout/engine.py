@@ -49,9 +49,7 @@ transformers' continuous batching reaches 0.4-0.7x of it with a long-lived manag
 
 from __future__ import annotations
 
-import abc
 import logging
-import math
 import os
 import time
 import warnings
@@ -67,6 +65,8 @@ import torch
 from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array
 
 from . import lean_model
+from .engine_api import (MAX_SEED, BadRequest, Engine, EngineStats, error_result,  # noqa: F401 (re-exported)
+                         validate_request)
 from .engines import default_max_len
 from .forward import LeanForward, ModelForward, pick_forward
 from .lean_model import LeanModel
@@ -91,68 +91,6 @@ best of 2: engine 0.24k / 3.9k / 5.6k tok/s at batch 1 / 8 / 32, generate 0.16k 
 3.1k. The fleet's pattern (--fleet 200 --step-ms 1: 32 staggered arithmetic requests
 per round, groups of 8 sharing a prompt): 23 -> 8.1 CPU-s per 1000 rounds.
 """
-
-_MAX_SEED = 2**63 - 1
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot for RolloutStats. KV figures are in tokens held in the cache."""
-
-    weight_version: int
-    running: int
-    waiting: int
-    kv_used: int
-    kv_total: int
-    tokens_per_s: float
-
-
-class Engine(abc.ABC):
-    """What the rollout daemon drives. Not thread-safe: one thread calls all methods."""
-
-    weight_version: int
-
-    @abc.abstractmethod
-    def add(self, request: GenerateRequest) -> None:
-        """Queue a request; a bad one comes back from the next step() as finish_reason="error"."""
-
-    @abc.abstractmethod
-    def abort(self, request_id: str) -> GenerateResult | None:
-        """Stop a waiting or running request: its partial result (finish_reason "abort"),
-        or None if the id is not in the engine (finished or never added)."""
-
-    @abc.abstractmethod
-    def step(self) -> list[GenerateResult]:
-        """Admit waiting requests, advance every running one by a token; finished results."""
-
-    @abc.abstractmethod
-    def stats(self) -> EngineStats: ...
-
-    @abc.abstractmethod
-    def has_running(self) -> bool:
-        """True while some request has tokens in the cache (a weight load would split it)."""
-
-    @abc.abstractmethod
-    def running_ids(self) -> list[str]:
-        """Ids of the requests that have tokens in the cache."""
-
-    @abc.abstractmethod
-    def has_work(self) -> bool:
-        """True while step() has something to do (waiting, running or answers to hand out)."""
-
-    @abc.abstractmethod
-    def load_weights(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
-        """Replace the weights; only between requests (raises if has_running())."""
-
-
-class BadRequest(ValueError):
-    """A request the engine refuses; the message is the precise reason."""
-
-
-def error_result(request: GenerateRequest | str, reason: str, version: int) -> GenerateResult:
-    rid = request if isinstance(request, str) else request.request_id
-    return GenerateResult(request_id=rid, token_ids=Int32Array(), logprobs=Float32Array(),
-                          weight_version=version, finish_reason="error", error=reason)
 
 
 # ----------------------------------------------------------------------------- torch engine
@@ -266,30 +204,8 @@ class TorchEngine(Engine):
         self.waiting.append(request)
 
     def _validate(self, r: GenerateRequest) -> None:
-        if not r.request_id:
-            raise BadRequest("request_id is empty")
-        if r.request_id in self._ids:
-            raise BadRequest(f"request_id {r.request_id!r} is already waiting or running")
-        if len(r.prompt_token_ids.shape) != 1:
-            raise BadRequest(f"prompt_token_ids must be 1-D, got shape {r.prompt_token_ids.shape}")
-        n = r.prompt_token_ids.size
-        if n == 0:
-            raise BadRequest("prompt_token_ids is empty")
-        ids = r.prompt_token_ids.tolist()
-        lo, hi = min(ids), max(ids)
-        if lo < 0 or hi >= self.vocab_size:
-            raise BadRequest(f"prompt token id out of range [0, {self.vocab_size}): min {lo}, max {hi}")
-        if not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:
-            raise BadRequest(f"max_new_tokens must be >= 1, got {r.max_new_tokens}")
-        if n + r.max_new_tokens > self.max_len:
-            raise BadRequest(f"prompt of {n} tokens + max_new_tokens {r.max_new_tokens} exceeds "
-                             f"the cache length {self.max_len}")
-        if not (math.isfinite(r.temperature) and r.temperature >= 0):
-            raise BadRequest(f"temperature must be finite and >= 0 (0 = greedy), got {r.temperature}")
-        if not (math.isfinite(r.top_p) and 0 < r.top_p <= 1):
-            raise BadRequest(f"top_p must be in (0, 1], got {r.top_p}")
-        if r.seed is not None and not 0 <= r.seed <= _MAX_SEED:
-            raise BadRequest(f"seed must be in [0, 2**63), got {r.seed}")
+        validate_request(r, known_ids=self._ids, vocab_size=self.vocab_size, capacity=self.max_len,
+                         capacity_name="the cache length")
 
     def abort(self, request_id: str) -> GenerateResult | None:
         if request_id not in self._ids:

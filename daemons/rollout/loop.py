@@ -25,7 +25,7 @@ from rlfleet.common.sockets import RequestServer
 from rlfleet.common.wire import RolloutStats
 
 from .core import RolloutCore, WeightReader
-from .engine import Engine
+from .engine_api import Engine
 
 log = logging.getLogger("rlfleet.rollout")
 

@@ -45,11 +45,10 @@ import numpy as np
 
 from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array
 
-from .engine import BadRequest, Engine, EngineStats, error_result
+from .engine_api import BadRequest, Engine, EngineStats, error_result, validate_request
 from .sim_lengths import LENGTH_MODELS, LengthModel, length_keys
 from .sim_timing import SimTiming
 
-_MAX_SEED = 2**63 - 1
 RATE_WINDOW_S = 5.0  # tokens_per_s: generated tokens over about this many recent wall seconds
 
 
@@ -338,33 +337,8 @@ class SimEngine(Engine):
             self._change_at_next_boundary(t)
 
     def _make(self, r: GenerateRequest, t: float) -> _Req:
-        if not r.request_id:
-            raise BadRequest("request_id is empty")
-        if r.request_id in self._ids:
-            raise BadRequest(f"request_id {r.request_id!r} is already waiting or running")
-        if len(r.prompt_token_ids.shape) != 1:
-            raise BadRequest(f"prompt_token_ids must be 1-D, got shape {r.prompt_token_ids.shape}")
-        n = r.prompt_token_ids.size
-        if n == 0:
-            raise BadRequest("prompt_token_ids is empty")
-        ids = r.prompt_token_ids.numpy()
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.vocab_size:
-            raise BadRequest(f"prompt token id out of range [0, {self.vocab_size}): min {lo}, max {hi}")
-        if not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:
-            raise BadRequest(f"max_new_tokens must be >= 1, got {r.max_new_tokens}")
-        if not isinstance(r.prefix_tokens, int) or not 0 <= r.prefix_tokens < n:
-            raise BadRequest(f"prefix_tokens must be in [0, {n}) (the prompt's length), "
-                             f"got {r.prefix_tokens}")
-        if n + r.max_new_tokens > self.kv_capacity:
-            raise BadRequest(f"prompt of {n} tokens + max_new_tokens {r.max_new_tokens} exceeds "
-                             f"the KV capacity of {self.kv_capacity} tokens")
-        if not (math.isfinite(r.temperature) and r.temperature >= 0):
-            raise BadRequest(f"temperature must be finite and >= 0 (0 = greedy), got {r.temperature}")
-        if not (math.isfinite(r.top_p) and 0 < r.top_p <= 1):
-            raise BadRequest(f"top_p must be in (0, 1], got {r.top_p}")
-        if r.seed is not None and not 0 <= r.seed <= _MAX_SEED:
-            raise BadRequest(f"seed must be in [0, 2**63), got {r.seed}")
+        n = validate_request(r, known_ids=self._ids, vocab_size=self.vocab_size,
+                             capacity=self.kv_capacity, capacity_name="the KV capacity in tokens,")
         k = r.prefix_tokens
         group_key, member_key = length_keys(self.seed, r.prompt_token_ids.data[:(n - k) * 4],
                                             r.trajectory_id)

@@ -400,7 +400,7 @@ def test_accounting_idle_kv_utilization_generated_and_rate():
     (req("a", prompt=(1, VOCAB)), f"prompt token id out of range [0, {VOCAB}): min 1, max {VOCAB}"),
     (req("a", max_new=0), "max_new_tokens must be >= 1, got 0"),
     (req("a", prefix=4), "prefix_tokens must be in [0, 4) (the prompt's length), got 4"),
-    (req("a", max_new=97), "prompt of 4 tokens + max_new_tokens 97 exceeds the KV capacity of 100 tokens"),
+    (req("a", max_new=97), "prompt of 4 tokens + max_new_tokens 97 exceeds the KV capacity in tokens, 100"),
 ])
 def test_bad_requests_come_back_as_errors_from_step(request_, reason):
     clock = Clock()

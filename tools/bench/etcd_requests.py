@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 _METHOD = re.compile(r'grpc_method="([^"]+)"')
 
@@ -61,13 +61,12 @@ def report(first: dict[str, float], last: dict[str, float], seconds: float) -> d
             "etcd_cpu_s": round(delta.get("process_cpu_seconds_total", 0.0), 1)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("spec")
-    ap.add_argument("--json", type=Path, help="write the report here too")
-    args = ap.parse_args(argv)
-    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.tools.cli", "run", args.spec, "--no-view"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def run_scraped(cmd: list[str], on_line: Callable[[str], None] = lambda line: None,
+                every_s: float = 2.0) -> tuple[int, list[str], dict[str, Any] | None]:
+    """Run an `rlfleet run ...` command, scraping its private etcd's /metrics every
+    ``every_s`` while it lasts: (exit code, its output lines, ``report`` between the first
+    and the last scrape or None when there were fewer than two)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     endpoint: list[str] = []
     scrapes: list[tuple[float, dict[str, float]]] = []
 
@@ -79,23 +78,39 @@ def main(argv: list[str] | None = None) -> int:
                         scrapes.append((time.monotonic(), parse_metrics(r.read().decode())))
                 except OSError:
                     pass  # not up yet, or already stopped
-            time.sleep(2.0)
+            time.sleep(every_s)
 
     threading.Thread(target=scrape, daemon=True).start()
-    run_dir = None
+    lines: list[str] = []
     assert proc.stdout is not None
     for line in proc.stdout:
-        sys.stdout.write(line)
+        lines.append(line)
+        on_line(line)
         if not endpoint and (m := re.search(r"etcd (\d+\.\d+\.\d+\.\d+:\d+)", line)):
             endpoint.append(m.group(1))
-        if run_dir is None and (m := re.match(r"run dir: (\S+)", line)):
-            run_dir = Path(m.group(1))
     code = proc.wait()
     if len(scrapes) < 2:
+        return code, lines, None
+    (t0, first), (t1, last) = scrapes[0], scrapes[-1]
+    return code, lines, report(first, last, t1 - t0)
+
+
+def run_dir_of(lines: list[str]) -> Path | None:
+    """The run dir `rlfleet run` names on its first line."""
+    return next((Path(m.group(1)) for line in lines if (m := re.match(r"run dir: (\S+)", line))), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("spec")
+    ap.add_argument("--json", type=Path, help="write the report here too")
+    args = ap.parse_args(argv)
+    code, lines, result = run_scraped([sys.executable, "-m", "rlfleet.tools.cli", "run", args.spec, "--no-view"],
+                                      sys.stdout.write)
+    if result is None:
         print("etcd_requests: fewer than two scrapes of etcd's /metrics; nothing to report", file=sys.stderr)
         return code or 1
-    (t0, first), (t1, last) = scrapes[0], scrapes[-1]
-    result = report(first, last, t1 - t0)
+    run_dir = run_dir_of(lines)
     summary = run_dir / "summary.json" if run_dir else None
     if summary is not None and summary.exists():
         s = json.loads(summary.read_text())

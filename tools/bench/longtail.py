@@ -28,19 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import tomllib
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from rlfleet.tools.bench.etcd_requests import parse_metrics
-from rlfleet.tools.bench.etcd_requests import report as etcd_report
+from rlfleet.tools.bench.etcd_requests import run_dir_of, run_scraped
 
 MODES = ("sync", "one_step_off", "partial", "trajectory", "trajectory_repack")
 MAX_LAG = 0.05  # a run whose sim engines ran this far behind their timing model is invalid
@@ -119,40 +114,16 @@ def run_once(spec: Path, duration_s: float) -> tuple[Path, dict[str, Any], int]:
     """Run the job for duration_s; (run dir, etcd figures, exit code)."""
     cmd = [sys.executable, "-m", "rlfleet.tools.cli", "run", str(spec), "--no-view",
            "--duration", str(duration_s)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    endpoint: list[str] = []
-    scrapes: list[tuple[float, dict[str, float]]] = []
-
-    def scrape() -> None:
-        while proc.poll() is None:
-            if endpoint:
-                try:
-                    with urllib.request.urlopen(f"http://{endpoint[0]}/metrics", timeout=2) as r:
-                        scrapes.append((time.monotonic(), parse_metrics(r.read().decode())))
-                except OSError:
-                    pass
-            time.sleep(2.0)
-
-    threading.Thread(target=scrape, daemon=True).start()
-    run_dir, tail, restarts = None, [], "unknown"
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        tail = (tail + [line])[-40:]
-        if line.strip().startswith("restarts "):
-            restarts = line.strip().removeprefix("restarts").strip()
-        if not endpoint and (m := re.search(r"etcd (\d+\.\d+\.\d+\.\d+:\d+)", line)):
-            endpoint.append(m.group(1))
-        if run_dir is None and (m := re.match(r"run dir: (\S+)", line)):
-            run_dir = Path(m.group(1))
-    code = proc.wait()
+    code, lines, etcd = run_scraped(cmd)
+    run_dir = run_dir_of(lines)
     if run_dir is None:
-        raise SystemExit(f"{spec}: rlfleet run printed no run dir (exit {code}):\n{''.join(tail)}")
-    etcd: dict[str, Any] = {}
-    if len(scrapes) >= 2:
-        (t0, first), (t1, last) = scrapes[0], scrapes[-1]
-        etcd = etcd_report(first, last, t1 - t0)
-        etcd["writes_per_s"] = round(etcd["raft_proposals"] / max(t1 - t0, 1e-9), 1)
-    etcd["restarts"] = restarts  # from the run's end summary: a restarted daemon voids a figure
+        raise SystemExit(f"{spec}: rlfleet run printed no run dir (exit {code}):\n{''.join(lines[-40:])}")
+    etcd = etcd or {}
+    if etcd:
+        etcd["writes_per_s"] = round(etcd["raft_proposals"] / max(etcd["seconds"], 1e-9), 1)
+    # From the run's end summary: a restarted daemon voids a figure.
+    etcd["restarts"] = next((line.strip().removeprefix("restarts").strip() for line in lines
+                             if line.strip().startswith("restarts ")), "unknown")
     return run_dir, etcd, code
 
 
