@@ -24,7 +24,7 @@ from typing import Callable
 from rlfleet.common.sockets import RequestServer
 from rlfleet.common.wire import RolloutStats
 
-from .core import RolloutCore, WeightReader
+from .core import LazyReader, RolloutCore, WeightReader
 from .engine_api import Engine
 
 log = logging.getLogger("rlfleet.rollout")
@@ -40,12 +40,10 @@ class EngineLoop:
         self.core = RolloutCore(engine, server, member_id, mode=mode, hold_max_s=hold_max_s,
                                 check_every_s=check_every_s)
         self.engine, self.server, self.member_id = engine, server, member_id
-        self.reader_factory = reader_factory
-        self.reader: WeightReader | None = None
+        self.reader = LazyReader(reader_factory)
         self.idle_wait_s = idle_wait_s
         self.drain_timeout_s = drain_timeout_s
         self.error: BaseException | None = None  # set if the thread died
-        self._next_reader_try = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
 
@@ -93,7 +91,7 @@ class EngineLoop:
     def _one_pass(self) -> None:
         busy = self.engine.has_work() or bool(self.core.held)
         self._receive(0.0 if busy else self.idle_wait_s)
-        self.core.tick(time.monotonic(), self._get_reader(time.monotonic()))
+        self.core.tick(time.monotonic(), self.reader.get(time.monotonic()))
 
     def _receive(self, timeout: float, max_messages: int = 1000) -> None:
         for _ in range(max_messages):  # bounded: a flood must not starve decoding
@@ -103,17 +101,6 @@ class EngineLoop:
             timeout = 0.0
             identity, rid, msg = got
             self.core.on_message(identity, rid, msg, time.monotonic())
-
-    def _get_reader(self, now: float) -> WeightReader | None:
-        if self.reader is None and self.reader_factory is not None and now >= self._next_reader_try:
-            try:
-                self.reader = self.reader_factory()
-                if self.reader is None:
-                    self.reader_factory = None  # no relay module in this installation
-            except Exception as exc:  # noqa: BLE001 — the relay may come up later
-                log.warning("weight reader unavailable, retrying in 5 s: %s", exc)
-                self._next_reader_try = now + 5.0
-        return self.reader
 
     # -- draining ----------------------------------------------------------------------
     def _drain(self) -> None:

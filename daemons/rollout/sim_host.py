@@ -29,7 +29,7 @@ import zmq
 
 from rlfleet.common.sockets import RequestServer
 
-from .core import RolloutCore, WeightReader
+from .core import LazyReader, RolloutCore, WeightReader
 
 log = logging.getLogger("rlfleet.rollout")
 
@@ -45,14 +45,12 @@ class SimHost:
                  *, check_every_s: float = 0.05, summary_path: Path | None = None,
                  drain_timeout_s: float = 2.0) -> None:
         self.cores = cores
-        self.reader_factory = reader_factory
-        self.reader: WeightReader | None = None
+        self.reader = LazyReader(reader_factory)
         self.check_every_s = check_every_s
         self.summary_path = summary_path
         self.drain_timeout_s = drain_timeout_s
         self.error: BaseException | None = None
         self.started = time.monotonic()
-        self._next_reader_try = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sim-host", daemon=True)
         self._by_socket = {core.server.sock: i for i, core in enumerate(cores)}
@@ -92,7 +90,7 @@ class SimHost:
                     self._receive(self.cores[i])
                     dirty.add(i)
                 now = time.monotonic()
-                reader = self._get_reader(now)
+                reader = self.reader.get(now)
                 if now >= next_check:
                     next_check = now + self.check_every_s
                     newest = self._newest(reader)
@@ -137,17 +135,6 @@ class SimHost:
         except Exception as exc:  # noqa: BLE001 — keep serving the versions held
             log.warning("weight reader newest() failed: %s", exc)
             return None
-
-    def _get_reader(self, now: float) -> WeightReader | None:
-        if self.reader is None and self.reader_factory is not None and now >= self._next_reader_try:
-            try:
-                self.reader = self.reader_factory()
-                if self.reader is None:
-                    self.reader_factory = None  # type: ignore[assignment]
-            except Exception as exc:  # noqa: BLE001 — the relay may come up later
-                log.warning("weight reader unavailable, retrying in 5 s: %s", exc)
-                self._next_reader_try = now + 5.0
-        return self.reader
 
     def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_timeout_s
