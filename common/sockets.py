@@ -89,11 +89,40 @@ def bind(sock: zmq.Socket, address: str) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
+def shared_context() -> zmq.Context:
+    """The process's ZeroMQ context, able to hold as many sockets as the process may open
+    files: ZeroMQ's default is 1,023 per context, and an env-host of a 1,000-rollout fleet
+    holds two per rollout (its DEALER and that DEALER's monitor). The open-file limit is
+    raised to its hard limit first (sockets are descriptors too)."""
+    global _SHARED
+    if _SHARED is None:
+        ctx = zmq.Context.instance()
+        try:
+            import resource
+
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            want = hard if hard != resource.RLIM_INFINITY else max(soft, _MAX_SOCKETS)
+            if soft != resource.RLIM_INFINITY and soft < want:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+                soft = want
+            limit = _MAX_SOCKETS if soft == resource.RLIM_INFINITY else min(_MAX_SOCKETS, soft)
+            if ctx.get(zmq.MAX_SOCKETS) < limit:
+                ctx.set(zmq.MAX_SOCKETS, limit)  # takes effect if no socket exists yet
+        except (ImportError, OSError, ValueError, zmq.ZMQError) as exc:
+            log.warning("keeping ZeroMQ's default socket limit: %s", exc)
+        _SHARED = ctx
+    return _SHARED
+
+
+_SHARED: zmq.Context | None = None
+_MAX_SOCKETS = 65536
+
+
 def make_socket(kind: int, *, server: bool, ctx: zmq.Context | None = None,
                 curve: CurveKeys | None = None, hwm: int = DEFAULT_HWM,
                 max_bytes: int = MAX_FRAME_BYTES) -> zmq.Socket:
     """A socket with the fleet's options; ``server`` is the binding side."""
-    sock = (ctx or zmq.Context.instance()).socket(kind)
+    sock = (ctx or shared_context()).socket(kind)
     sock.setsockopt(zmq.LINGER, 0)  # close() never blocks on unsent data; senders resend
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)

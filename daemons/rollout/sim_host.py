@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import zmq
 
-from rlfleet.common.sockets import RequestServer
+from rlfleet.common.sockets import RequestServer, shared_context
 
 from .core import LazyReader, RolloutCore, WeightReader
 
@@ -188,6 +188,6 @@ class SimHost:
 
 
 def bind_servers(count: int, bind_host: str, host_id: str, expect: tuple[type, ...]) -> list[RequestServer]:
-    ctx = zmq.Context.instance()
+    ctx = shared_context()
     return [RequestServer(f"tcp://{bind_host}:0", expect=expect, ctx=ctx,
                           name=f"{sim_member_id(host_id, k, count)}-requests") for k in range(count)]

@@ -430,3 +430,17 @@ def test_take_acked_names_the_acknowledged_keys():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_the_shared_context_holds_more_sockets_than_zeromqs_default_1023():
+    # An env-host of a 1,000-rollout fleet holds a DEALER and its monitor per rollout.
+    import zmq
+
+    from rlfleet.common.sockets import make_socket
+
+    socks = [make_socket(zmq.DEALER, server=False) for _ in range(1100)]
+    try:
+        assert len(socks) == 1100
+    finally:
+        for sock in socks:
+            sock.close()
