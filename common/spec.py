@@ -216,6 +216,9 @@ class TaskSection(Section):
     max_turns: PosInt = 1
     eval_size: PosInt = 64
     eval_every_steps: PosInt = 5
+    # The held-out set is drawn with its own seed, not job.seed: runs that differ only
+    # in their training seed are scored on the same problems, so their figures compare.
+    eval_seed: StrictInt = 0
 
 
 class TrainerSection(Section):

@@ -74,7 +74,11 @@ class PromptClaimer:
         self.max_attempts = max_attempts
         self.budget = budget
         self.conflicts = 0  # lost swaps, for metrics and tests
+        self.recovered = 0  # swaps reported failed or lost that had in fact been applied
         self._cursor: PromptCursor | None = None
+        # The range of a swap whose outcome we never learnt (etcd timed out): it may have
+        # been applied, and then it is ours whatever the next call asks for.
+        self._uncertain: range | None = None
 
     def claim(self, k: int) -> range:
         """The next k unclaimed prompt ids, now ours; fewer (maybe none: an empty range)
@@ -88,6 +92,8 @@ class PromptClaimer:
         # budget of nothing at a stale `next` is nothing at the real one too: a paced
         # env-host re-checks its budget without asking etcd.
         cursor = self._cursor
+        if self._uncertain is not None:
+            cursor = None  # read the cursor: did that swap land?
         for attempt in range(self.max_attempts):
             fresh = cursor is None
             if fresh:
@@ -97,19 +103,42 @@ class PromptClaimer:
             except ClaimError:
                 self._cursor = None  # read it again next time: an operator may repair it
                 raise
+            if self._uncertain is not None:
+                landed, self._uncertain = self._recorded(claims, self._uncertain), None
+                if landed:
+                    self.recovered += 1
+                    log.warning("prompts [%d, %d): the claim reported failed had been applied; "
+                                "they are ours", landed.start, landed.stop, extra={"event": "claim_recovered"})
+                    return landed
             n = k if self.budget is None else min(k, self.budget(nxt))
             if n <= 0:
                 return range(nxt, nxt)
+            wanted = range(nxt, nxt + n)
             _record(claims, self.owner, nxt, nxt + n)
+            # A swap that times out may still have been applied; and the store's retry of
+            # one that was applied loses to its own write. Either way only the cursor can
+            # tell, and only this owner ever records ranges under its own name.
+            self._uncertain = wanted
             won, kv = self.store.swap(key, cursor.mod_revision, {"next": nxt + n, "claims": claims})
+            self._uncertain = None
             cursor = self._cursor = PromptCursor.from_kv(kv) if kv is not None else PromptCursor()
             if won:
-                return range(nxt, nxt + n)
+                return wanted
+            if self._recorded(_usable(cursor)[1] if not cursor.problem else {}, wanted):
+                self.recovered += 1
+                log.warning("prompts [%d, %d): the claim's swap was retried after it had been "
+                            "applied; they are ours", nxt, nxt + n, extra={"event": "claim_recovered"})
+                return wanted
             self.conflicts += 1
             if fresh or attempt:
                 # Another env-host won; jittered so a crowd of claimers spreads out.
                 time.sleep(random.uniform(0, 0.002 * min(attempt + 1, 10)))
         raise ClaimContention(f"{key}: lost {self.max_attempts} compare-and-swap races in a row")
+
+    def _recorded(self, claims: dict[str, list[list[int]]], wanted: range) -> range | None:
+        """``wanted`` if the cursor records it as this owner's claim."""
+        covered = any(a <= wanted.start and wanted.stop <= b for a, b in claims.get(self.owner, []))
+        return wanted if covered else None
 
     def recent(self) -> list[range]:
         """The ranges the cursor records for this env-host (most recent last)."""

@@ -9,6 +9,7 @@ import pytest
 
 from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
+from rlfleet.common.store import StoreUnavailable
 from rlfleet.daemons.env_host.claims import (
     MAX_OWNERS,
     RECENT_PER_OWNER,
@@ -73,6 +74,45 @@ def test_a_lost_swap_is_retried_from_the_new_cursor(etcd):
         assert mine.conflicts == 1
         assert mine.recent() == [range(5, 8)] and other.recent() == [range(0, 5)]
         store.close()
+
+
+class _AmbiguousSwap(EtcdStore):
+    """A real store whose next swap is applied in etcd but reported as failed, the way a
+    txn that times out after etcd applied it is (``raise_``), or as lost, the way the
+    store's own retry of an applied txn loses to its first write."""
+
+    def __init__(self, endpoints: str, raise_: bool) -> None:
+        super().__init__(endpoints)
+        self.raise_, self.armed = raise_, True
+
+    def swap(self, key, expected_mod_revision, value, lease=None):
+        won, kv = super().swap(key, expected_mod_revision, value, lease)
+        if self.armed and won:
+            self.armed = False
+            if self.raise_:
+                raise StoreUnavailable("etcd swap: deadline exceeded (applied all the same)")
+            return False, self.get(key)  # what the retry of the applied txn sees
+        return won, kv
+
+
+@pytest.mark.parametrize("raise_", [True, False], ids=["timed-out", "retried"])
+def test_a_claim_applied_but_reported_failed_is_not_lost(etcd, raise_):
+    # Under load an etcd txn can time out after it was applied (the cause of the env-host
+    # restart test's rare "claimed prompt neither delivered nor journaled"): the range is
+    # recorded as ours in etcd, so the claimer must hand it out, not claim past it.
+    with _AmbiguousSwap(etcd.endpoints, raise_) as store:
+        claimer = PromptClaimer(store, KEYS, "env-a")
+        got = []
+        if raise_:
+            with pytest.raises(StoreUnavailable):
+                claimer.claim(4)
+        else:
+            got.append(claimer.claim(4))
+        got += [claimer.claim(4), claimer.claim(2)]
+        nxt, _ = parse_cursor(store.get(KEYS.prompts_cursor).value)
+    ids = [i for r in got for i in r]
+    assert sorted(ids) == list(range(nxt)), f"claimed in etcd but never handed out: {got}, next {nxt}"
+    assert claimer.recovered == 1
 
 
 def test_cursor_value_stays_small_and_readable(etcd):
