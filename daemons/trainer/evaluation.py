@@ -45,7 +45,7 @@ class Evaluator:
         self.metrics_path = metrics_path
         self.task = task_for(spec)
         self.tokenizer = AutoTokenizer.from_pretrained(str(spec.model.path))
-        self.prompts = self.task.make_prompts("eval", spec.task.eval_size, seed=spec.job.seed)
+        self.prompts = self.task.make_prompts("eval", spec.task.eval_size, seed=spec.task.eval_seed)
         self.done_versions = self._already_evaluated()
 
     def _already_evaluated(self) -> set[int]:

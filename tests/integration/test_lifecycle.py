@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -169,7 +170,9 @@ def test_daemon_survives_etcd_outage_and_reregisters(tmp_path, etcd):
         first = wait_for("trainer registered", lambda: members(store, "outage").get(("trainer", "t-1")), timeout_s=30)
         member = etcd.members[0]
         etcd.kill_member(member)
-        time.sleep(3 * TTL_S)  # long enough for the lease to lapse
+        # The daemon notices (a failed lease refresh), says so and keeps running.
+        wait_for("the daemon to report etcd unreachable",
+                 lambda: "etcd unreachable, degraded" in (tmp_path / "t.log").read_text(), timeout_s=30)
         assert proc.poll() is None, "daemon died when etcd went away"
         etcd.start_member(member)
         again = wait_for("trainer re-registered after etcd came back",
@@ -224,8 +227,10 @@ def test_kill_9_of_the_supervisor_leaves_no_orphans(tmp_path):
     try:
         wait_for("the supervisor to start 8 daemons and etcd",
                  lambda: len(psutil.Process(proc.pid).children()) >= 9, timeout_s=60)
-        children = psutil.Process(proc.pid).children()
-        time.sleep(2)  # let them get past start-up
+        # Past start-up, every process of the fleet exists (reward workers included): the
+        # trainer has trained, which needs every role.
+        wait_for("the first training step", lambda: re.search(r"step \d+/", log.read_text()), timeout_s=120)
+        children = psutil.Process(proc.pid).children(recursive=True)
     finally:
         proc.kill()
         proc.wait()

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.tools.bench.etcd_requests import run_dir_of, run_scraped
+from rlfleet.tools.bench.spec_variants import to_toml
 
 MODES = ("sync", "one_step_off", "partial", "trajectory", "trajectory_repack")
 MAX_LAG = 0.05  # a run whose sim engines ran this far behind their timing model is invalid
@@ -72,41 +73,6 @@ def spec_for(base: Path, mode: str, rollouts: int, prompts_per_rollout: int,
     out = base.with_name(f".{base.stem}-{mode}-{rollouts}.toml")
     out.write_text(to_toml(spec))
     return out
-
-
-def to_toml(d: dict[str, Any], prefix: str = "") -> str:
-    """Enough TOML for a job spec: scalars, lists of scalars, tables, arrays of tables."""
-    lines, tables = [], []
-    for k, v in d.items():
-        if isinstance(v, dict):
-            tables.append((k, v))
-        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
-            for item in v:
-                tables.append((k, [item]))
-        else:
-            lines.append(f"{k} = {_value(v)}")
-    out = "\n".join(lines) + ("\n" if lines else "")
-    for k, v in tables:
-        name = f"{prefix}{k}"
-        if isinstance(v, list):
-            out += f"\n[[{name}]]\n" + to_toml(v[0], f"{name}.")
-        else:
-            out += f"\n[{name}]\n" + to_toml(v, f"{name}.")
-    return out
-
-
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{json.dumps(k)} = {_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(f"cannot write {v!r} as TOML")
 
 
 # -- one run ---------------------------------------------------------------------------------
