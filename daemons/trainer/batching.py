@@ -20,6 +20,7 @@ from rlfleet.common.wire import ScoredTrajectory
 # Reasons a group is dropped by the trainer itself (others come from upstream
 # in Trajectory.dropped_reason, or "reward_error" from ScoredTrajectory.reward_error).
 STALENESS = "staleness"
+NO_SIGNAL = "no_signal"  # every reward of the group equal: advantage 0 for all
 INVALID = "invalid"
 REWARD_ERROR = "reward_error"
 
@@ -75,9 +76,12 @@ class Selection:
 
 
 def select_groups(complete: Sequence[tuple[str, Sequence[ScoredTrajectory]]], n_groups: int,
-                  trainer_version: int, max_staleness: int | None) -> Selection:
+                  trainer_version: int, max_staleness: int | None,
+                  no_signal_budget: int = 0) -> Selection:
     """Take up to n_groups complete groups, oldest first; a group holding any
-    trajectory staler than max_staleness is dropped as a whole instead."""
+    trajectory staler than max_staleness is dropped as a whole instead, and so is a
+    group whose rewards are all equal while ``no_signal_budget`` (drops of that kind
+    still allowed for this batch) lasts."""
     sel = Selection()
     for group_id, trajectories in complete:
         if len(sel.groups) >= n_groups:
@@ -88,6 +92,11 @@ def select_groups(complete: Sequence[tuple[str, Sequence[ScoredTrajectory]]], n_
             sel.drops.append((group_id, STALENESS,
                               f"{trajectories[worst].trajectory.trajectory_id}: staleness "
                               f"{ages[worst]} > max_staleness {max_staleness}"))
+            continue
+        rewards = {st.reward for st in trajectories}
+        if no_signal_budget > 0 and len(rewards) == 1:
+            no_signal_budget -= 1
+            sel.drops.append((group_id, NO_SIGNAL, f"all {len(trajectories)} rewards {rewards.pop()}"))
             continue
         sel.groups.append(group_id)
         sel.staleness.update(ages)

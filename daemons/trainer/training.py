@@ -23,7 +23,7 @@ from typing import Any
 
 from rlfleet.common.spec import JobSpec
 
-from .batching import INVALID, STALENESS, select_groups
+from .batching import INVALID, NO_SIGNAL, STALENESS, select_groups
 from .checkpointing import Checkpointer
 from .journal import Journal
 from .metrics_log import MetricsLog, batch_versions, step_line
@@ -68,6 +68,7 @@ class TrainingLoop:
         journal, learner = self.journal, self.learner
         waited_from = time.monotonic()
         stale_since: float | None = None  # waiting, and what arrives is too stale to train
+        no_signal_dropped = 0  # for the batch being gathered
         while not stop.is_set():
             t, g = self.spec().trainer, self.spec().task.group_size
             if learner.version >= t.max_steps:
@@ -79,12 +80,17 @@ class TrainingLoop:
                 continue
             self.wake.clear()
             complete = [(gid, journal.group(gid)) for gid in journal.complete_groups(g)]
-            sel = select_groups(complete, t.batch_size // g, learner.version, t.max_staleness)
+            budget = int(t.no_signal_drops_per_batch * (t.batch_size // g)) - no_signal_dropped
+            sel = select_groups(complete, t.batch_size // g, learner.version, t.max_staleness,
+                                no_signal_budget=max(0, budget))
+            no_signal_dropped += sum(1 for _, reason, _ in sel.drops if reason == NO_SIGNAL)
             if sel.drops:
                 journal.record_dropped(sel.drops)
                 for gid, reason, detail in sel.drops:
-                    log.info("dropped group %s: %s (%s)", gid, reason, detail,
-                             extra={"event": "drop", "reason": reason})
+                    # no_signal drops are routine (counted in the metrics line), not news
+                    log.log(logging.DEBUG if reason == NO_SIGNAL else logging.INFO,
+                            "dropped group %s: %s (%s)", gid, reason, detail,
+                            extra={"event": "drop", "reason": reason})
             if len(sel.groups) < t.batch_size // g:
                 self.state.status = "waiting"
                 if any(reason == STALENESS for _, reason, _ in sel.drops):
@@ -92,7 +98,7 @@ class TrainingLoop:
                     self.republish_if_starved(stale_since)
                 self.wake.wait(0.5)
                 continue
-            stale_since = None
+            stale_since, no_signal_dropped = None, 0
             self.state.status = "training"
             self.step(sel.groups, sel.staleness, time.monotonic() - waited_from)
             waited_from = time.monotonic()

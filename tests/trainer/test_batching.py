@@ -37,6 +37,25 @@ def test_select_takes_oldest_complete_groups_and_drops_stale_ones_whole():
     assert sel.groups == ["p0", "p1"] and sel.drops == [] and dict(sel.staleness) == {1: 1, 0: 2, 4: 1}
 
 
+def test_groups_without_signal_are_dropped_while_the_budget_lasts():
+    complete = [
+        ("p0", [scored(0, 0, 1.0), scored(0, 1, 1.0)]),  # all solved: advantage 0 for both
+        ("p1", [scored(1, 0, 1.0), scored(1, 1, 0.0)]),
+        ("p2", [scored(2, 0, 0.0), scored(2, 1, 0.0)]),  # none solved
+        ("p3", [scored(3, 0, 0.0), scored(3, 1, 1.0)]),
+        ("p4", [scored(4, 0, 0.5), scored(4, 1, 0.5)]),
+    ]
+    sel = select_groups(complete, n_groups=2, trainer_version=0, max_staleness=None, no_signal_budget=5)
+    assert sel.groups == ["p1", "p3"]
+    assert sel.drops == [("p0", "no_signal", "all 2 rewards 1.0"), ("p2", "no_signal", "all 2 rewards 0.0")]
+    # The budget spent, such groups are trained as they come (a solved task still finishes).
+    sel = select_groups(complete, n_groups=3, trainer_version=0, max_staleness=None, no_signal_budget=1)
+    assert sel.groups == ["p1", "p2", "p3"] and [d[0] for d in sel.drops] == ["p0"]
+    # Off by default.
+    sel = select_groups(complete, n_groups=2, trainer_version=0, max_staleness=None)
+    assert sel.groups == ["p0", "p1"] and sel.drops == []
+
+
 def test_drop_reasons_from_upstream():
     assert drop_reason(scored(0, 0, 0.0, dropped_reason="env_error")) == (
         "env_error", "p0-g0: dropped upstream")

@@ -17,7 +17,7 @@ from rlfleet.common.spec import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((REPO / "examples").glob("*.toml"))
+EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.toml") if not p.name.startswith("."))  # not bench variants
 
 MINIMAL = """\
 [job]
