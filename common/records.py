@@ -163,8 +163,8 @@ class WeightsLatest(_KeyRecord):
                    f.int("term"), f.problem)
 
     def to_value(self) -> dict[str, Any]:
-        return {"version": self.version, "bytes": self.bytes, "checksum": self.checksum, "master": self.master,
-                "term": self.term}
+        value = {"version": self.version, "bytes": self.bytes, "checksum": self.checksum, "master": self.master}
+        return {**value, "term": self.term} if self.term else value  # an unfenced publisher: no term
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Any
 
 from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
+from rlfleet.common.members import Member
 from rlfleet.common.records import RelayMaster, WeightsLatest
 from rlfleet.common.sockets import ReliableSender
 from rlfleet.common.store import StoreUnavailable
@@ -97,7 +98,7 @@ class Feeder(threading.Thread):
             kv = self.store.get(self.member_key)
         except StoreUnavailable:
             return None
-        return (kv.value.get("addresses") or {}).get("trajectories") if kv else None
+        return Member.from_kv(JobKeys(JOB), kv).address("trajectories") if kv else None
 
     def run(self) -> None:
         sender, addr, p = None, None, 0
