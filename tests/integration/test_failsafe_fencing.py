@@ -30,10 +30,13 @@ def session(store: EtcdStore, member_id: str) -> Session:
     return s
 
 
-def step_until(s: Session, what: str, ok, timeout_s: float = 20.0) -> list[str]:
+def step_until(s: Session, what: str, ok, timeout_s: float = 20.0, keep: tuple[Session, ...] = ()) -> list[str]:
+    """Step s until ok(s); the sessions in ``keep`` are stepped too (their leases kept)."""
     said: list[str] = []
 
     def once():
+        for other in keep:
+            other.step({"id": other.member_id})
         said.extend(s.step({"id": s.member_id}))
         return ok(s)
     wait_for(what, once, timeout_s=timeout_s, every_s=0.1)
@@ -76,8 +79,9 @@ def test_a_superseded_leader_is_fenced_and_cannot_publish(etcd3, stores):
     newer._record_latest(_manifest(2), "relay-x")
 
     # -- a's side heals: it learns it was superseded, and stays fenced ---------------
-    etcd3.start_member(etcd3.members[0])
-    said = step_until(a, "a to see it was superseded", lambda s: s.failsafe_since is None)
+    # m0 comes back while b keeps its lease (stepped in the loop): b still leads then.
+    etcd3.start_member(etcd3.members[0], wait=False)
+    said = step_until(a, "a to see it was superseded", lambda s: s.failsafe_since is None, keep=(b,))
     assert not a.is_leader and a.term == 0
     assert any("superseded" in x and "fenced" in x for x in said), said
     # Its publisher, even if it still believed in its old term, is refused before a
