@@ -8,6 +8,7 @@ interface: change them only with a migration note in docs/etcd-keys.md.
     /rlfleet/<job>/nodes/<host>                    machine inventory (lease)
     /rlfleet/<job>/members/<role>/<id>             live daemons: addresses, host, pid, state (lease)
     /rlfleet/<job>/leader/<role>                   elections: {"id": ..., "since": ...} (lease)
+    /rlfleet/<job>/term/<role>                     the last leader's fencing term: {term, reign, id, since}
     /rlfleet/<job>/placement/<host>/<role>/<id>    desired daemons per machine
     /rlfleet/<job>/weights/latest                  {version, bytes, checksum, master}
     /rlfleet/<job>/relay/chain                     {master, order: [relay ids], layouts, updated}
@@ -33,6 +34,7 @@ SPEC = "spec"
 NODES = "nodes"
 MEMBERS = "members"
 LEADER = "leader"
+TERM = "term"
 PLACEMENT = "placement"
 WEIGHTS_LATEST = "weights/latest"
 RELAY = "relay"
@@ -90,6 +92,10 @@ class JobKeys:
 
     def leader(self, role: str) -> str:
         return f"{self.leaders_prefix}{_check(role, 'role')}"
+
+    def term(self, role: str) -> str:
+        """The fencing term of a failsafe role's last leader (docs/failsafe.md); no lease."""
+        return f"{self.prefix}{TERM}/{_check(role, 'role')}"
 
     # -- desired state ---------------------------------------------------
     @property

@@ -153,16 +153,18 @@ class WeightsLatest(_KeyRecord):
     bytes: int = 0
     checksum: str = ""
     master: str = ""
+    term: int = 0  # the publishing trainer leader's fencing term (docs/failsafe.md); 0: none
     problem: str = ""
 
     @classmethod
     def parse(cls, value: Any) -> WeightsLatest:
         f = _Fields(value, names.WEIGHTS_LATEST)
         return cls(f.int("version", -1, required=True), f.int("bytes"), f.str("checksum"), f.str("master"),
-                   f.problem)
+                   f.int("term"), f.problem)
 
     def to_value(self) -> dict[str, Any]:
-        return {"version": self.version, "bytes": self.bytes, "checksum": self.checksum, "master": self.master}
+        value = {"version": self.version, "bytes": self.bytes, "checksum": self.checksum, "master": self.master}
+        return {**value, "term": self.term} if self.term else value  # an unfenced publisher: no term
 
 
 @dataclass(frozen=True)

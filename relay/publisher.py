@@ -7,13 +7,18 @@ etcd (`relay/master` -> the master's member registration -> its `chunks`
 address); if the master dies mid-push, it waits for the next master to be
 elected and resumes there (the handshake says which chunks that relay already
 has, e.g. everything the old master had forwarded to it).
+
+Fencing (docs/failsafe.md): a publisher given its trainer leader's ``term`` stamps it
+into weights/latest and will not publish under a term older than the one recorded
+there: a trainer that was superseded gets `PublishFenced` instead of a version that
+downstream could take.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +53,10 @@ class PublishRejected(PublishError):
     """The master refused the version (e.g. the same version number with other contents)."""
 
 
+class PublishFenced(PublishError):
+    """weights/latest carries a newer leader term than ours: another trainer leads."""
+
+
 @dataclass(frozen=True)
 class PublishReport:
     version: int
@@ -74,7 +83,9 @@ class _FullSource:
 
 class WeightPublisher:
     def __init__(self, store: Store, job: str, *, transport: str = "tcp", chunk_bytes: int = 32 << 20,
-                 timeout_s: float = 60.0, window_chunks: int = 4, name: str = "trainer") -> None:
+                 timeout_s: float = 60.0, window_chunks: int = 4, name: str = "trainer",
+                 term: Callable[[], int] = lambda: 0) -> None:
+        """``term``: the publishing leader's fencing term now (Session.term; 0: unfenced)."""
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         if timeout_s <= 0:
@@ -82,7 +93,7 @@ class WeightPublisher:
         get_transport(transport)  # fail now on an unknown or unavailable transport
         self.store, self.keys = store, JobKeys(job)
         self.transport, self.chunk_bytes, self.timeout_s = transport, chunk_bytes, timeout_s
-        self.window, self.name = window_chunks, name
+        self.window, self.name, self.term = window_chunks, name, term
         self._link: Link | None = None
         self._link_to: tuple[str, str] | None = None  # (master id, address)
         self._link_checked = 0.0  # monotonic time the link's master was last confirmed in etcd
@@ -124,7 +135,22 @@ class WeightPublisher:
             self._link.close()
         self._link, self._link_to = None, None
 
+    def _check_term(self, term: int, kv: KeyValue | None) -> None:
+        recorded = WeightsLatest.from_kv(kv).term if kv is not None else 0
+        if recorded > term:
+            raise PublishFenced(f"{self.keys.weights_latest} was written under term {recorded}, "
+                                f"newer than ours ({term}): another trainer leads")
+
     def publish(self, version: int, tensors: Mapping[str, numpy.ndarray]) -> PublishReport:
+        # What this publisher last saw of weights/latest (read again on a new term): a
+        # newer term there fences us before a single chunk reaches the relay.
+        term = self.term()
+        if term and (self._latest_kv is None or WeightsLatest.from_kv(self._latest_kv).term != term):
+            try:
+                self._latest_kv = self.store.get(self.keys.weights_latest)
+            except StoreUnavailable:
+                pass  # checked again when the version is recorded
+        self._check_term(term, self._latest_kv)
         started = time.monotonic()
         manifest, src = build_manifest(version, tensors, chunk_bytes=self.chunk_bytes)
         manifest_s = time.monotonic() - started
@@ -182,10 +208,13 @@ class WeightPublisher:
         wrote last time, and a swap that loses (first publish, another trainer, an
         operator) returns the key as it is, which the next try decides on."""
         key = self.keys.weights_latest
-        value = WeightsLatest(manifest.version, manifest.total_bytes, manifest.checksum, master).to_value()
+        term = self.term()
+        value = WeightsLatest(manifest.version, manifest.total_bytes, manifest.checksum, master,
+                              term).to_value()
         kv = self._latest_kv
         for _ in range(6):  # the first try may use a stale revision; then as many as before
             try:
+                self._check_term(term, kv)
                 # A malformed value (version -1) is overwritten: it describes no version.
                 if kv is not None and WeightsLatest.from_kv(kv).version > manifest.version:
                     self._latest_kv = kv

@@ -12,6 +12,15 @@ every trainer candidate can reach). A leader that loses leadership stops its
 worker (socket and journal closed) without checkpointing: the new leader may
 already be writing.
 
+An etcd outage is not a loss of leadership (docs/failsafe.md): the session's
+failsafe keeps the worker training from its in-memory state while publishing,
+checkpoints and trainer/progress wait for leadership to be confirmed. When etcd
+answers, the same reign goes on if nobody else led meanwhile; a leader that was
+superseded stops its worker (fenced: nothing it trained meanwhile was published),
+and one that leads again after someone else did restarts from the checkpoint and
+journal. The journal's lock fences the files: a new leader cannot open the journal
+while a failsafe leader still holds it, so the failsafe ends after FAILSAFE_MAX_S.
+
 Member record fields: ``training`` (standby, starting, resuming, waiting,
 training, done, stopped, error: <why>), and while leading ``version`` and
 ``checkpoint_version``. A failed start (bad model folder, journal held by
@@ -41,6 +50,10 @@ log = logging.getLogger("rlfleet.trainer")
 RETRY_AFTER_S = (2.0, 30.0)  # back-off after a failed start: first, most
 DRAIN_TIMEOUT_S = 120.0
 ADDRESS_POLL_S = 0.02  # cycle period while a starting worker's address is unpublished  # finish the step in progress and write the last checkpoint
+# Longest a leader that cannot reach etcd keeps training. In a lost quorum nobody can take
+# over and nothing is gained by stopping; in a partition of this trainer alone a standby
+# may lead already and waits for the journal lock we hold: give it back after this long.
+FAILSAFE_MAX_S = 300.0
 
 
 class Trainer(Daemon):
@@ -53,6 +66,10 @@ class Trainer(Daemon):
         self._retry_at = 0.0
         self._failures = 0
         self._last_error = ""
+        self._reign = 0  # the session's reign the running worker was started in
+        # The session keeps the leader's work through an etcd outage (docs/failsafe.md).
+        assert self.session is not None
+        self.session.failsafe = True
         # Leader or standby, import what the trainer backend needs now (torch and the
         # model's code): a standby that takes over then starts training seconds sooner.
         threading.Thread(target=_prewarm, args=(self.spec,),
@@ -75,6 +92,13 @@ class Trainer(Daemon):
                 self._retry_at = time.monotonic() + delay
                 said.append(f"training failed ({w.error}); retrying in {delay:.0f} s")
             w = None
+        s = self.session
+        assert s is not None
+        if not self.is_leader and w is not None and s.failsafe_since is not None:
+            held_s = time.monotonic() - s.failsafe_since
+            if held_s < FAILSAFE_MAX_S:
+                return "; ".join(said) or None  # training on; publishing waits (AsyncPublisher)
+            said.append(f"failsafe for {held_s:.0f} s: stopping training so a standby can lead")
         if not self.is_leader:
             if w is not None:
                 w.stop()
@@ -82,9 +106,19 @@ class Trainer(Daemon):
                 self._set_address(None)
                 said.append("not the leader any more: stopped training, socket closed")
             return "; ".join(said) or None
+        if w is not None and self._reign != s.reign:
+            # Leading again, but another trainer led in between: what this worker holds
+            # in memory is older than the journal and checkpoints that trainer wrote.
+            w.stop()
+            self._stopping, self._worker = w, None
+            self._set_address(None)
+            said.append("another trainer led meanwhile: restarting from the checkpoint and journal")
+            return "; ".join(said)
         if w is None and self._stopping is None and time.monotonic() >= self._retry_at:
             self._worker = TrainingWorker(self.spec, self.store, self.keys,
-                                          is_leader=lambda: self.is_leader, on_bound=self.wake)
+                                          is_leader=lambda: self.is_leader, on_bound=self.wake,
+                                          term=lambda: s.term if s.is_leader else 0)
+            self._reign = s.reign
             self._worker.start()
             said.append("leader: resuming training from the last checkpoint and journal")
         elif w is not None:

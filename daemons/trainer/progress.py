@@ -33,15 +33,18 @@ def progress_record(state: JournalState, version: int, group_size: int = 0) -> d
 
 
 class ProgressWriter:
-    def __init__(self, store: Store, key: str, read: Callable[[], dict[str, int]]) -> None:
-        self.store, self.key, self.read = store, key, read
+    def __init__(self, store: Store, key: str, read: Callable[[], dict[str, int]], *,
+                 may_write: Callable[[], bool] = lambda: True) -> None:
+        """``may_write``: confirmed leadership; a failsafe leader (docs/failsafe.md) writes
+        what it trained once its leadership is confirmed, a superseded one never."""
+        self.store, self.key, self.read, self.may_write = store, key, read, may_write
 
     def run(self, stop: threading.Event) -> None:
         last: dict[str, int] | None = None
         failing = False
         while not stop.wait(PROGRESS_EVERY_S):
             now = self.read()
-            if now == last:
+            if now == last or not self.may_write():
                 continue
             try:
                 self.store.put(self.key, {**now, "time": round(time.time(), 3)})

@@ -7,6 +7,10 @@ it never waits for the relay, and a relay that is slow or absent costs the
 trainer nothing but the copy. If a version is still being pushed when the next
 one arrives, the waiting slot is overwritten: rollouts skip to the newest
 version, and versions reach the relay in increasing order.
+
+Only a confirmed leader publishes (``may_publish``): while an etcd outage leaves
+leadership unconfirmed (docs/failsafe.md) the newest version waits in the slot, and
+goes out once leadership is confirmed; a superseded leader closes with it unsent.
 """
 
 from __future__ import annotations
@@ -19,10 +23,15 @@ from typing import Any
 
 log = logging.getLogger("rlfleet.trainer")
 
+HOLD_POLL_S = 0.1  # how often a held version asks whether it may go out
+
 
 class AsyncPublisher:
-    def __init__(self, publisher: Any, name: str = "trainer-publish") -> None:
+    def __init__(self, publisher: Any, name: str = "trainer-publish", *,
+                 may_publish: Callable[[], bool] = lambda: True) -> None:
         self._publisher = publisher
+        self._may_publish = may_publish
+        self.held = 0  # times a version had to wait for leadership to be confirmed
         self._slot: tuple[int, Mapping[str, Any]] | None = None
         self._cond = threading.Condition()
         self._closed = False
@@ -43,8 +52,14 @@ class AsyncPublisher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._slot is None and not self._closed:
-                    self._cond.wait()
+                holding = False
+                while not self._closed and (self._slot is None or not self._may_publish()):
+                    if self._slot is not None and not holding:
+                        holding = True
+                        self.held += 1
+                        log.warning("holding version %d: leadership unconfirmed", self._slot[0],
+                                    extra={"event": "publish_held"})
+                    self._cond.wait(HOLD_POLL_S if self._slot is not None else None)
                 if self._closed:
                     return
                 assert self._slot is not None

@@ -115,7 +115,11 @@ class TrainingLoop:
         self.journal.record_trained(self.learner.version, groups)
         version = self.state.version = self.learner.version
         snapshot_s = self.publish()
-        ckpt = self.checkpoint() if version % self.spec().trainer.checkpoint_every == 0 else None
+        every = self.spec().trainer.checkpoint_every
+        # Also once a checkpoint is overdue: one skipped while leadership was unconfirmed
+        # (an etcd outage, docs/failsafe.md) is written at the first step after.
+        due = version % every == 0 or version - self.state.checkpoint_version >= every
+        ckpt = self.checkpoint() if due else None
         self.metrics.append(step_line(version=version, stats=stats, ages=ages, wait_s=wait_s,
                                       snapshot_s=snapshot_s, publisher=self.publisher,
                                       summary=self.journal.summary(), checkpoint=ckpt,

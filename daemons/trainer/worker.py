@@ -79,12 +79,16 @@ class Paths:
 class TrainingWorker:
     def __init__(self, spec: JobSpec, store: Store, keys: JobKeys, *,
                  publisher: Any = None, is_leader: Callable[[], bool] = lambda: True,
-                 on_bound: Callable[[], None] = lambda: None) -> None:
+                 on_bound: Callable[[], None] = lambda: None,
+                 term: Callable[[], int] = lambda: 0) -> None:
         """``publisher``: anything with ``publish(version, tensors)`` to use instead of
         the relay's WeightPublisher (an in-process relay, a test's recorder).
-        ``is_leader`` is asked before each checkpoint: a trainer that may have been
-        replaced must not write into the shared checkpoint folder."""
-        self.is_leader, self.on_bound = is_leader, on_bound
+        ``is_leader`` (confirmed leadership) is asked before each checkpoint, publication
+        and trainer/progress write: a trainer that may have been replaced must not write
+        into the shared checkpoint folder nor publish (docs/failsafe.md); while it is
+        False the training itself goes on. ``term``: the leader's fencing term, stamped
+        into weights/latest."""
+        self.is_leader, self.on_bound, self.term = is_leader, on_bound, term
         self.spec = spec  # replaced on SIGHUP (max_steps, max_staleness take effect at once)
         self.store, self.keys = store, keys
         self.paths = Paths.for_job(spec)
@@ -193,7 +197,8 @@ class TrainingWorker:
             self._data.set()
 
     def _run_progress(self) -> None:
-        ProgressWriter(self.store, self.keys.trainer_progress, self.progress).run(self._stop)
+        ProgressWriter(self.store, self.keys.trainer_progress, self.progress,
+                       may_write=self.is_leader).run(self._stop)
 
     # -- building the parts ------------------------------------------------------------
     def _resume(self) -> None:
@@ -244,7 +249,7 @@ class TrainingWorker:
         from .publishing import AsyncPublisher
 
         if self._publisher_override is not None:
-            return AsyncPublisher(self._publisher_override)
+            return AsyncPublisher(self._publisher_override, may_publish=self.is_leader)
         try:
             from rlfleet.relay.publisher import WeightPublisher
         except ImportError as exc:
@@ -253,4 +258,5 @@ class TrainingWorker:
             return None
         r = self.spec.relay
         return AsyncPublisher(WeightPublisher(self.store, self.keys.job, transport=r.transport,
-                                              chunk_bytes=r.chunk_mib << 20))
+                                              chunk_bytes=r.chunk_mib << 20, term=self.term),
+                              may_publish=self.is_leader)
