@@ -19,7 +19,9 @@ Every refusal is a `Refused` (a `ProtocolError`) with a `kind` the relay counts
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from rlfleet.common.weights_size import published_bytes
 from rlfleet.relay.manifest import Manifest
 from rlfleet.relay.protocol import Chunk, ProtocolError
 from rlfleet.relay.shm import StoredObject, WeightStore
@@ -50,9 +52,12 @@ class Limits:
             raise ValueError(f"max_object_bytes must be > 0, got {self.max_object_bytes}")
 
 
-def derived_ceiling(published_bytes: int) -> int:
-    """The default ceiling for a job whose versions are `published_bytes` large."""
-    return CEILING_FACTOR * published_bytes + CEILING_SLACK_BYTES
+def ceiling_bytes(spec: Any) -> int:
+    """The relay's ceiling for a job: `[relay] max_object_mib`, else derived from the weights' size."""
+    if spec.relay.max_object_mib is not None:
+        return spec.relay.max_object_mib << 20
+    size = published_bytes(spec)
+    return DEFAULT_MAX_OBJECT_BYTES if size is None else CEILING_FACTOR * size + CEILING_SLACK_BYTES
 
 
 def check_offer(manifest: Manifest, limits: Limits) -> None:

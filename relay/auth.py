@@ -102,13 +102,16 @@ def client_handshake(secret: bytes, send: Callable[[bytes], None], recv: Callabl
 
 
 def server_handshake(secret: bytes, send: Callable[[bytes], None], recv: Callable[[int], bytes]) -> FrameAuth:
-    magic = recv(len(MAGIC))
+    magic = recv(len(MAGIC))  # a peer that connects and leaves (a port probe) is no refusal
     if magic != MAGIC:
         raise AuthError("peer sent no authentication handshake (it runs without the job secret?)")
-    cn = recv(NONCE_BYTES)
-    sn = os.urandom(NONCE_BYTES)
-    send(MAGIC + sn + _mac(secret, b"server", cn, sn))
-    proof = recv(TAG_BYTES)
+    try:
+        cn = recv(NONCE_BYTES)
+        sn = os.urandom(NONCE_BYTES)
+        send(MAGIC + sn + _mac(secret, b"server", cn, sn))
+        proof = recv(TAG_BYTES)
+    except ConnectionError as exc:  # a client that found our proof wrong hangs up here
+        raise AuthError(f"peer left the handshake half-way (it holds another job secret?): {exc}") from None
     if not hmac.compare_digest(proof, _mac(secret, b"client", cn, sn)):
         raise AuthError("peer's handshake proof is wrong (another job secret, or a replayed handshake)")
     c2s, s2c = _keys(secret, cn, sn)
