@@ -31,12 +31,16 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rlfleet.relay.admission import Refused
+from rlfleet.relay.protocol import Reject, encode
 
 MAGIC = b"RLFAUTH1"
 NONCE_BYTES = 32
 TAG_BYTES = 32
 HANDSHAKE_S = 5.0  # a peer that has not finished the handshake by then is refused
 _SEQ = struct.Struct("!Q")
+_PLAIN_REFUSAL = (lambda head: struct.pack("!I", len(head)) + head)(
+    encode(Reject(-1, -1, "this relay needs the job secret: every connection authenticates first "
+                          "(RLFLEET_JOB_SECRET_FILE)")))
 
 
 class AuthError(Refused):
@@ -104,6 +108,10 @@ def client_handshake(secret: bytes, send: Callable[[bytes], None], recv: Callabl
 def server_handshake(secret: bytes, send: Callable[[bytes], None], recv: Callable[[int], bytes]) -> FrameAuth:
     magic = recv(len(MAGIC))  # a peer that connects and leaves (a port probe) is no refusal
     if magic != MAGIC:
+        try:  # a peer without the secret speaks the plain protocol: tell it why, in its terms
+            send(_PLAIN_REFUSAL)
+        except (ConnectionError, OSError):
+            pass
         raise AuthError("peer sent no authentication handshake (it runs without the job secret?)")
     try:
         cn = recv(NONCE_BYTES)

@@ -85,6 +85,8 @@ class Link:
         self._reader.start()
         conn.send(Hello(sender, role))
         state = self._next_reply(self.reply_timeout_s)
+        if isinstance(state, Reject):
+            raise ProtocolError(f"{conn.peer} refused the connection: {state.reason}")
         if not isinstance(state, State):
             raise ProtocolError(f"{conn.peer}: expected State after Hello, got {type(state).__name__}")
         self.peer_state = state
