@@ -126,7 +126,23 @@ class TcpConn(Conn):
                                       "secret, or another one?)") from None
             return bytes(buf)
 
-        self._auth = run(secret, send, recv)
+        try:
+            self._auth = run(secret, send, recv)
+        except AuthError:
+            self._linger()
+            raise
+
+    def _linger(self) -> None:
+        # Closing with the peer's bytes unread sends a reset, which can destroy the refusal
+        # we just sent before the peer reads it: end our side, read past what it sent.
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            self.sock.settimeout(0.2)
+            for _ in range(16):
+                if not self.sock.recv(65536):
+                    break
+        except OSError:
+            pass
 
     def send(self, msg: Message, payload: Sequence[Any] = ()) -> None:
         head = encode(msg)
