@@ -27,6 +27,7 @@ import re
 import tomllib
 import typing
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -46,6 +47,7 @@ from .seams import (ENV_ROUTERS, POLICY_LOSSES, REPACK_PLANNERS, REWARD_BACKENDS
                     ROLLOUT_ENGINES, TASKS, TRAINER_BACKENDS)
 from .spec_errors import describe, dotted, suggest, toml_error
 from .spec_fields import Host, NonNegInt, PosFloat, PosInt, Section, fail, show
+from .weights_size import published_bytes
 
 __all__ = [
     "MOVED",
@@ -267,6 +269,9 @@ class RelaySection(Section):
     keep_versions: Annotated[StrictInt, Field(ge=1)] = 2
     window_chunks: PosInt = 4  # chunks in flight per hop
     bind_host: Host = "127.0.0.1"
+    # The largest object a peer may offer a relay; unset: twice a version's size plus 64 MiB
+    # (relay.admission.ceiling_bytes). A header is never trusted with more than this.
+    max_object_mib: PosInt | None = None
 
 
 class EnvHostSection(Section):
@@ -340,6 +345,13 @@ def _cross_errors(sections: dict[str, BaseModel]) -> list[tuple[tuple, str]]:
                 f"must be a multiple of task.group_size ({task.group_size}), "
                 f"got {trainer.batch_size}",
             ))
+    relay = sections.get("relay")
+    if isinstance(relay, RelaySection) and relay.max_object_mib is not None and "model" in sections:
+        need = published_bytes(SimpleNamespace(**sections)) if "trainer" in sections else None
+        if need is not None and relay.max_object_mib << 20 < need:
+            errors.append((("relay", "max_object_mib"),
+                           f"must be >= {-(-need >> 20)} (MiB of weights published per version; the relays "
+                           f"would refuse every version), got {relay.max_object_mib}"))
     # Each kind checks itself against the rest (e.g. an engine's KV cache vs the model).
     for name, section in sections.items():
         for field_name, field in type(section).model_fields.items():

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from rlfleet.relay.admission import Limits, Refused, check_chunk, check_offer
 from rlfleet.relay.manifest import ChecksumMismatch, Manifest, ManifestError
 from rlfleet.relay.protocol import (Ack, Chunk, Done, Hello, Nack, Offer, ProtocolError, Reject, State, Status,
                                     StatusQuery, Want)
@@ -84,6 +85,8 @@ class Link:
         self._reader.start()
         conn.send(Hello(sender, role))
         state = self._next_reply(self.reply_timeout_s)
+        if isinstance(state, Reject):
+            raise ProtocolError(f"{conn.peer} refused the connection: {state.reason}")
         if not isinstance(state, State):
             raise ProtocolError(f"{conn.peer}: expected State after Hello, got {type(state).__name__}")
         self.peer_state = state
@@ -209,13 +212,17 @@ class ServeContext:
     name: str
     status: Callable[[], dict[str, Any]] = dict
     on_complete: Callable[[tuple[int, int]], None] = lambda key: None
-    protocol_errors: dict[str, int] = field(default_factory=dict)
+    limits: Limits = field(default_factory=Limits)
+    refused: dict[str, int] = field(default_factory=dict)  # connections and offers refused, by rule
+
+    def count_refusal(self, kind: str) -> None:
+        self.refused[kind] = self.refused.get(kind, 0) + 1
 
 
 def serve(conn: Conn, ctx: ServeContext, stop: threading.Event) -> None:
     """Answer one incoming connection until it closes (runs in its own thread)."""
     store = ctx.store
-    scratch = bytearray()
+    offered: set[tuple[int, int]] = set()  # objects offered on this connection: the only ones it may send
     try:
         while not stop.is_set():
             try:
@@ -230,21 +237,28 @@ def serve(conn: Conn, ctx: ServeContext, stop: threading.Event) -> None:
             elif isinstance(msg, Offer):
                 try:
                     manifest = Manifest.from_json(msg.manifest)
+                    check_offer(manifest, ctx.limits)
                     obj, missing = store.begin(manifest)
-                except (ManifestError, RejectError) as exc:
+                except (ManifestError, RejectError, Refused) as exc:
+                    if isinstance(exc, Refused):
+                        ctx.count_refusal(exc.kind)
+                        log.warning("%s: refusing an offer from %s: %s", ctx.name, conn.peer, exc)
                     v, lay = msg.manifest.get("version", -1), msg.manifest.get("layout", -1)
                     conn.send(Reject(int(v) if isinstance(v, int) else -1,
                                      int(lay) if isinstance(lay, int) else -1, str(exc)))
                     continue
+                offered.add(manifest.key)
                 conn.send(Want(manifest.version, manifest.layout, missing))
                 if obj.complete:
                     conn.send(Done(manifest.version, manifest.layout, manifest.checksum))
             elif isinstance(msg, Chunk):
-                _receive_chunk(conn, ctx, msg, scratch)
+                _receive_chunk(conn, ctx, msg, offered)
             else:
-                raise ProtocolError(f"unexpected {type(msg).__name__} from a sender")
+                raise Refused("protocol", f"unexpected {type(msg).__name__} from a sender")
     except ProtocolError as exc:
-        ctx.protocol_errors[type(exc).__name__] = ctx.protocol_errors.get(type(exc).__name__, 0) + 1
+        # Refused by the admission policy, a failed authentication, a malformed frame:
+        # the announced payload is never read, the connection goes.
+        ctx.count_refusal(getattr(exc, "kind", "protocol"))
         log.warning("%s: dropping connection from %s: %s", ctx.name, conn.peer, exc)
     except ConnectionError:
         pass  # the sender went away; its successor-side logic reconnects
@@ -252,28 +266,18 @@ def serve(conn: Conn, ctx: ServeContext, stop: threading.Event) -> None:
         conn.close()
 
 
-def _receive_chunk(conn: Conn, ctx: ServeContext, msg: Chunk, scratch: bytearray) -> None:
+def _receive_chunk(conn: Conn, ctx: ServeContext, msg: Chunk, offered: set[tuple[int, int]]) -> None:
     store = ctx.store
-    obj = store.get((msg.version, msg.layout))
-    expected = obj.manifest.chunk_range(msg.index) if obj and 0 <= msg.index < obj.manifest.n_chunks else None
-    if obj is None or expected is None or expected[1] - expected[0] != msg.nbytes:
-        # Drain the payload so the stream stays in sync, then refuse it.
-        if len(scratch) < msg.nbytes:
-            scratch.extend(bytes(msg.nbytes - len(scratch)))
-        conn.recv_payload_into(memoryview(scratch)[:msg.nbytes])
-        raise ProtocolError(f"chunk {msg.index} of {msg.version}/tp{msg.layout} ({msg.nbytes} bytes) "
-                            "does not match any offered object")
+    obj, nbytes = check_chunk(msg, store, offered)  # raises Refused before any byte of payload is read
     if not store.claim(obj, msg.index):
-        # Already here (or arriving from another sender during a repair): discard.
-        if len(scratch) < msg.nbytes:
-            scratch.extend(bytes(msg.nbytes - len(scratch)))
-        conn.recv_payload_into(memoryview(scratch)[:msg.nbytes])
+        # Already here (or arriving from another sender during a repair): read past it.
+        conn.discard_payload(nbytes)
         conn.send(Ack(msg.version, msg.layout, msg.index))
         return
     try:
         conn.recv_payload_into(obj.view(msg.index))
     except BaseException:
-        store.abandon(obj, msg.index)
+        store.abandon(obj, msg.index)  # a torn or forged chunk is missing again, never served
         raise
     try:
         store.commit(obj, msg.index)

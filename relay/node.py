@@ -17,9 +17,10 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from rlfleet.relay.admission import DEFAULT_MAX_OBJECT_BYTES, Limits
 from rlfleet.relay.link import Aborted, Link, Rejected, ServeContext, serve
 from rlfleet.relay.protocol import ProtocolError
 from rlfleet.relay.reshard import reshard
@@ -42,6 +43,8 @@ class NodeConfig:
     keep_versions: int = 2
     reply_timeout_s: float = 10.0
     store_and_forward: bool = False  # benchmark baseline: forward a version only once it is complete here
+    max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES  # largest object a peer may offer ([relay] max_object_mib)
+    secret: bytes | None = field(default=None, repr=False)  # job secret: authenticate every hop (relay.auth)
 
 
 def _corrupt_from_env() -> set[tuple[int, int, int]]:
@@ -70,7 +73,7 @@ class RelayNode:
         self.config = config
         self.id = config.member_id
         self.store = WeightStore(config.store_dir, config.keep_versions)
-        self.transport = get_transport(config.transport)
+        self.transport = get_transport(config.transport, config.secret)
         self.listener = self.transport.listen(config.bind_host)
         self.address = self.listener.address
         self.chain = ChainView(None, (), {})
@@ -90,7 +93,8 @@ class RelayNode:
         self._conns: set[Conn] = set()
         self._lock = threading.Lock()
         self._reshard_todo: set[tuple[int, int]] = set()
-        self._serve_ctx = ServeContext(self.store, self.id, status=self.stats, on_complete=self._on_complete)
+        self._serve_ctx = ServeContext(self.store, self.id, status=self.stats, on_complete=self._on_complete,
+                                       limits=Limits(config.max_object_bytes))
         self._threads = [threading.Thread(target=self._accept_loop, name=f"{self.id}-accept", daemon=True),
                          threading.Thread(target=self._forward_loop, name=f"{self.id}-forward", daemon=True),
                          threading.Thread(target=self._reshard_loop, name=f"{self.id}-reshard", daemon=True)]
@@ -336,6 +340,8 @@ class RelayNode:
             "versions": [[v, lay, c] for v, lay, c in held],
             "chunks_received": s.chunks_received, "bytes_received": s.bytes_received,
             "corrupt_chunks": s.corrupt_chunks,
+            "refused": dict(self._serve_ctx.refused),  # by rule: auth, oversize, unoffered, bad_chunk, protocol
+            "authenticated": self.config.secret is not None,
             "chunks_forwarded": self.chunks_forwarded, "bytes_forwarded": self.bytes_forwarded,
             "receive_bytes_per_s": round(recv_rate),
             "forward_bytes_per_s": round(self.bytes_forwarded / self.forward_busy_s) if self.forward_busy_s else 0,

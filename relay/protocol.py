@@ -107,6 +107,12 @@ def decode(raw: bytes | memoryview) -> Message:
         raise ProtocolError(f"bad chunk-protocol header: {exc}") from None
 
 
+def check_header_size(n: int, peer: str) -> None:
+    """The one limit on a header's announced length, for every transport."""
+    if n > MAX_HEADER_BYTES:
+        raise ProtocolError(f"{peer}: header of {n} bytes exceeds {MAX_HEADER_BYTES}")
+
+
 def payload_size(msg: Message) -> int:
     """Raw bytes that follow this header on the connection."""
     if isinstance(msg, Chunk):

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy
 
+from rlfleet.common.job_secret import job_secret_from_env
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.members import Member
 from rlfleet.common.records import RelayMaster, WeightsLatest
@@ -84,13 +85,16 @@ class _FullSource:
 class WeightPublisher:
     def __init__(self, store: Store, job: str, *, transport: str = "tcp", chunk_bytes: int = 32 << 20,
                  timeout_s: float = 60.0, window_chunks: int = 4, name: str = "trainer",
-                 term: Callable[[], int] = lambda: 0) -> None:
-        """``term``: the publishing leader's fencing term now (Session.term; 0: unfenced)."""
+                 term: Callable[[], int] = lambda: 0, secret: bytes | None = None) -> None:
+        """``term``: the publishing leader's fencing term now (Session.term; 0: unfenced).
+        `secret`: the job secret the relays authenticate with; None: RLFLEET_JOB_SECRET_FILE's
+        (common.job_secret), and no authentication when that is unset too."""
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        get_transport(transport)  # fail now on an unknown or unavailable transport
+        self._secret = secret if secret is not None else job_secret_from_env()
+        get_transport(transport, self._secret)  # fail now on an unknown or unavailable transport
         self.store, self.keys = store, JobKeys(job)
         self.transport, self.chunk_bytes, self.timeout_s = transport, chunk_bytes, timeout_s
         self.window, self.name, self.term = window_chunks, name, term
@@ -125,7 +129,7 @@ class WeightPublisher:
         if self._link is not None and self._link_to == target:
             return self._link
         self._drop_link()
-        conn = transport_for(target[1]).connect(target[1], timeout=5.0)
+        conn = transport_for(target[1], self._secret).connect(target[1], timeout=5.0)
         self._link = Link(conn, self.name, role="publisher", window=self.window)
         self._link_to, self._link_checked = target, time.monotonic()
         return self._link
@@ -195,9 +199,9 @@ class WeightPublisher:
                 return
             if target == dead:
                 try:  # still registered: maybe it was a transient error
-                    transport_for(dead[1]).connect(dead[1], timeout=0.5).close()
+                    transport_for(dead[1], self._secret).connect(dead[1], timeout=0.5).close()
                     return
-                except ConnectionError:
+                except (ConnectionError, ProtocolError):
                     pass
             time.sleep(0.1)
 

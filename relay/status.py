@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any
 
+from rlfleet.common.job_secret import job_secret_from_env
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.records import RelayChain, WeightsLatest
 from rlfleet.common.store import Store
@@ -23,11 +24,13 @@ from rlfleet.relay.topology import read_chain
 from rlfleet.relay.transport import transport_for
 
 
-def query_relay(address: str, timeout: float = 1.0) -> dict[str, Any] | None:
-    """A relay's live counters, or None if it does not answer in time."""
+def query_relay(address: str, timeout: float = 1.0, secret: bytes | None = None) -> dict[str, Any] | None:
+    """A relay's live counters, or None if it does not answer in time (or refuses us: a relay
+    with a job secret answers only peers holding it; None: RLFLEET_JOB_SECRET_FILE's)."""
     try:
-        conn = transport_for(address).connect(address, timeout=timeout)
-    except (ConnectionError, ValueError, RuntimeError):
+        conn = transport_for(address, secret if secret is not None else job_secret_from_env()).connect(
+            address, timeout=timeout)
+    except (ConnectionError, ValueError, RuntimeError):  # AuthError is a ValueError
         return None
     try:
         conn.send(StatusQuery())

@@ -16,10 +16,12 @@ import abc
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from rlfleet.relay.protocol import MAX_HEADER_BYTES, Message, ProtocolError, decode, encode
+from rlfleet.relay.auth import HANDSHAKE_S, TAG_BYTES, AuthError, FrameAuth, client_handshake, server_handshake
+from rlfleet.relay.protocol import Message, check_header_size, decode, encode, payload_size
 
 _LEN = struct.Struct("!I")
 
@@ -38,6 +40,11 @@ class Conn(abc.ABC):
     @abc.abstractmethod
     def recv_payload_into(self, buf: memoryview, timeout: float | None = None) -> None:
         """Fill `buf` exactly with the payload that follows the last header."""
+
+    def discard_payload(self, nbytes: int, timeout: float | None = None) -> None:
+        """Read past the payload that follows the last header (`nbytes`, already checked
+        against the manifest by the caller: this allocates that much at most)."""
+        self.recv_payload_into(memoryview(bytearray(nbytes)), timeout)
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -75,23 +82,90 @@ def _split(address: str, scheme: str) -> tuple[str, int]:
 
 
 class TcpConn(Conn):
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    """One TCP connection; with a job secret, authenticated (relay.auth) before its first frame.
+
+    Frame: 4-byte length, header, [header tag], payload, [payload tag] (tags only with a secret).
+    """
+
+    def __init__(self, sock: socket.socket, peer: str, secret: bytes | None = None, *,
+                 server: bool = False) -> None:
         self.sock, self.peer = sock, peer
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._send_lock = threading.Lock()
         self._closed = False
+        self._auth: FrameAuth | None = None
+        self._secret = secret
+        self._payload_seq = -1  # frame number of the header whose payload is next (authenticated)
+        if secret is not None and not server:
+            self._handshake(client_handshake)
+        # A server authenticates on its first recv(), in the thread serving the connection:
+        # a peer that connects and says nothing must not hold up the accept loop.
+
+    def _handshake(self, run: Any) -> None:
+        secret, self._secret = self._secret, None
+        assert secret is not None
+        deadline = time.monotonic() + HANDSHAKE_S
+
+        def send(data: bytes) -> None:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                self.sock.sendall(data)
+            except OSError as exc:
+                raise ConnectionError(f"handshake with {self.peer}: {exc}") from exc
+
+        def recv(n: int) -> bytes:
+            buf = bytearray(n)
+            try:
+                self._recv_exact(memoryview(buf), max(0.01, deadline - time.monotonic()))
+            except TimeoutError:
+                raise AuthError(f"{self.peer} did not complete the handshake within {HANDSHAKE_S:g}s") from None
+            except ConnectionError as exc:
+                if "stalled" in str(exc):
+                    raise AuthError(f"{self.peer} did not complete the handshake within {HANDSHAKE_S:g}s") from None
+                raise ConnectionError(f"{exc} during the authentication handshake (one side has no job "
+                                      "secret, or another one?)") from None
+            return bytes(buf)
+
+        try:
+            self._auth = run(secret, send, recv)
+        except AuthError:
+            self._linger()
+            raise
+
+    def _linger(self) -> None:
+        # Closing with the peer's bytes unread sends a reset, which can destroy the refusal
+        # we just sent before the peer reads it: end our side, read past what it sent.
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            self.sock.settimeout(0.2)
+            for _ in range(16):
+                if not self.sock.recv(65536):
+                    break
+        except OSError:
+            pass
 
     def send(self, msg: Message, payload: Sequence[Any] = ()) -> None:
         head = encode(msg)
-        bufs = [memoryview(_LEN.pack(len(head))), memoryview(head), *(memoryview(p).cast("B") for p in payload)]
+        framed = _LEN.pack(len(head)) + head
+        pieces = [memoryview(p).cast("B") for p in payload]
         with self._send_lock:
+            bufs = [memoryview(framed)]
+            if self._auth is not None:
+                seq = self._auth.send_seq
+                self._auth.send_seq += 1
+                bufs.append(memoryview(self._auth.header_tag(seq, framed, sending=True)))
+                bufs += pieces
+                if pieces:
+                    bufs.append(memoryview(self._auth.payload_tag(seq, pieces)))
+            else:
+                bufs += pieces
             self.sock.settimeout(None)
             try:
                 _sendmsg_all(self.sock, bufs)
             except OSError as exc:
                 raise ConnectionError(f"send to {self.peer} failed: {exc}") from exc
 
-    def _recv_exact(self, buf: memoryview, timeout: float | None) -> None:
+    def _recv_exact(self, buf: memoryview, timeout: float | None, hasher: Any = None) -> None:
         self.sock.settimeout(timeout)
         got = 0
         try:
@@ -99,6 +173,8 @@ class TcpConn(Conn):
                 n = self.sock.recv_into(buf[got:])
                 if n == 0:
                     raise ConnectionError(f"{self.peer} closed the connection")
+                if hasher is not None:
+                    hasher.update(buf[got:got + n])  # while the bytes are still in cache
                 got += n
         except socket.timeout:
             if got:  # a half-read frame cannot be resumed: the stream is unusable
@@ -110,17 +186,61 @@ class TcpConn(Conn):
             raise ConnectionError(f"recv from {self.peer} failed: {exc}") from exc
 
     def recv(self, timeout: float | None = None) -> Message:
+        if self._secret is not None:
+            self._handshake(server_handshake)
         lenbuf = bytearray(4)
         self._recv_exact(memoryview(lenbuf), timeout)
         (n,) = _LEN.unpack(lenbuf)
-        if n > MAX_HEADER_BYTES:
-            raise ProtocolError(f"{self.peer}: header of {n} bytes exceeds {MAX_HEADER_BYTES}")
-        head = bytearray(n)
-        self._recv_exact(memoryview(head), 30.0 if timeout is None else max(timeout, 30.0))
-        return decode(head)
+        check_header_size(n, self.peer)
+        rest = 30.0 if timeout is None else max(timeout, 30.0)
+        head = self._recv_growing(n, rest)
+        if self._auth is not None:
+            tag = bytearray(TAG_BYTES)
+            self._recv_exact(memoryview(tag), rest)
+            seq = self._auth.recv_seq
+            self._auth.recv_seq += 1
+            self._auth.check(self._auth.header_tag(seq, bytes(lenbuf) + head, sending=False), tag,
+                             f"frame {seq} from {self.peer}")
+        msg = decode(head)
+        if self._auth is not None and payload_size(msg):
+            self._payload_seq = seq
+        return msg
+
+    def _recv_growing(self, n: int, timeout: float) -> bytes:
+        # The buffer grows with the bytes that actually arrived, not with the length a
+        # peer announced: a 16 MiB length followed by silence costs 64 KiB, not 16 MiB.
+        parts, got, step = [], 0, 64 << 10
+        while got < n:
+            piece = bytearray(min(step, n - got))
+            self._recv_exact(memoryview(piece), timeout)
+            parts.append(piece)
+            got += len(piece)
+            step *= 2
+        return b"".join(parts)
 
     def recv_payload_into(self, buf: memoryview, timeout: float | None = None) -> None:
-        self._recv_exact(buf, 60.0 if timeout is None else timeout)
+        self._recv_payload(buf, 60.0 if timeout is None else timeout, discard=False)
+
+    def discard_payload(self, nbytes: int, timeout: float | None = None) -> None:
+        self._recv_payload(memoryview(bytearray(min(nbytes, 1 << 20))), 60.0 if timeout is None else timeout,
+                           discard=True, nbytes=nbytes)
+
+    def _recv_payload(self, buf: memoryview, timeout: float, *, discard: bool, nbytes: int = 0) -> None:
+        hasher = None
+        if self._auth is not None:
+            hasher = self._auth.payload_hasher(self._payload_seq, sending=False)
+        if discard:  # through a small scratch buffer, a piece at a time
+            left = nbytes
+            while left:
+                k = min(left, len(buf))
+                self._recv_exact(buf[:k], timeout, hasher)
+                left -= k
+        else:
+            self._recv_exact(buf, timeout, hasher)
+        if hasher is not None:
+            tag = bytearray(TAG_BYTES)
+            self._recv_exact(memoryview(tag), timeout)
+            FrameAuth.check(hasher.digest(), tag, f"payload of frame {self._payload_seq} from {self.peer}")
 
     def close(self) -> None:
         if not self._closed:
@@ -150,7 +270,8 @@ def _sendmsg_all(sock: socket.socket, bufs: list[memoryview]) -> None:
 
 
 class TcpListener(Listener):
-    def __init__(self, host: str, port: int = 0) -> None:
+    def __init__(self, host: str, port: int = 0, secret: bytes | None = None) -> None:
+        self._secret = secret
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
@@ -166,7 +287,7 @@ class TcpListener(Listener):
             return None
         except OSError as exc:
             raise ConnectionError(f"listener {self.address} closed: {exc}") from exc
-        return TcpConn(s, f"tcp://{addr[0]}:{addr[1]}")
+        return TcpConn(s, f"tcp://{addr[0]}:{addr[1]}", self._secret, server=True)
 
     def close(self) -> None:
         self.sock.close()
@@ -175,8 +296,11 @@ class TcpListener(Listener):
 class TcpTransport(Transport):
     name = "tcp"
 
+    def __init__(self, secret: bytes | None = None) -> None:
+        self._secret = secret  # the job secret: every connection authenticated (relay.auth)
+
     def listen(self, host: str, port: int = 0) -> Listener:
-        return TcpListener(host, port)
+        return TcpListener(host, port, self._secret)
 
     def connect(self, address: str, timeout: float = 5.0) -> Conn:
         host, port = _split(address, "tcp")
@@ -184,7 +308,11 @@ class TcpTransport(Transport):
             s = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             raise ConnectionError(f"cannot connect to {address}: {exc}") from exc
-        return TcpConn(s, address)
+        try:
+            return TcpConn(s, address, self._secret)
+        except BaseException:
+            s.close()
+            raise
 
 
 # ------------------------------------------------------------------ factory
@@ -196,11 +324,20 @@ def ucx_available() -> bool:
     return True
 
 
-def get_transport(name: str) -> Transport:
-    """'tcp' or 'ucx' ('ucx' needs the ucxx package; the error says how to get it)."""
+def get_transport(name: str, secret: bytes | None = None) -> Transport:
+    """'tcp' or 'ucx' ('ucx' needs the ucxx package; the error says how to get it).
+
+    `secret`: the job secret (common.job_secret); None: connections are not authenticated.
+    """
     if name == "tcp":
-        return TcpTransport()
+        return TcpTransport(secret)
     if name == "ucx":
+        if secret is not None:
+            # UCX has no authentication or encryption of its own (docs/relay.md, "Trust"):
+            # running it unauthenticated while the job asked for a secret would be a silent downgrade.
+            raise RuntimeError("relay transport 'ucx' cannot authenticate peers and this job has a job secret "
+                               "(RLFLEET_JOB_SECRET_FILE); use transport = \"tcp\", or run UCX only on a "
+                               "fabric you trust and without a job secret")
         if not ucx_available():
             raise RuntimeError("relay transport 'ucx' needs the ucxx package "
                                "(pip install ucxx-cu12==0.52.0); use transport = \"tcp\" otherwise")
@@ -209,5 +346,5 @@ def get_transport(name: str) -> Transport:
     raise ValueError(f"unknown relay transport {name!r} (expected 'tcp' or 'ucx')")
 
 
-def transport_for(address: str) -> Transport:
-    return get_transport(address.split("://", 1)[0])
+def transport_for(address: str, secret: bytes | None = None) -> Transport:
+    return get_transport(address.split("://", 1)[0], secret)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from rlfleet.relay.protocol import MAX_HEADER_BYTES, Message, ProtocolError, decode, encode, payload_size
+from rlfleet.relay.protocol import Message, ProtocolError, check_header_size, decode, encode, payload_size
 from rlfleet.relay.transport import Conn, Listener, Transport, _split
 
 log = logging.getLogger("rlfleet.relay")
@@ -84,8 +84,7 @@ class UcxConn(Conn):
                 lenbuf = np.empty(8, dtype=np.uint8)
                 await self.ep.recv(lenbuf)
                 (n,) = _LEN.unpack(lenbuf.tobytes())
-                if n > MAX_HEADER_BYTES:
-                    raise ProtocolError(f"{self.peer}: header of {n} bytes exceeds {MAX_HEADER_BYTES}")
+                check_header_size(n, self.peer)
                 head = np.empty(n, dtype=np.uint8)
                 await self.ep.recv(head)
                 msg = decode(head.tobytes())

@@ -8,7 +8,8 @@ requested layouts), campaigns for mastership when it holds the newest
 version, writes `relay/chain` while it is master, and frees old versions.
 
 Settings: the spec's `[relay]` section (transport, chunk_mib, keep_versions,
-window_chunks, bind_host). Shared memory lives in
+window_chunks, bind_host, max_object_mib). With `RLFLEET_JOB_SECRET_FILE` set
+every hop authenticates over that job secret (relay.auth). Shared memory lives in
 `$RLFLEET_RELAY_SHM_ROOT/<job>/<id>` (default root /dev/shm/rlfleet).
 """
 
@@ -21,8 +22,10 @@ import time
 from typing import Any
 
 from rlfleet.common.daemon import Daemon
+from rlfleet.common.job_secret import job_secret_from_env
 from rlfleet.common.records import RelayMaster
 from rlfleet.common.store import KeyValue, StoreUnavailable, Watch
+from rlfleet.relay.admission import ceiling_bytes
 from rlfleet.relay.node import NodeConfig, RelayNode
 from rlfleet.relay.topology import ChainFollower, ChainView
 
@@ -53,7 +56,8 @@ class Relay(Daemon):
             member_id=self.options.member_id,
             store_dir=os.path.join(root, self.options.job, self.options.member_id),
             transport=cfg.transport, bind_host=cfg.bind_host, window_chunks=cfg.window_chunks,
-            keep_versions=cfg.keep_versions)).start()
+            keep_versions=cfg.keep_versions, max_object_bytes=ceiling_bytes(self.spec),
+            secret=job_secret_from_env())).start()
         self.addresses = {"chunks": self.node.address}
         self._newest_seen: tuple[int, float] = (-2, time.time())
         self._topology_stop = threading.Event()

@@ -16,6 +16,9 @@ chain records also carry `stall_s`, the trainer's wait), and a summary next to
 it (OUT with .summary.json) with T(p)/T(1), the Appendix C fit
 T(p, k) = (p + k - 1)(M/k T_byte + T_start) (p relays plus the trainer = p + 1
 nodes), and the repair time after a relay is killed mid-broadcast.
+
+With RLFLEET_JOB_SECRET_FILE set, every hop (and the trainer's link) is
+authenticated (relay.auth): run it with and without to see what that costs.
 """
 
 from __future__ import annotations
@@ -42,12 +45,13 @@ MIB = 1 << 20
 # ----------------------------------------------------------------- worker
 def worker_main(args: argparse.Namespace) -> int:
     """One relay process, driven by JSON lines on stdin (replies on stdout)."""
+    from rlfleet.common.job_secret import job_secret_from_env
     from rlfleet.relay.node import NodeConfig, RelayNode
     from rlfleet.relay.topology import ChainView, RelayMember
 
     node = RelayNode(NodeConfig(args.id, args.store_dir, transport=args.transport, bind_host=args.bind,
                                 window_chunks=args.window, keep_versions=1,
-                                store_and_forward=args.store_and_forward)).start()
+                                store_and_forward=args.store_and_forward, secret=job_secret_from_env())).start()
     out = sys.stdout
 
     def reply(obj: dict[str, Any]) -> None:
@@ -237,11 +241,12 @@ def _push_versions(workers: Workers, data: np.ndarray, chunk: int, reps: int, wi
     from rlfleet.relay.link import Link
     from rlfleet.relay.manifest import build_manifest
     from rlfleet.relay.publisher import _FullSource
+    from rlfleet.common.job_secret import job_secret_from_env
     from rlfleet.relay.transport import transport_for
 
     addr = workers.addresses["relay-0"]
-    link = Link(transport_for(addr).connect(addr, 10), "bench-trainer", role="publisher", window=window,
-                reply_timeout_s=120)
+    link = Link(transport_for(addr, job_secret_from_env()).connect(addr, 10), "bench-trainer", role="publisher",
+                window=window, reply_timeout_s=120)
     out = []
     try:
         for rep in range(reps):
