@@ -24,7 +24,9 @@ from rlfleet.tools.exit_codes import RUN_CODES, Exit
 EXIT_SPEC = Exit.BAD_SPEC
 EXIT_ETCD = Exit.ETCD_UNREACHABLE
 # Tests only: `rlfleet daemon ROLE` exits 1 at once when this is "exit_at_start:ROLE", so an
-# integration test can make one daemon of a real fleet crash-loop without a broken spec.
+# integration test can make one daemon of a real fleet crash-loop without a broken spec;
+# "stall_if_file:ROLE:PATH": the first cycle that finds PATH deletes it and blocks for good
+# (a main loop stalled in the role's work, with its threads still running).
 DAEMON_FAILPOINT_ENV = "RLFLEET_DAEMON_FAILPOINT"
 DEFAULT_ETCD = os.environ.get("RLFLEET_ETCD", "127.0.0.1:2379")
 
@@ -65,7 +67,7 @@ def main() -> None:
 def daemon(role: str, job: str, etcd: str, member_id: str | None, host: str, spec_file: str | None,
            metrics_host: str, metrics_port: int, log_level: str) -> None:
     """Run one daemon of ROLE until SIGTERM."""
-    from rlfleet.common.daemon import DaemonOptions
+    from rlfleet.common.daemon import INCARNATION_ENV, DaemonOptions
     from rlfleet.common.keys import JobKeys
     from rlfleet.common.logs import setup_json_logging
     from rlfleet.daemons import daemon_class
@@ -86,10 +88,26 @@ def daemon(role: str, job: str, etcd: str, member_id: str | None, host: str, spe
     member_id = member_id or f"{host}-{role}-{os.getpid()}"
     setup_json_logging(log_level, job=job, role=role, id=member_id)
     options = DaemonOptions(job=job, member_id=member_id, host=host, spec_file=spec_file,
-                            metrics_host=metrics_host, metrics_port=metrics_port)
+                            metrics_host=metrics_host, metrics_port=metrics_port,
+                            incarnation=os.environ.get(INCARNATION_ENV, ""))
     instance = daemon_class(role)(options, _store(etcd))
+    failpoint, _, path = os.environ.get(DAEMON_FAILPOINT_ENV, "").partition(f"stall_if_file:{role}:")
+    if path and not failpoint:
+        instance.cycle = _stall_if_file(instance.cycle, path)
     instance.install_signal_handlers()
     sys.exit(instance.run())
+
+
+def _stall_if_file(cycle, path: str):
+    def stalling_cycle():
+        try:
+            os.unlink(path)  # only one process stalls per file
+        except FileNotFoundError:
+            return cycle()
+        click.echo(f"{DAEMON_FAILPOINT_ENV}: the main loop stalls now (test failpoint)", err=True)
+        import threading
+        threading.Event().wait()
+    return stalling_cycle
 
 
 # -- the embedded fleet ---------------------------------------------------------------
