@@ -6,6 +6,7 @@ exception for a malformed value, a `problem` sentence instead.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -155,6 +156,39 @@ class Leader:
     @classmethod
     def from_kv(cls, keys: JobKeys, kv: KeyValue) -> Leader:
         return cls.parse(keys.parse_leader(kv.key), kv.value, kv.lease_id)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """`owner`: the `rlfleet run` (one incarnation) that runs the job, bound to its lease."""
+
+    incarnation: str
+    host: str = ""
+    pid: int = 0
+    boot_id: str = ""
+    pid_start: int = 0
+    started: float = 0.0
+    lease_id: int = 0
+    problem: str = ""
+
+    @classmethod
+    def parse(cls, value: Any, lease_id: int = 0) -> Owner:
+        f = _Fields(value, names.OWNER)
+        fields = (f.str("incarnation", required=True), f.str("host"), f.int("pid"), f.str("boot_id"),
+                  f.int("pid_start"), f.float("started"))
+        return cls(*fields, lease_id=lease_id, problem=f.problem)
+
+    @classmethod
+    def from_kv(cls, kv: KeyValue) -> Owner:
+        return cls.parse(kv.value, kv.lease_id)
+
+    def to_value(self) -> dict[str, Any]:
+        return {"incarnation": self.incarnation, "host": self.host, "pid": self.pid, "boot_id": self.boot_id,
+                "pid_start": self.pid_start, "started": self.started}
+
+    def describe(self) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started)) if self.started else "?"
+        return f"incarnation {self.incarnation} (pid {self.pid} on {self.host or '?'}, started {since})"
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Thin on purpose (STYLE §9): nothing heavy is imported before the arguments
 and the spec are validated, so `--help` and config errors are instant.
 
 Exit codes are defined in tools/exit_codes.py: 0 ok, 1 failure, 2 bad usage / bad
-spec (click's own), 3 etcd unreachable, and `rlfleet run`'s own outcomes 4–7.
+spec (click's own), 3 etcd unreachable, and `rlfleet run`'s own outcomes 4–8.
 """
 
 from __future__ import annotations
@@ -138,8 +138,11 @@ RUN_EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {int(code)}  {text}" for code, 
                                       "0/60 only reports it and keeps restarting.")
 @click.option("--max-idle-s", type=click.FloatRange(min=0), default=300.0, show_default=True,
               help="End the run (exit 6) when no training step comes for this long, start-up included; 0: never.")
+@click.option("--take-over", is_flag=True,
+              help="Replace a live run of the same job on the same etcd (it stops its daemons and exits 8) "
+                   "instead of refusing to start (exit 8).")
 def run(spec_file: str, etcd: str | None, duration: float | None, no_view: bool,
-        give_up: tuple[int, float], max_idle_s: float) -> None:
+        give_up: tuple[int, float], max_idle_s: float, take_over: bool) -> None:
     """Run a whole job on this machine: etcd (private unless --etcd), every daemon, and a
     view of it: a live table in a terminal, plain event lines (progress every few seconds,
     restarts, evaluations) when output goes to a file or a pipe. Ends with a summary and
@@ -152,7 +155,7 @@ def run(spec_file: str, etcd: str | None, duration: float | None, no_view: bool,
         sys.exit(EXIT_SPEC)
     view = not no_view and sys.stdout.isatty()
     supervisor = Supervisor(spec, spec_file, etcd, Path(spec.job.runs_dir) / spec.job.name, view=view,
-                            give_up=give_up, max_idle_s=max_idle_s)
+                            give_up=give_up, max_idle_s=max_idle_s, take_over=take_over)
     sys.exit(supervisor.run(duration))
 
 
@@ -173,6 +176,10 @@ def _pick_job(store, job: str | None) -> str:
 def status(job: str | None, etcd: str, output: str) -> None:
     """Members, leaders, nodes and problems of a job (per role).
 
+    A member is checked, not taken at its word: a pid on this machine must run and not
+    be stopped, and its lease must have been refreshed within half its TTL; a dead,
+    stopped or stalled member is a problem (exit 1).
+
     To a terminal: tables at its width, long cells folded. To a file or a pipe: tables
     as wide as their contents, so ids, addresses and problems are never cut."""
     from rlfleet.common.keys import JobKeys
@@ -183,7 +190,7 @@ def status(job: str | None, etcd: str, output: str) -> None:
     store = _store(etcd)
     try:
         job = _pick_job(store, job)
-        snap = take_snapshot(store, job)
+        snap = take_snapshot(store, job, check_leases=True)
     except StoreUnavailable as exc:
         _fail_unreachable(exc, etcd)
     from rlfleet.relay.status import chain_status, chain_table, versions_table
