@@ -125,6 +125,10 @@ class EtcdStore(Store):
         return [KeyValue(m.key.decode(), _decode(v), m.create_revision, m.mod_revision, m.lease_id)
                 for v, m in items]
 
+    def leases_under(self, prefix: str) -> dict[str, int]:
+        items = self._call("leases_under", lambda c: list(c.get_prefix(prefix, keys_only=True)))
+        return {m.key.decode(): m.lease_id for _, m in items}
+
     def put(self, key: str, value: Any, lease: Lease | None = None) -> int:
         resp = self._call("put", lambda c: c.put(key, _encode(value), lease=lease.id if lease else None))
         return resp.header.revision

@@ -54,6 +54,7 @@ class Session:
     blocked: str = ""
     _written: set[str] = field(default_factory=set)  # keys written under the current lease
     _refused: set[str] = field(default_factory=set)  # lease-bound keys another process holds
+    _refusals: dict[str, str] = field(default_factory=dict)  # what was said about each
     _keys_checked_at: float = 0.0
     # A newcomer waits one TTL before its first campaign, so the standbys that
     # were already waiting take over from a dead leader first, and a leader in a
@@ -158,6 +159,7 @@ class Session:
             won, current = self.store.swap(key, 0, value, lease=self.lease)
             if won:
                 self._written.add(key)
+                self._refusals.pop(key, None)
                 if key == self.member_key and self.blocked:
                     said.append(f"registered {self.role}/{self.member_id}: the key is ours now")
                     self.blocked = ""
@@ -187,7 +189,12 @@ class Session:
                + f", lease {current.lease_id:x}")
         reason = f"{key} is held by another live process ({who}); not overwriting it"
         if key != self.member_key:
-            self._refused.add(key)  # asked again at the next key check, not every cycle
+            # Asked again at the next key check, not every cycle; said once, not at every ask
+            # (two resource-managers of one machine share its node key: one holds it).
+            self._refused.add(key)
+            if self._refusals.get(key) == reason:
+                return []
+            self._refusals[key] = reason
             return [reason]
         said = [reason + "; waiting for it to go"] if self.blocked != reason else []
         self.blocked = reason

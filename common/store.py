@@ -105,6 +105,11 @@ class Store(abc.ABC):
     def get_prefix(self, prefix: str) -> list[KeyValue]: ...
 
     @abc.abstractmethod
+    def leases_under(self, prefix: str) -> dict[str, int]:
+        """key -> the lease it is bound to (0: none), for every key under `prefix`: one
+        keys-only read, values left in etcd (a liveness sweep needs no values)."""
+
+    @abc.abstractmethod
     def put(self, key: str, value: Any, lease: Lease | None = None) -> int:
         """Write `value` as JSON; returns the new revision."""
 

@@ -11,8 +11,7 @@ can prove dead (common/procs.py) is replaced at once.
 `RegistrationCheck` finds children whose registration expired while their
 process still exists: a SIGSTOPed process, or a main loop stalled longer than
 the TTL (the lease is refreshed only by the daemon's loop, common/session.py).
-It costs one `get` per child until it has registered, then one lease read per
-child per check.
+It costs one keys-only read of the members prefix per check (every TTL/3).
 """
 
 from __future__ import annotations
@@ -117,7 +116,12 @@ class _Tracked:
 
 
 class RegistrationCheck:
-    """Children whose registration expired while their process still runs."""
+    """Children whose registration expired while their process still runs.
+
+    One keys-only read of the members prefix per check, whatever the number of
+    children; a `get` when a child's key shows a lease it has not seen for that pid,
+    and a lease read only when a key is missing (deleted by hand while the lease
+    lives: the daemon writes it back itself; expired: the process is replaced)."""
 
     def __init__(self, store: Store, keys: JobKeys, ttl_s: float) -> None:
         self.store, self.keys, self.ttl_s = store, keys, ttl_s
@@ -127,20 +131,24 @@ class RegistrationCheck:
         """(role, member id, pid) of each running child -> [(pid, why it must be replaced)].
         StoreUnavailable propagates: with etcd away no registration says anything."""
         now = time.monotonic()
+        leases = self.store.leases_under(self.keys.members_prefix)
         out = []
         for role, member_id, pid in children:
+            key = self.keys.member(role, member_id)
             t = self._tracked.get(member_id)
             if t is None or t.pid != pid:
                 t = self._tracked[member_id] = _Tracked(pid)
-            if t.lease_id and self.store.lease_remaining(t.lease_id) > 0:
+            lease_id = leases.get(key)
+            if lease_id is not None and lease_id == t.lease_id:
                 t.lost_at = None
                 continue
-            kv = self.store.get(self.keys.member(role, member_id))
-            if kv is not None and Member.from_kv(self.keys, kv).pid == pid:
-                t.lease_id, t.lost_at = kv.lease_id, None  # registered (again)
-                continue
-            if not t.lease_id:
-                continue  # still starting up, or waiting for its key to be free
+            if lease_id is not None:  # a registration we have not seen: this pid's, or a predecessor's?
+                kv = self.store.get(key)
+                if kv is not None and Member.from_kv(self.keys, kv).pid == pid:
+                    t.lease_id, t.lost_at = kv.lease_id, None
+                    continue
+            if not t.lease_id or self.store.lease_remaining(t.lease_id) > 0:
+                continue  # still starting up (or waiting for its key to be free), or deleted by hand
             state = ProcessId(boot_id(), pid, 0).state()
             if state == "stopped":
                 out.append((pid, f"stopped (SIGSTOP?) and its registration (lease {t.lease_id:x}) expired"))
