@@ -125,3 +125,16 @@ def test_a_member_key_deleted_by_hand_comes_back(etcd, store, reward_host):
     back = wait_for("the member key written again", lambda: store.get(MEMBER), timeout_s=TTL_S + TTL_S / 3 + 2)
     assert back.value["pid"] == proc.pid and back.lease_id == lease
     wait_for("the log to say why", lambda: "vanished while lease" in log.read_text(), timeout_s=5)
+
+
+def test_status_says_stalled_when_a_lease_is_not_refreshed(etcd, store):
+    """A loop that stopped refreshing (on another machine: no pid to check) is flagged
+    before its lease runs out, once over half the TTL passed without a refresh."""
+    lease = store.grant_lease(6)
+    store.put(MEMBER, {"id": "rh-1", "role": "reward-host", "host": "elsewhere", "pid": 4242,
+                       "boot_id": "another-boot", "state": "running"}, lease=lease)
+    assert member_health(status(etcd)) == "running"
+    flagged = wait_for("status to say stalled", lambda: (r := status(etcd)).returncode == Exit.FAILURE and r,
+                       timeout_s=6)
+    assert member_health(flagged).startswith("stalled (no lease refresh for ~"), flagged.stdout
+    assert store.lease_remaining(lease.id) > 0  # flagged before the registration expired
