@@ -193,3 +193,28 @@ def test_put_owned_updates_only_a_key_bound_to_the_lease(store):
     assert info.keys == {"/own/k"} and info.granted_s == 10 and 0 < info.remaining_s <= 10
     store.revoke_lease(mine)
     assert store.lease_info(mine.id).remaining_s == -1
+
+
+def test_a_run_killed_with_9_does_not_block_the_next_one(store):
+    """The owner key of a dead run is freed at once on its machine, not after its TTL."""
+    from rlfleet.tools.job_owner import JobOwned, JobOwner
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old = store.grant_lease(30)
+    store.put(KEYS.owner, {"incarnation": "old", "host": "h", "pid": dead.pid, "boot_id": boot_id(),
+                           "pid_start": 0, "started": time.time()}, lease=old)
+    owner = JobOwner(store, KEYS, TTL_S)
+    assert "the previous owner incarnation old (pid" in owner.claim()
+    assert store.get(KEYS.owner).value["incarnation"] == owner.incarnation
+    # A live owner is refused, then replaced only when asked; the old one learns it.
+    second = JobOwner(store, KEYS, TTL_S)
+    with pytest.raises(JobOwned, match=f"already being run by incarnation {owner.incarnation}"):
+        second.claim()
+    assert second.lease is None  # its lease was given back
+    assert "took job own over from" in second.claim(take_over=True)
+    owner._refreshed_at = 0.0  # its loop's next pass is due now
+    assert owner.keep() == f"taken over by {second.me.describe()}"
+    owner.release()
+    assert store.get(KEYS.owner).value["incarnation"] == second.incarnation  # not the old run's to delete
+    second.release()
+    assert store.get(KEYS.owner) is None
