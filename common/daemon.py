@@ -25,12 +25,17 @@ from typing import Any, ClassVar
 from rlfleet.common import metrics
 from rlfleet.common.cluster import read_spec
 from rlfleet.common.keys import JobKeys
+from rlfleet.common.procs import ProcessId
 from rlfleet.common.session import Session
 from rlfleet.common.signals import route_signals
 from rlfleet.common.spec import SINGLETON_ROLES, JobSpec, SpecError, load_spec
 from rlfleet.common.store import Store, StoreUnavailable
 
 log = logging.getLogger("rlfleet.daemon")
+
+# The `rlfleet run` that started this daemon (its owner key's incarnation), stamped into
+# the member record so an operator sees which run a registration belongs to.
+INCARNATION_ENV = "RLFLEET_INCARNATION"
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class DaemonOptions:
     spec_file: str | None = None  # else the spec is read from etcd (`spec`)
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
+    incarnation: str = ""  # the owning run's incarnation ("" when started by hand)
 
 
 class Daemon:
@@ -57,6 +63,7 @@ class Daemon:
         self.metrics_url = ""
         self.started_at = time.time()
         self.cycles = 0
+        self._process = ProcessId.current()
         self._stop = threading.Event()
         self._reload = threading.Event()
         self._wake = threading.Event()
@@ -135,7 +142,12 @@ class Daemon:
             self._reload.clear()
             said.append(self._reload_spec())
         said += self.session.step(self.member_value())
-        role_said = self.cycle()
+        if self.session.blocked:
+            # Another live process holds our member key (a duplicate daemon): do no role
+            # work that it is doing too; the session keeps asking until the key is free.
+            role_said = None
+        else:
+            role_said = self.cycle()
         if role_said:
             said.append(role_said)
         self.cycles += 1
@@ -163,11 +175,12 @@ class Daemon:
             "id": self.options.member_id,
             "role": self.role,
             "host": self.options.host,
-            "pid": os.getpid(),
+            **self._process.to_fields(),  # pid, boot_id, pid_start: status checks a local pid
             "state": self.state,
             "addresses": dict(self.addresses),  # a copy: the session compares against what it published
             "metrics": self.metrics_url,
             "started": round(self.started_at, 3),
+            **({"incarnation": self.options.incarnation} if self.options.incarnation else {}),
             **self.member_info(),
         }
 

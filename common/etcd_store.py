@@ -26,6 +26,7 @@ from rlfleet.common.store import (
     KeyValue,
     Lease,
     LeaseExpired,
+    LeaseInfo,
     Store,
     StoreUnavailable,
     Watch,
@@ -124,6 +125,10 @@ class EtcdStore(Store):
         return [KeyValue(m.key.decode(), _decode(v), m.create_revision, m.mod_revision, m.lease_id)
                 for v, m in items]
 
+    def leases_under(self, prefix: str) -> dict[str, int]:
+        items = self._call("leases_under", lambda c: list(c.get_prefix(prefix, keys_only=True)))
+        return {m.key.decode(): m.lease_id for _, m in items}
+
     def put(self, key: str, value: Any, lease: Lease | None = None) -> int:
         resp = self._call("put", lambda c: c.put(key, _encode(value), lease=lease.id if lease else None))
         return resp.header.revision
@@ -168,6 +173,21 @@ class EtcdStore(Store):
             kv = kvs[0]
             return False, KeyValue(key, _decode(kv.value), kv.create_revision, kv.mod_revision, kv.lease)
         return self._call("swap", txn)
+
+    def put_owned(self, key: str, value: Any, lease: Lease) -> tuple[bool, KeyValue | None]:
+        def txn(c: pyetcd.MultiEndpointEtcd3Client) -> tuple[bool, KeyValue | None]:
+            t = c.transactions
+            # An absent key compares as lease 0, which no granted lease has: never created here.
+            resp = _raw_txn(c, compare=[_LeaseCompare(key, lease.id)],
+                            success=[t.put(key, _encode(value), lease=lease.id)], failure=[t.get(key)])
+            if resp.succeeded:
+                return True, None
+            kvs = resp.responses[0].response_range.kvs
+            if not kvs:
+                return False, None
+            kv = kvs[0]
+            return False, KeyValue(key, _decode(kv.value), kv.create_revision, kv.mod_revision, kv.lease)
+        return self._call("put_owned", txn)
 
     def compare_and_swap_delete(self, key: str, expected_mod_revision: int) -> bool:
         def txn(c: pyetcd.MultiEndpointEtcd3Client) -> bool:
@@ -219,6 +239,12 @@ class EtcdStore(Store):
     def lease_remaining(self, lease_id: int) -> int:
         return self._call("lease_remaining", lambda c: c.get_lease_info(lease_id)).TTL
 
+    def lease_info(self, lease_id: int) -> LeaseInfo:
+        info = self._call("lease_info", lambda c: c.get_lease_info(lease_id))
+        if info.TTL < 0:
+            return LeaseInfo(-1, 0)
+        return LeaseInfo(info.TTL, info.grantedTTL, frozenset(k.decode() for k in info.keys))
+
     # -- watches ----------------------------------------------------------
     def watch_prefix(self, prefix: str, start_revision: int | None = None) -> Watch:
         # Each watch gets its own client: pyetcd closes a client's watcher
@@ -234,6 +260,17 @@ class EtcdStore(Store):
                 self._keepalive.close()
                 self._keepalive = None
             self._client.close()
+
+
+class _LeaseCompare:
+    """`lease(key) == lease_id` for a transaction (etcd >= 3.3; pyetcd has no helper)."""
+
+    def __init__(self, key: str, lease_id: int) -> None:
+        self.key, self.lease_id = key, lease_id
+
+    def build_message(self) -> Any:
+        return etcdrpc.Compare(key=self.key.encode(), result=etcdrpc.Compare.EQUAL,
+                               target=etcdrpc.Compare.LEASE, lease=self.lease_id)
 
 
 def _raw_txn(c: pyetcd.MultiEndpointEtcd3Client, compare: list[Any], success: list[Any],

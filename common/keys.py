@@ -5,6 +5,7 @@ is readable by an operator without Python. Keys are part of the operator
 interface: change them only with a migration note in docs/etcd-keys.md.
 
     /rlfleet/<job>/spec                            the job spec, as submitted
+    /rlfleet/<job>/owner                           the `rlfleet run` running the job: incarnation, host, pid (lease)
     /rlfleet/<job>/nodes/<host>                    machine inventory (lease)
     /rlfleet/<job>/members/<role>/<id>             live daemons: addresses, host, pid, state (lease)
     /rlfleet/<job>/leader/<role>                   elections: {"id": ..., "since": ...} (lease)
@@ -31,6 +32,7 @@ ROOT_PREFIX = f"{ROOT}/"  # every job's keys, for tools that list the jobs in an
 
 # Key names relative to a job's prefix (also the labels parse problems name keys by).
 SPEC = "spec"
+OWNER = "owner"
 NODES = "nodes"
 MEMBERS = "members"
 LEADER = "leader"
@@ -67,6 +69,11 @@ class JobKeys:
     @property
     def spec(self) -> str:
         return f"{self.prefix}{SPEC}"
+
+    @property
+    def owner(self) -> str:
+        """The one `rlfleet run` that runs this job (created only if absent, lease-bound)."""
+        return f"{self.prefix}{OWNER}"
 
     # -- liveness (lease-bound) -----------------------------------------
     @property

@@ -6,6 +6,7 @@ exception for a malformed value, a `problem` sentence instead.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -16,7 +17,8 @@ from rlfleet.common.records import _Fields, _no_fields, _short, freeze, thaw
 from rlfleet.common.store import KeyValue
 
 # Fields every daemon writes into its registration (common/daemon.py, common/session.py).
-MEMBER_FIELDS = frozenset({"id", "role", "host", "pid", "state", "leader", "lease", "addresses", "metrics", "started"})
+MEMBER_FIELDS = frozenset({"id", "role", "host", "pid", "state", "leader", "lease", "addresses", "metrics", "started",
+                           "boot_id", "pid_start", "incarnation"})
 
 # Role fields (each daemon's `member_info()`) whose type is checked; others are kept as they are.
 ROLE_FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = MappingProxyType({
@@ -48,6 +50,9 @@ class Member:
     started: float = 0.0
     info: Mapping[str, Any] = _no_fields()
     problem: str = ""
+    boot_id: str = ""          # the machine's boot id (common/procs.py): where the pid can be checked
+    pid_start: int = 0         # the process's start time in ticks since boot (tells a reused pid apart)
+    incarnation: str = ""      # the `rlfleet run` that started it (its owner key), "" if started by hand
 
     @classmethod
     def parse(cls, role: str, member_id: str, value: Any, lease_id: int = 0) -> Member:
@@ -65,9 +70,11 @@ class Member:
                 f.problems.append(f"{f.where}.{name}: expected {'/'.join(k.__name__ for k in kinds)}, got {_short(v)}")
                 continue
             info[str(name)] = freeze(v)
+        identity = {"boot_id": f.str("boot_id"), "pid_start": f.int("pid_start"),
+                    "incarnation": f.str("incarnation")}
         return cls(role, member_id, f.str("host"), f.int("pid"), f.str("state"), f.bool("leader"),
                    f.str("lease"), lease_id, f.str_map("addresses"), f.str("metrics"), f.float("started"),
-                   MappingProxyType(info), f.problem)
+                   MappingProxyType(info), f.problem, **identity)
 
     @classmethod
     def from_kv(cls, keys: JobKeys, kv: KeyValue) -> Member:
@@ -87,6 +94,7 @@ class Member:
         return {"role": self.role, "id": self.id, "host": self.host, "pid": self.pid, "state": self.state,
                 "leader": self.leader, "lease": self.lease, "addresses": dict(self.addresses),
                 "metrics": self.metrics, "started": self.started, **thaw(self.info),
+                **({"incarnation": self.incarnation} if self.incarnation else {}),
                 **({"problem": self.problem} if self.problem else {})}
 
 
@@ -148,6 +156,39 @@ class Leader:
     @classmethod
     def from_kv(cls, keys: JobKeys, kv: KeyValue) -> Leader:
         return cls.parse(keys.parse_leader(kv.key), kv.value, kv.lease_id)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """`owner`: the `rlfleet run` (one incarnation) that runs the job, bound to its lease."""
+
+    incarnation: str
+    host: str = ""
+    pid: int = 0
+    boot_id: str = ""
+    pid_start: int = 0
+    started: float = 0.0
+    lease_id: int = 0
+    problem: str = ""
+
+    @classmethod
+    def parse(cls, value: Any, lease_id: int = 0) -> Owner:
+        f = _Fields(value, names.OWNER)
+        fields = (f.str("incarnation", required=True), f.str("host"), f.int("pid"), f.str("boot_id"),
+                  f.int("pid_start"), f.float("started"))
+        return cls(*fields, lease_id=lease_id, problem=f.problem)
+
+    @classmethod
+    def from_kv(cls, kv: KeyValue) -> Owner:
+        return cls.parse(kv.value, kv.lease_id)
+
+    def to_value(self) -> dict[str, Any]:
+        return {"incarnation": self.incarnation, "host": self.host, "pid": self.pid, "boot_id": self.boot_id,
+                "pid_start": self.pid_start, "started": self.started}
+
+    def describe(self) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started)) if self.started else "?"
+        return f"incarnation {self.incarnation} (pid {self.pid} on {self.host or '?'}, started {since})"
 
 
 @dataclass(frozen=True)

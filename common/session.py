@@ -2,6 +2,20 @@
 roles) its claim on leadership — all bound to that one lease (Patroni's lease
 discipline), so a dead daemon disappears from etcd by itself.
 
+Ownership: a session writes only keys it owns. A key is claimed by a create-only
+put bound to the session's lease and updated by a transaction that holds only
+while the key is still bound to that lease (`Store.put_owned`), so two processes
+started with the same member id never overwrite each other: the second says who
+holds the key and waits (`blocked`), and closing revokes the lease, which deletes
+exactly the keys bound to it. The one exception is a predecessor this machine can
+prove dead (same boot id, its pid gone: common/procs.py), whose lease is revoked at
+once instead of after its TTL. A key that vanished while the lease lives (deleted
+by hand) is noticed by reading the lease's key list once a TTL and written again.
+
+The lease is refreshed only here, from the daemon's main loop, never from a
+thread of its own: a loop that stalls stops refreshing, its registration expires
+within the TTL, and the supervisor replaces the process.
+
 `Session.step()` is called once per daemon cycle and returns a sentence saying
 what it did; losing etcd is an ordinary outcome ("etcd unreachable …"), not an
 exception.
@@ -26,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlfleet.common.keys import JobKeys
-from rlfleet.common.store import Lease, LeaseExpired, Store, StoreUnavailable
+from rlfleet.common.procs import ProcessId
+from rlfleet.common.store import KeyValue, Lease, LeaseExpired, Store, StoreUnavailable
 
 log = logging.getLogger("rlfleet.session")
 
@@ -50,6 +65,12 @@ class Session:
     _published: dict[str, Any] | None = None
     _leader_since: float = 0.0
     extra_keys: dict[str, Any] = field(default_factory=dict)  # more lease-bound keys (e.g. node inventory)
+    # Why the member key is not ours ("" while it is): another live process holds it.
+    blocked: str = ""
+    _written: set[str] = field(default_factory=set)  # keys written under the current lease
+    _refused: set[str] = field(default_factory=set)  # lease-bound keys another process holds
+    _refusals: dict[str, str] = field(default_factory=dict)  # what was said about each
+    _keys_checked_at: float = 0.0
     # A newcomer waits one TTL before its first campaign, so the standbys that
     # were already waiting take over from a dead leader first, and a leader in a
     # crash loop cannot grab leadership back on every restart.
@@ -75,7 +96,7 @@ class Session:
                     self.store.refresh_lease(self.lease)
                 except LeaseExpired:
                     said.append(f"lease {self.lease.id:x} expired")
-                    self.lease, self._published = None, None
+                    self._forget_lease()
                     if self.is_leader and self.failsafe:
                         # Someone may have taken over meanwhile; the campaign below finds out.
                         self.is_leader, self.failsafe_since = False, time.monotonic()
@@ -86,15 +107,27 @@ class Session:
             if self.lease is None:
                 self.lease = self.store.grant_lease(self.ttl_s)
                 self.lease_grants += 1
+                self._keys_checked_at = time.monotonic()
                 said.append(f"registered as {self.role}/{self.member_id} with lease {self.lease.id:x}")
-                for key, value in self.extra_keys.items():
-                    self.store.put(key, value, lease=self.lease)
-            if self.elect and time.monotonic() >= self.campaign_after:
+            elif time.monotonic() - self._keys_checked_at >= self.ttl_s:
+                said += self._check_keys()
+            # Campaign only as the owner of our member key: a daemon whose key another
+            # live process holds is a duplicate and must not lead either.
+            if self.elect and not self.blocked and self._published is not None \
+                    and time.monotonic() >= self.campaign_after:
                 said += self._campaign()
             value = {**member_value, "leader": self.is_leader, "lease": f"{self.lease.id:x}"}
             if value != self._published:
-                self.store.put(self.member_key, value, lease=self.lease)
-                self._published = value
+                said += self._publish(self.member_key, value)
+                self._published = value if self.member_key in self._written else None
+            if self.blocked and self.is_leader:
+                self.store.resign(self.leader_key, self.lease)
+                self.is_leader = False
+                said.append(f"stepped down as {self.role} leader (member key not ours)")
+            if not self.blocked:
+                for key, extra in self.extra_keys.items():
+                    if key not in self._written and key not in self._refused:
+                        said += self._publish(key, extra)
             if self.degraded:
                 said.insert(0, "etcd reachable again")
                 self.degraded = False
@@ -157,6 +190,97 @@ class Session:
         self.is_leader, self._leader_since, self.term, self.failsafe_since = True, since, term, None
         return said
 
+    # -- keys this session owns ---------------------------------------------------
+    def _forget_lease(self) -> None:
+        self.lease, self._published, self.blocked = None, None, ""
+        self._written.clear()
+        self._refused.clear()
+
+    def _publish(self, key: str, value: Any) -> list[str]:
+        """Write a key this session owns, or claim it: never overwrite a key bound to
+        another live lease. A key we wrote is updated in one transaction that holds
+        only while the key is still bound to our lease; a key we have not (or no
+        longer) hold is created only if absent."""
+        assert self.lease is not None
+        if key in self._written:
+            ok, current = self.store.put_owned(key, value, self.lease)
+            if ok:
+                return []
+            self._written.discard(key)
+            if current is not None:
+                return self._foreign(key, current)
+            return [f"{key} vanished while lease {self.lease.id:x} lives"] + self._claim(key, value)
+        return self._claim(key, value)
+
+    def _claim(self, key: str, value: Any) -> list[str]:
+        assert self.lease is not None
+        said: list[str] = []
+        if self.blocked and key == self.member_key:
+            # Still held by someone else? A read answers without a raft write.
+            current = self.store.get(key)
+            if current is not None and current.lease_id != self.lease.id:
+                holder = ProcessId.of(current.value)
+                if holder is None or holder.state() not in ("dead", "zombie"):
+                    return []
+        for _ in range(2):
+            won, current = self.store.swap(key, 0, value, lease=self.lease)
+            if won:
+                self._written.add(key)
+                self._refusals.pop(key, None)
+                if key == self.member_key and self.blocked:
+                    said.append(f"registered {self.role}/{self.member_id}: the key is ours now")
+                    self.blocked = ""
+                return said
+            assert current is not None
+            if current.lease_id == self.lease.id:
+                self._written.add(key)
+                return said + self._publish(key, value)
+            holder = ProcessId.of(current.value)
+            if holder is None or holder.state() not in ("dead", "zombie"):
+                return said + self._foreign(key, current)
+            # Our dead predecessor on this machine (a kill -9, then a restart): its lease
+            # would hold the key for up to a TTL more. Revoking it removes exactly the
+            # keys that process owned (its member key, its leadership, its sub-members).
+            if current.lease_id:
+                self.store.revoke_lease(Lease(current.lease_id, 0))
+            else:
+                self.store.compare_and_swap_delete(key, current.mod_revision)
+            said.append(f"took over {key} from dead pid {holder.pid} (lease {current.lease_id:x} revoked)")
+        return said
+
+    def _foreign(self, key: str, current: KeyValue) -> list[str]:
+        """Someone else holds `key`: say so (once) and leave it alone."""
+        value = current.value if isinstance(current.value, dict) else {}
+        who = (f"pid {value.get('pid', '?')} on {value.get('host', '?')}"
+               + (f", incarnation {value['incarnation']}" if value.get("incarnation") else "")
+               + f", lease {current.lease_id:x}")
+        reason = f"{key} is held by another live process ({who}); not overwriting it"
+        if key != self.member_key:
+            # Asked again at the next key check, not every cycle; said once, not at every ask
+            # (two resource-managers of one machine share its node key: one holds it).
+            self._refused.add(key)
+            if self._refusals.get(key) == reason:
+                return []
+            self._refusals[key] = reason
+            return [reason]
+        said = [reason + "; waiting for it to go"] if self.blocked != reason else []
+        self.blocked = reason
+        return said
+
+    def _check_keys(self) -> list[str]:
+        """Once a TTL: are our keys still bound to our lease? One read (the lease's own key
+        list) instead of a read per key; a key deleted by hand is written again now."""
+        assert self.lease is not None
+        self._keys_checked_at = time.monotonic()
+        self._refused.clear()
+        bound = self.store.lease_info(self.lease.id).keys
+        gone = [key for key in self._written if key not in bound]
+        for key in gone:
+            self._written.discard(key)
+            if key == self.member_key:
+                self._published = None
+        return [f"{key} vanished while lease {self.lease.id:x} lives; writing it again" for key in sorted(gone)]
+
     def _campaign(self) -> list[str]:
         assert self.lease is not None
         value = {"id": self.member_id, "since": self._leader_since or time.time()}
@@ -174,23 +298,27 @@ class Session:
         return []
 
     def put_lease_bound(self, key: str, value: Any) -> None:
-        """A key that lives and dies with this daemon (re-written on re-registration)."""
+        """A key that lives and dies with this daemon (re-written on re-registration);
+        like the member key, only ever written while it is ours or absent."""
         self.extra_keys[key] = value
-        if self.lease is not None:
-            self.store.put(key, value, lease=self.lease)
+        if self.lease is not None and not self.blocked:
+            for sentence in self._publish(key, value):
+                log.warning(sentence)
 
     def close(self) -> str:
-        """Deregister at once: resign, delete the member key, revoke the lease."""
+        """Deregister at once: revoking the lease deletes exactly the keys bound to it
+        (member key, leadership, sub-members), never a key another process owns."""
         if self.lease is None:
             return "no registration to remove"
+        owned = self.member_key in self._written
         try:
-            if self.is_leader:
-                self.store.resign(self.leader_key, self.lease)
-            self.store.delete(self.member_key)
             self.store.revoke_lease(self.lease)
+            if not owned:
+                return f"released lease {self.lease.id:x} ({self.role}/{self.member_id} was never ours)"
             return f"deregistered {self.role}/{self.member_id}"
         except StoreUnavailable as exc:
             # The lease will expire on its own within the TTL.
             return f"could not deregister (etcd unreachable: {exc}); lease expires by itself"
         finally:
             self.lease, self.is_leader = None, False
+            self._written.clear()

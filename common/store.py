@@ -45,6 +45,14 @@ class Lease:
     ttl_s: int
 
 
+@dataclasses.dataclass(frozen=True)
+class LeaseInfo:
+    """A lease as etcd sees it, read without refreshing it."""
+    remaining_s: int           # -1 once the lease is gone (expired or revoked)
+    granted_s: int             # the TTL it was granted with (0 once gone)
+    keys: frozenset[str] = frozenset()  # the keys bound to it now
+
+
 def apply_event(table: dict[str, KeyValue], event: WatchEvent) -> None:
     """Keep `table` (key -> KeyValue, as a get_prefix read them) current with one watch
     event. An event no newer than what the table holds is skipped: a watch started
@@ -97,6 +105,11 @@ class Store(abc.ABC):
     def get_prefix(self, prefix: str) -> list[KeyValue]: ...
 
     @abc.abstractmethod
+    def leases_under(self, prefix: str) -> dict[str, int]:
+        """key -> the lease it is bound to (0: none), for every key under `prefix`: one
+        keys-only read, values left in etcd (a liveness sweep needs no values)."""
+
+    @abc.abstractmethod
     def put(self, key: str, value: Any, lease: Lease | None = None) -> int:
         """Write `value` as JSON; returns the new revision."""
 
@@ -121,6 +134,13 @@ class Store(abc.ABC):
         without reading first (one request per update instead of a read and a swap)."""
 
     @abc.abstractmethod
+    def put_owned(self, key: str, value: Any, lease: Lease) -> tuple[bool, KeyValue | None]:
+        """Overwrite `key` only while it is bound to `lease` (a key this lease holder
+        wrote and still owns), in one round trip: (True, None), or (False, the key as
+        it is now, None if absent). Never creates the key: claim an absent key with
+        `swap(key, 0, value, lease)`, so a writer never takes over someone else's key."""
+
+    @abc.abstractmethod
     def revision(self) -> int:
         """The store's current revision."""
 
@@ -138,6 +158,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def lease_remaining(self, lease_id: int) -> int:
         """Seconds left on a lease without refreshing it; -1 once it is gone."""
+
+    @abc.abstractmethod
+    def lease_info(self, lease_id: int) -> LeaseInfo:
+        """Remaining and granted TTL of a lease and the keys bound to it, in one read
+        (no refresh): how a holder checks that its keys are all still there."""
 
     # -- watches ------------------------------------------------------------
     @abc.abstractmethod

@@ -4,7 +4,7 @@ Thin on purpose (STYLE §9): nothing heavy is imported before the arguments
 and the spec are validated, so `--help` and config errors are instant.
 
 Exit codes are defined in tools/exit_codes.py: 0 ok, 1 failure, 2 bad usage / bad
-spec (click's own), 3 etcd unreachable, and `rlfleet run`'s own outcomes 4–7.
+spec (click's own), 3 etcd unreachable, and `rlfleet run`'s own outcomes 4–8.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from rlfleet.tools.exit_codes import RUN_CODES, Exit
 EXIT_SPEC = Exit.BAD_SPEC
 EXIT_ETCD = Exit.ETCD_UNREACHABLE
 # Tests only: `rlfleet daemon ROLE` exits 1 at once when this is "exit_at_start:ROLE", so an
-# integration test can make one daemon of a real fleet crash-loop without a broken spec.
+# integration test can make one daemon of a real fleet crash-loop without a broken spec;
+# "stall_if_file:ROLE:PATH": the first cycle that finds PATH deletes it and blocks for good
+# (a main loop stalled in the role's work, with its threads still running).
 DAEMON_FAILPOINT_ENV = "RLFLEET_DAEMON_FAILPOINT"
 DEFAULT_ETCD = os.environ.get("RLFLEET_ETCD", "127.0.0.1:2379")
 
@@ -65,7 +67,7 @@ def main() -> None:
 def daemon(role: str, job: str, etcd: str, member_id: str | None, host: str, spec_file: str | None,
            metrics_host: str, metrics_port: int, log_level: str) -> None:
     """Run one daemon of ROLE until SIGTERM."""
-    from rlfleet.common.daemon import DaemonOptions
+    from rlfleet.common.daemon import INCARNATION_ENV, DaemonOptions
     from rlfleet.common.keys import JobKeys
     from rlfleet.common.logs import setup_json_logging
     from rlfleet.daemons import daemon_class
@@ -86,10 +88,26 @@ def daemon(role: str, job: str, etcd: str, member_id: str | None, host: str, spe
     member_id = member_id or f"{host}-{role}-{os.getpid()}"
     setup_json_logging(log_level, job=job, role=role, id=member_id)
     options = DaemonOptions(job=job, member_id=member_id, host=host, spec_file=spec_file,
-                            metrics_host=metrics_host, metrics_port=metrics_port)
+                            metrics_host=metrics_host, metrics_port=metrics_port,
+                            incarnation=os.environ.get(INCARNATION_ENV, ""))
     instance = daemon_class(role)(options, _store(etcd))
+    failpoint, _, path = os.environ.get(DAEMON_FAILPOINT_ENV, "").partition(f"stall_if_file:{role}:")
+    if path and not failpoint:
+        instance.cycle = _stall_if_file(instance.cycle, path)
     instance.install_signal_handlers()
     sys.exit(instance.run())
+
+
+def _stall_if_file(cycle, path: str):
+    def stalling_cycle():
+        try:
+            os.unlink(path)  # only one process stalls per file
+        except FileNotFoundError:
+            return cycle()
+        click.echo(f"{DAEMON_FAILPOINT_ENV}: the main loop stalls now (test failpoint)", err=True)
+        import threading
+        threading.Event().wait()
+    return stalling_cycle
 
 
 # -- the embedded fleet ---------------------------------------------------------------
@@ -120,8 +138,11 @@ RUN_EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {int(code)}  {text}" for code, 
                                       "0/60 only reports it and keeps restarting.")
 @click.option("--max-idle-s", type=click.FloatRange(min=0), default=300.0, show_default=True,
               help="End the run (exit 6) when no training step comes for this long, start-up included; 0: never.")
+@click.option("--take-over", is_flag=True,
+              help="Replace a live run of the same job on the same etcd (it stops its daemons and exits 8) "
+                   "instead of refusing to start (exit 8).")
 def run(spec_file: str, etcd: str | None, duration: float | None, no_view: bool,
-        give_up: tuple[int, float], max_idle_s: float) -> None:
+        give_up: tuple[int, float], max_idle_s: float, take_over: bool) -> None:
     """Run a whole job on this machine: etcd (private unless --etcd), every daemon, and a
     view of it: a live table in a terminal, plain event lines (progress every few seconds,
     restarts, evaluations) when output goes to a file or a pipe. Ends with a summary and
@@ -134,7 +155,7 @@ def run(spec_file: str, etcd: str | None, duration: float | None, no_view: bool,
         sys.exit(EXIT_SPEC)
     view = not no_view and sys.stdout.isatty()
     supervisor = Supervisor(spec, spec_file, etcd, Path(spec.job.runs_dir) / spec.job.name, view=view,
-                            give_up=give_up, max_idle_s=max_idle_s)
+                            give_up=give_up, max_idle_s=max_idle_s, take_over=take_over)
     sys.exit(supervisor.run(duration))
 
 
@@ -155,6 +176,10 @@ def _pick_job(store, job: str | None) -> str:
 def status(job: str | None, etcd: str, output: str) -> None:
     """Members, leaders, nodes and problems of a job (per role).
 
+    A member is checked, not taken at its word: a pid on this machine must run and not
+    be stopped, and its lease must have been refreshed within half its TTL; a dead,
+    stopped or stalled member is a problem (exit 1).
+
     To a terminal: tables at its width, long cells folded. To a file or a pipe: tables
     as wide as their contents, so ids, addresses and problems are never cut."""
     from rlfleet.common.keys import JobKeys
@@ -165,7 +190,7 @@ def status(job: str | None, etcd: str, output: str) -> None:
     store = _store(etcd)
     try:
         job = _pick_job(store, job)
-        snap = take_snapshot(store, job)
+        snap = take_snapshot(store, job, check_leases=True)
     except StoreUnavailable as exc:
         _fail_unreachable(exc, etcd)
     from rlfleet.relay.status import chain_status, chain_table, versions_table

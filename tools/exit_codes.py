@@ -1,7 +1,7 @@
 """Every exit code of the `rlfleet` command, in one place.
 
 A script that starts a job reads the code; the one-line reason printed beside it
-is for the person. Codes 4–7 are `rlfleet run`'s own outcomes; the README's
+is for the person. Codes 4–8 are `rlfleet run`'s own outcomes; the README's
 "Exit codes" table and `rlfleet run --help` list the same codes.
 """
 
@@ -20,6 +20,7 @@ class Exit(IntEnum):
     DAEMON_GAVE_UP = 5     # run: a daemon died --give-up-after times within its window
     NO_PROGRESS = 6        # run: no training step within --max-idle-s
     STOPPED = 7            # run: stopped before the end at the operator's request (--duration, Ctrl-C, SIGTERM)
+    JOB_OWNED = 8          # run: another live `rlfleet run` owns the job (refused), or took it over (--take-over)
 
 
 # What `rlfleet run --help` and the README say about each code of `rlfleet run`.
@@ -32,6 +33,7 @@ RUN_CODES: dict[Exit, str] = {
     Exit.DAEMON_GAVE_UP: "a daemon kept dying (--give-up-after)",
     Exit.NO_PROGRESS: "no training step within --max-idle-s",
     Exit.STOPPED: "stopped early by --duration, Ctrl-C or SIGTERM",
+    Exit.JOB_OWNED: "another live run owns the job (refused; --take-over replaces it), or took this one over",
 }
 
 

@@ -3,18 +3,27 @@
 Shared by `rlfleet status` and the live view of `rlfleet run`: both show the
 same facts the same way. Reads only; every read here has an `etcdctl`
 equivalent (see `etcdctl_equivalent`).
+
+A registration is not taken at its word: a member whose process runs on this
+machine (its boot id is ours) is checked in /proc at once (dead, a zombie, or
+stopped), so a kill -9 shows before its lease runs out; with `check_leases`
+each lease is read too (one request per lease, not per member), and a lease not
+refreshed for over half its TTL means a main loop that stalled. Members bound
+to the lease of a dead one (a sim host's rollouts) are dead with it.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from rlfleet.common import members as registrations
 from rlfleet.common.cluster import Cluster
+from rlfleet.common.procs import ProcessId
 from rlfleet.common.spec import ROLES, SINGLETON_ROLES
 from rlfleet.common.store import Store
 
@@ -30,6 +39,13 @@ class Member:
     addresses: dict[str, str]
     metrics: str
     started: float
+    health: str = "running"  # running, or what is wrong: dead / stopped / stalled (...)
+    lease_id: int = 0
+    incarnation: str = ""
+
+    @property
+    def healthy(self) -> bool:
+        return self.health == "running"
 
 
 @dataclass(frozen=True)
@@ -61,17 +77,51 @@ class FleetSnapshot:
         }
 
 
-def take_snapshot(store: Store, job: str) -> FleetSnapshot:
+def take_snapshot(store: Store, job: str, check_leases: bool = False) -> FleetSnapshot:
     """One read of the job's keys (common/cluster.py), in the shape the views render;
-    values etcd holds in a malformed shape are listed among the problems."""
+    values etcd holds in a malformed shape are listed among the problems. Local pids
+    are checked always (no etcd request), leases only with `check_leases`."""
     cluster = Cluster.read(store, job)
     members = [Member(m.role, m.id, m.host or "?", m.pid, m.state or "?", m.leader, dict(m.addresses),
-                      m.metrics, m.started) for m in cluster.members()]
+                      m.metrics, m.started, _process_health(m), m.lease_id, m.incarnation)
+               for m in cluster.members()]
+    members = _lease_health(store, members, check_leases)
     leaders = {role: lead.id or "?" for role, lead in cluster.leaders.items()}
     nodes = {host: node.to_value() for host, node in cluster.nodes.items()}
     placed = [(p.host, p.role, p.id) for p in cluster.placement]
     return FleetSnapshot(job, cluster.taken_at, members, leaders, nodes, placed,
                          _problems(members, leaders, placed) + list(cluster.problems), cluster)
+
+
+def _process_health(m: registrations.Member) -> str:
+    ident = ProcessId(m.boot_id, m.pid, m.pid_start) if m.boot_id and m.pid > 0 else None
+    state = ident.state() if ident else "remote"
+    if state in ("dead", "zombie"):
+        return f"dead (pid {m.pid} {'is a zombie' if state == 'zombie' else 'is gone'}; lease not expired yet)"
+    if state == "stopped":
+        return f"stopped (pid {m.pid} is stopped, SIGSTOP?)"
+    return "running"
+
+
+def _lease_health(store: Store, members: list[Member], check_leases: bool) -> list[Member]:
+    dead_leases = {m.lease_id for m in members if m.health.startswith("dead") and m.lease_id}
+    stalled: dict[int, str] = {}
+    if check_leases:
+        for lease_id in sorted({m.lease_id for m in members if m.lease_id} - dead_leases):
+            info = store.lease_info(lease_id)
+            silent = info.granted_s - info.remaining_s
+            if info.remaining_s < 0:
+                dead_leases.add(lease_id)
+            elif info.granted_s and silent > info.granted_s / 2:  # refreshed every third of it
+                stalled[lease_id] = f"stalled (no lease refresh for ~{silent} s of {info.granted_s} s)"
+    out = []
+    for m in members:
+        if m.healthy and m.lease_id in dead_leases:
+            m = replace(m, health="dead (its lease's holder is dead)")
+        elif m.healthy and m.lease_id in stalled:
+            m = replace(m, health=stalled[m.lease_id])
+        out.append(m)
+    return out
 
 
 def _problems(members: list[Member], leaders: dict[str, str], placed: list[tuple[str, str, str]]) -> list[str]:
@@ -82,6 +132,7 @@ def _problems(members: list[Member], leaders: dict[str, str], placed: list[tuple
     roles_live = {m.role for m in members}
     problems += [f"{role}: no leader" for role in SINGLETON_ROLES if role in roles_live and role not in leaders]
     problems += [f"{m.role}/{m.member_id}: state {m.state}" for m in members if m.state not in ("running",)]
+    problems += [f"{m.role}/{m.member_id}: {m.health}" for m in members if not m.healthy]
     return problems
 
 
@@ -101,6 +152,8 @@ def members_table(snap: FleetSnapshot, restarts: dict[str, int] | None = None) -
         for m in members:
             leader = "★" if snap.leaders.get(role) == m.member_id else ("standby" if role in SINGLETON_ROLES else "")
             state = m.state if m.state == "running" else f"[yellow]{m.state}[/yellow]"
+            if not m.healthy:
+                state = f"[red]{m.health.split(' (')[0]}[/red]"
             up = f"{snap.taken_at - m.started:.0f}s" if m.started else ""
             addrs = " ".join(f"{k}={v}" for k, v in sorted(m.addresses.items()))
             row = [role, m.member_id, m.host, str(m.pid), state, leader, up, addrs]

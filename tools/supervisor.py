@@ -3,9 +3,13 @@ the spec written to it, every placed daemon as a supervised subprocess, and a
 view: the live table on a terminal, plain event lines otherwise.
 
 One loop (`Supervisor.run`) starts and restarts daemons, samples their CPU and
-watches three things that end the run: the trainer reporting `training: done`,
-a daemon that keeps dying (`give_up`: N deaths within a window), and no new
-training step for `max_idle_s`. A daemon that dies is restarted with backoff.
+watches four things that end the run: the trainer reporting `training: done`,
+a daemon that keeps dying (`give_up`: N deaths within a window), no new
+training step for `max_idle_s`, and another run taking the job over. A daemon
+that dies is restarted with backoff; one whose registration expired while its
+process still exists (stopped, or its loop stalled) is killed and restarted.
+The run owns the job through `/rlfleet/<job>/owner` (tools/job_owner.py): a
+second run of a live job is refused (exit 8) unless `--take-over`.
 Ctrl-C stops the daemons (SIGTERM, then SIGKILL after a grace period) and etcd
 last. The run ends with the accounting check, the plots, the end summary and
 an `Outcome`: the exit code (tools/exit_codes.py) and its one-line reason.
@@ -31,6 +35,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from rlfleet.common.daemon import INCARNATION_ENV
 from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.members import members_from
@@ -41,6 +46,7 @@ from rlfleet.common.store import StoreUnavailable
 from rlfleet.tools.etcd_local import EtcdCluster, die_with_parent
 from rlfleet.tools.exit_codes import Exit, Outcome
 from rlfleet.tools.fleet_view import members_table, nodes_table, take_snapshot
+from rlfleet.tools.job_owner import JobOwned, JobOwner, RegistrationCheck
 from rlfleet.tools.report import MetricsTail, RunMetrics, plot, summary
 from rlfleet.tools.run_summary import end_summary, eval_line, progress_line
 
@@ -180,7 +186,7 @@ class Supervisor:
     def __init__(self, spec: JobSpec, spec_path: str, etcd: str | None, runs_dir: Path,
                  host: str | None = None, view: bool = True,
                  give_up: tuple[int, float] = (CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_S),
-                 max_idle_s: float = MAX_IDLE_S) -> None:
+                 max_idle_s: float = MAX_IDLE_S, take_over: bool = False) -> None:
         self.spec, self.spec_path, self.runs_dir = spec, spec_path, runs_dir
         self.run_dir = runs_dir  # the run's own directory once `run` made it
         self.etcd_arg, self.view = etcd, view
@@ -199,6 +205,10 @@ class Supervisor:
         self.metrics: MetricsTail | None = None
         self._accounting_failure: Outcome | None = None
         self._progress_step = -1  # the step of the last progress line printed
+        self.take_over = take_over
+        self.owner: JobOwner | None = None  # this run's hold on /rlfleet/<job>/owner
+        self.registrations: RegistrationCheck | None = None
+        self._claimed = ""  # how this run came to own the job, as a sentence
 
     # -- set-up ------------------------------------------------------------------
     def start_etcd(self) -> str:
@@ -211,12 +221,20 @@ class Supervisor:
         return self.cluster.endpoints_arg
 
     def submit_spec(self, endpoints: str) -> EtcdStore:
+        """Own the job (JobOwned if another live run does), then write its spec."""
         store = EtcdStore(endpoints, timeout_s=self.spec.etcd.retry_timeout_s)
+        keys = JobKeys(self.spec.job.name)
         try:
-            store.put(JobKeys(self.spec.job.name).spec, self.spec.to_dict())
+            self.owner = JobOwner(store, keys, self.spec.etcd.lease_ttl_s)
+            claimed = self.owner.claim(self.take_over)
+            store.put(keys.spec, self.spec.to_dict())
         except BaseException:
+            if self.owner is not None and self.owner.lease is not None:
+                self.owner.release()
             store.close()
             raise
+        self.registrations = RegistrationCheck(store, keys, self.spec.etcd.lease_ttl_s)
+        self._claimed = claimed  # noted once the run's event log exists
         return store
 
     def make_children(self, endpoints: str) -> None:
@@ -228,7 +246,7 @@ class Supervisor:
                 continue
             cmd = [sys.executable, "-m", "rlfleet.tools.cli", "daemon", p.role,
                    "--job", self.spec.job.name, "--etcd", endpoints, "--id", p.member_id, "--host", p.host]
-            env = {"RLFLEET_RUN_DIR": str(self.run_dir.resolve()),
+            env = {"RLFLEET_RUN_DIR": str(self.run_dir.resolve()), INCARNATION_ENV: self.owner.incarnation,
                    "RLFLEET_TORCH_THREADS": str(torch_threads(placed, p.host))}
             self.children.append(Child(p, cmd, logs / f"{p.member_id}.log", env=env))
 
@@ -422,6 +440,8 @@ class Supervisor:
                 return Outcome(Exit.BAD_SPEC, f"--etcd {self.etcd_arg}: {exc}")
             except StoreUnavailable as exc:
                 return Outcome(Exit.ETCD_UNREACHABLE, f"etcd at {self.etcd_arg} is unreachable: {exc}")
+            except JobOwned as exc:
+                return Outcome(Exit.JOB_OWNED, f"refused: {exc}")
         self.run_dir = new_run_dir(self.runs_dir)
         print(f"run dir: {self.run_dir}", flush=True)  # the first line: scripts read it
         try:
@@ -441,9 +461,11 @@ class Supervisor:
             roles = len({c.placed.role for c in self.children})
             self.note(f"job {self.spec.job.name}: {len(self.children)} daemons ({roles} roles), "
                       f"etcd {endpoints}, run dir {self.run_dir}")
+            self.note(self._claimed)
             failure, finished = self._loop(store, endpoints, duration_s)
         finally:
             self.cpu_report = self.cpu_by_daemon()  # etcd's share must be read before it stops
+            self._release_job()
             store.close()
             self._stop_etcd()
         self.finish_report()
@@ -456,6 +478,40 @@ class Supervisor:
                                f"{failure.code.name.lower().replace('_', ' ')} (exit {int(failure.code)})")
         return failure or Outcome(Exit.OK, f"finished {self.spec.trainer.max_steps} steps; accounting ok; "
                                            f"results in {self.run_dir}")
+
+    def _release_job(self) -> None:
+        try:
+            self.owner.release()
+        except StoreUnavailable as exc:
+            self.note(f"could not release {JobKeys(self.spec.job.name).owner} ({exc}); its lease expires by itself")
+
+    def keep_job(self) -> Outcome | None:
+        """Refresh this run's ownership; an Outcome when another run took the job over."""
+        try:
+            lost = self.owner.keep()
+        except StoreUnavailable:
+            return None  # daemons keep working through an outage; so does the run
+        if lost is None:
+            return None
+        self.note(f"job {self.spec.job.name} {lost}; stopping this run's daemons")
+        return Outcome(Exit.JOB_OWNED, f"job {self.spec.job.name} {lost} (--take-over)")
+
+    def replace_stalled(self) -> None:
+        """SIGKILL a child whose registration expired while its process still exists (stopped,
+        or its main loop stalled past the TTL): reaped and restarted like any dead child."""
+        running = [(c.placed.role, c.placed.member_id, c.proc.pid) for c in self.children
+                   if c.proc is not None and c.proc.poll() is None]
+        try:
+            lost = self.registrations.lost(running)
+        except StoreUnavailable:
+            return  # no registration can be read: nothing to judge by
+        for pid, why in lost:
+            child = next(c for c in self.children if c.proc is not None and c.proc.pid == pid)
+            self.note(f"replacing {child.name} (pid {pid}): {why}; SIGKILL")
+            try:
+                os.killpg(pid, signal.SIGKILL)  # its worker processes too
+            except ProcessLookupError:
+                pass
 
     def _stopped_reason(self, duration_s: float | None) -> str:
         if self._stop.is_set():
@@ -475,13 +531,19 @@ class Supervisor:
         failure: Outcome | None = None
         finished = False
         try:
-            last_watch = last_done_check = last_cpu_sample = last_progress = 0.0
+            last_watch = last_done_check = last_cpu_sample = last_progress = last_liveness = 0.0
             last_step_at = started
             while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 failure = self.supervise_once(env)
                 if failure:
                     break
+                failure = self.keep_job()
+                if failure:
+                    break
                 now = time.monotonic()
+                if now - last_liveness >= self.spec.etcd.refresh_interval_s:
+                    last_liveness = now
+                    self.replace_stalled()
                 if now - last_cpu_sample > CPU_SAMPLE_S:
                     last_cpu_sample = now
                     for child in self.children:

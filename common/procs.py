@@ -1,0 +1,85 @@
+"""Who a registration's process is, and whether it still runs — checked where it can be.
+
+A member record carries its process's identity: the machine's boot id
+(/proc/sys/kernel/random/boot_id, new at every boot, unique per machine) and the
+process's pid and start time (clock ticks since boot, /proc/<pid>/stat field 22).
+On the same machine and boot these three name one process for good, even after
+its pid is reused, so `rlfleet status` and a daemon's successor can tell at once
+that a registration belongs to a dead or stopped process instead of waiting for
+its lease to run out. Elsewhere the lease is the only evidence: "remote".
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+State = Literal["running", "stopped", "zombie", "dead", "remote"]
+
+
+@functools.cache
+def boot_id() -> str:
+    """This machine's current boot id; "" where the kernel does not say (then nothing is local)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in ticks) of a pid, None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces or ')'.
+    fields = raw[raw.rindex(")") + 2:].split()
+    return fields[0], int(fields[19])
+
+
+def start_ticks(pid: int) -> int:
+    """The process's start time in clock ticks since boot; 0 if unknown."""
+    stat = _stat(pid)
+    return stat[1] if stat else 0
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    boot_id: str
+    pid: int
+    start: int  # clock ticks since boot; 0: unknown (then a live pid is taken at its word)
+
+    @classmethod
+    def current(cls) -> ProcessId:
+        return cls(boot_id(), os.getpid(), start_ticks(os.getpid()))
+
+    @classmethod
+    def of(cls, value: Any) -> ProcessId | None:
+        """The identity a member record carries (`boot_id`, `pid`, `pid_start`), None if it has none."""
+        if not isinstance(value, dict):
+            return None
+        bid, pid, start = value.get("boot_id"), value.get("pid"), value.get("pid_start", 0)
+        if not isinstance(bid, str) or not bid or type(pid) is not int or pid <= 0 or type(start) is not int:
+            return None
+        return cls(bid, pid, start)
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"boot_id": self.boot_id, "pid": self.pid, "pid_start": self.start}
+
+    def state(self) -> State:
+        """What this machine can say about the process ("remote": it runs, or ran, elsewhere)."""
+        if not self.boot_id or self.boot_id != boot_id():
+            return "remote"
+        stat = _stat(self.pid)
+        if stat is None or (self.start and stat[1] != self.start):
+            return "dead"  # gone, or the pid now names a younger process
+        letter = stat[0]
+        if letter in ("Z", "X", "x"):
+            return "zombie" if letter == "Z" else "dead"
+        if letter in ("T", "t"):
+            return "stopped"  # SIGSTOP, or held by a debugger
+        return "running"
