@@ -195,6 +195,9 @@ def connect(sock: zmq.Socket, address: str) -> bool:
     without CURVE in a job that has it): logged, and False."""
     plain, key = split(address)
     if sock.getsockopt(zmq.MECHANISM) == zmq.CURVE and not sock.getsockopt(zmq.CURVE_SERVER):
+        if key is None and _active is None:  # keys given by the caller (CurveKeys), server key too
+            sock.connect(plain)
+            return True
         if key is None:
             _refused_once(("keyless", plain), "handshake",
                           "not connecting to %s: it publishes no CURVE key and this process requires CURVE",
