@@ -139,8 +139,6 @@ def configure_from_env(directory: str | None = None) -> CurveSetup | None:
         return None
     setup = CurveSetup.load(where)
     configure(setup)
-    log.info("CURVE on: public key %s, %d authorized client key(s) from %s", setup.public.decode(),
-             len(setup.authorized), where, extra={"event": "curve_on"})
     return setup
 
 

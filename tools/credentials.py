@@ -20,8 +20,7 @@ from pathlib import Path
 from rlfleet.common import curve
 from rlfleet.common.etcd_auth import EtcdCredentials
 from rlfleet.common.secret_files import write_private
-
-JOB_SECRET_ENV = "RLFLEET_JOB_SECRET_FILE"  # read by common/job_secret.py (the relay)
+from rlfleet.common.security import JOB_SECRET_ENV
 CERT_DAYS = 30  # a run's certificates outlive any run, and are worthless after it
 _EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-noenc"]
 
