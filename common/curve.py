@@ -286,22 +286,26 @@ class _HandshakeWatch(threading.Thread):
         super().__init__(name="curve-handshakes", daemon=True)
         self.ctx = ctx
         self._ids = itertools.count()
-        self._new: queue.Queue[str] = queue.Queue()
+        self._new: queue.Queue[zmq.Socket] = queue.Queue()
         self._stop_event = threading.Event()
         self.start()
 
     def watch(self, sock: zmq.Socket) -> None:
         endpoint = f"inproc://rlfleet-handshakes-{id(self):x}-{next(self._ids)}"
         sock.monitor(endpoint, _HANDSHAKE_FAILED | zmq.EVENT_MONITOR_STOPPED)
-        self._new.put(endpoint)
+        # Connected here, before the server can accept anyone, so no event is lost; the
+        # queue hands the socket to the watcher thread (a full memory barrier, which is
+        # how ZeroMQ allows a socket to change threads).
+        mon = self.ctx.socket(zmq.PAIR)
+        mon.connect(endpoint)
+        self._new.put(mon)
 
     def run(self) -> None:
         poller, monitors = zmq.Poller(), []
         try:
             while not self._stop_event.is_set():
                 while not self._new.empty():
-                    mon = self.ctx.socket(zmq.PAIR)
-                    mon.connect(self._new.get())
+                    mon = self._new.get()
                     poller.register(mon, zmq.POLLIN)
                     monitors.append(mon)
                 for mon, _ in poller.poll(100):
