@@ -33,6 +33,7 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     Field,
+    StrictBool,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -301,10 +302,10 @@ class SecuritySection(Section):
     """What the job requires of every daemon (docs/security.md). etcd's credentials are
     not here: a daemon needs them to read the spec (--etcd-cacert etc., $RLFLEET_ETCD_*)."""
 
-    curve: bool = False  # CURVE on every ZeroMQ socket; a daemon without keys refuses to start
+    curve: StrictBool = False  # CURVE on every ZeroMQ socket; a daemon without keys refuses to start
     # The keys' directory on each machine where $RLFLEET_CURVE_DIR is not set.
     curve_dir: Annotated[StrictStr | None, AfterValidator(_absolute)] = None
-    relay_auth: bool = False  # the relay's chunk transport authenticated with the job secret
+    relay_auth: StrictBool = False  # the relay's chunk transport authenticated with the job secret
     # The job secret on each machine where $RLFLEET_JOB_SECRET_FILE is not set.
     job_secret_file: Annotated[StrictStr | None, AfterValidator(_absolute)] = None
 
