@@ -75,7 +75,7 @@ class CurveSetup:
                                                                                  "CURVE secret key file")))
         if "public" not in keys or "secret" not in keys:
             raise CurveError(f"{d / SECRET_FILE}: no public-key/secret-key pair "
-                             "(create one with `rlfleet keys curve DIR`)")
+                             "(create one with `rlfleet curve-keys DIR`)")
         if zmq.curve_public(keys["secret"]) != keys["public"]:
             raise CurveError(f"{d / SECRET_FILE}: the public key does not belong to the secret key")
         return cls(keys["public"], keys["secret"], load_authorized(d / AUTHORIZED_DIR), str(d))

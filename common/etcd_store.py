@@ -125,6 +125,10 @@ class EtcdStore(Store):
         token goes as plain metadata: gRPC refuses call credentials on a plaintext channel."""
         if self._password is None or c.metadata is not None:
             return
+        try:  # read again: a password changed on disk is used at the next login, no restart
+            self._password = self.creds.password() or self._password
+        except OSError:
+            pass  # keep the one read at start
         request = etcdrpc.AuthenticateRequest(name=self.creds.user, password=self._password)
         try:
             token = c.authstub.Authenticate(request, self.timeout_s).token

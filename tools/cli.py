@@ -286,6 +286,21 @@ def accounting(run_dir: str, job: str, etcd: str, group_size: int | None) -> Non
     sys.exit(0 if result.ok else 1)
 
 
+@main.command("curve-keys")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--name", default=socket.gethostname(), show_default=True,
+              help="Name of the public key file (authorized/NAME.key) to copy to the other machines.")
+def curve_keys(directory: str, name: str) -> None:
+    """Make this machine's CURVE key pair in DIRECTORY (docs/security.md): DIRECTORY/daemon.key_secret
+    (mode 0600), its public key authorized in DIRECTORY/authorized/NAME.key."""
+    from rlfleet.common.curve import SECRET_FILE, create_keys
+    if (Path(directory) / SECRET_FILE).exists():
+        raise click.UsageError(f"{Path(directory) / SECRET_FILE} exists; move it away to make a new pair")
+    public = create_keys(directory, name)
+    click.echo(f"public key {public.decode()}: copy {Path(directory) / 'authorized' / (name + '.key')} "
+               "into every other machine's authorized/ (then SIGHUP their daemons)")
+
+
 # -- job specs ----------------------------------------------------------------------------
 @main.group()
 def job() -> None:
