@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from rlfleet.common import metrics
+from rlfleet.common import curve, metrics, security
 from rlfleet.common.cluster import read_spec
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.procs import ProcessId
@@ -36,6 +36,7 @@ log = logging.getLogger("rlfleet.daemon")
 # The `rlfleet run` that started this daemon (its owner key's incarnation), stamped into
 # the member record so an operator sees which run a registration belongs to.
 INCARNATION_ENV = "RLFLEET_INCARNATION"
+EXIT_SECURITY = 2  # like a bad spec: restarting does not help until someone provides the keys
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,13 @@ class Daemon:
         self.spec = self._load_spec_until_available()
         if self.spec is None:
             return 0  # stopped while waiting for the spec
+        try:  # before registering or binding anything: sockets take their keys at creation
+            said = security.enforce(self.spec, self.role)
+        except security.SecurityError as exc:
+            log.error("refusing to start: %s", exc, extra={"event": "security_refused"})
+            return EXIT_SECURITY
+        if said:
+            log.info(said, extra={"event": "security"})
         self.session = Session(self.store, self.keys, self.role, self.options.member_id,
                                ttl_s=self.spec.etcd.lease_ttl_s, elect=self.role in SINGLETON_ROLES)
         self.metrics_url = metrics.serve_metrics(self.options.metrics_host, self.options.metrics_port)
@@ -210,6 +218,7 @@ class Daemon:
 
     def _reload_spec(self) -> str:
         try:
-            return self.reload(self._fetch_spec())
-        except (StoreUnavailable, LookupError, SpecError) as exc:
+            keys = curve.reload_authorized()  # SIGHUP also re-reads the authorized CURVE keys
+            return "; ".join(s for s in (keys, self.reload(self._fetch_spec())) if s)
+        except (StoreUnavailable, LookupError, SpecError, curve.CurveError) as exc:
             return f"kept the current spec, reload failed: {exc}"

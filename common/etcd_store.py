@@ -22,6 +22,8 @@ import pyetcd
 from pyetcd import etcdrpc
 from pyetcd import exceptions as etcd_exc
 
+from rlfleet.common.etcd_auth import EtcdCredentials, StoreAuthError
+from rlfleet.common.keys import ROOT_PREFIX
 from rlfleet.common.store import (
     KeyValue,
     Lease,
@@ -47,6 +49,8 @@ _UNREACHABLE = (
     grpc.RpcError,
     ValueError,  # pyetcd raises ValueError when the endpoint in use was marked failed
 )
+
+_REVISION_KEY = ROOT_PREFIX.encode()  # a key nobody writes: reading it returns only the header
 
 # A failed endpoint is skipped for this long. pyetcd's default is 300 s, which
 # would keep a single-endpoint client offline for 5 minutes after one blip.
@@ -83,32 +87,90 @@ def _decode(raw: bytes | None) -> Any:
 
 
 class EtcdStore(Store):
-    def __init__(self, endpoints: str | list[str], timeout_s: float = 1.0) -> None:
+    def __init__(self, endpoints: str | list[str], timeout_s: float = 1.0,
+                 creds: EtcdCredentials | None = None) -> None:
         self.endpoints = parse_endpoints(endpoints)
         self.timeout_s = timeout_s
+        self.creds = creds or EtcdCredentials()
+        self._tls = self.creds.channel_credentials()  # files read once, errors at start-up
+        self._password = self.creds.password()
         self._client = self._new_client()
         # pyetcd's multi-endpoint client keeps unsynchronised stub caches.
         self._lock = threading.RLock()
         self._keepalive: _KeepAliveStream | None = None
 
     def _new_client(self) -> pyetcd.MultiEndpointEtcd3Client:
-        eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=ENDPOINT_RETRY_S) for h, p in self.endpoints]
+        eps = [pyetcd.Endpoint(h, p, secure=self._tls is not None, creds=self._tls, time_retry=ENDPOINT_RETRY_S)
+               for h, p in self.endpoints]
         client = pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=self.timeout_s, failover=True)
         # Use endpoints in the order given (pyetcd picks one at random), so an
         # operator's list order means "preferred first" and tests are repeatable.
         client._current_endpoint_label = eps[0].netloc
         return client
 
-    def _call(self, what: str, fn: Callable[[pyetcd.MultiEndpointEtcd3Client], T]) -> T:
-        last: BaseException | None = None
-        # One try per endpoint, plus one: the first failure only marks the endpoint.
+    def _logged_in_client(self) -> pyetcd.MultiEndpointEtcd3Client:
+        """A new client with its auth token (for a watch, which keeps its own client)."""
+        client = self._new_client()
         for _ in range(len(self.endpoints) + 1):
             try:
+                self._login(client)
+                return client
+            except _UNREACHABLE:
+                continue
+        client.close()
+        raise StoreUnavailable(f"etcd login: no endpoint answered ({self.describe()})")
+
+    def _login(self, c: pyetcd.MultiEndpointEtcd3Client) -> None:
+        """Get an etcd auth token for this client when a user is configured. pyetcd would
+        do it in the client's constructor, which then fails whenever etcd is down; and the
+        token goes as plain metadata: gRPC refuses call credentials on a plaintext channel."""
+        if self._password is None or c.metadata is not None:
+            return
+        try:  # read again: a password changed on disk is used at the next login, no restart
+            self._password = self.creds.password() or self._password
+        except OSError:
+            pass  # keep the one read at start
+        request = etcdrpc.AuthenticateRequest(name=self.creds.user, password=self._password)
+        try:
+            token = c.authstub.Authenticate(request, self.timeout_s).token
+        except grpc.RpcError as exc:
+            _raise_if_refused(exc, "login")
+            c._manage_grpc_errors(exc)  # marks the endpoint failed, raises pyetcd's error
+            raise
+        c.metadata = (("token", token),)
+
+    def _call(self, what: str, fn: Callable[[pyetcd.MultiEndpointEtcd3Client], T]) -> T:
+        last: BaseException | None = None
+        first: BaseException | None = None  # its gRPC cause says why (later tries: "endpoint failed")
+        relogged = False
+        # One try per endpoint, plus one: the first failure only marks the endpoint.
+        tries = len(self.endpoints) + 1
+        while tries > 0:
+            tries -= 1
+            try:
                 with self._lock:
+                    self._login(self._client)
                     return fn(self._client)
+            except grpc.RpcError as exc:
+                if (exc.code() == grpc.StatusCode.UNAUTHENTICATED and self._password is not None
+                        and not relogged):
+                    # The token expired, or etcd restarted and forgot it: log in again.
+                    relogged, tries = True, tries + 1
+                    with self._lock:
+                        self._client.metadata = None
+                        self._drop_keepalive()
+                    continue
+                _raise_if_refused(exc, what)
+                last, first = exc, first or exc
             except _UNREACHABLE as exc:
-                last = exc
-        raise StoreUnavailable(f"etcd {what}: no endpoint answered ({self.describe()}): {last!r}")
+                last, first = exc, first or exc
+        raise StoreUnavailable(f"etcd {what}: no endpoint answered ({self.describe()}): "
+                               f"{last!r}{_tls_hint(first, self._tls is not None)}")
+
+    def _drop_keepalive(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.close()
+            self._keepalive = None
 
     def describe(self) -> str:
         return ",".join(f"{h}:{p}" for h, p in self.endpoints)
@@ -198,7 +260,9 @@ class EtcdStore(Store):
         return self._call("compare_and_swap_delete", txn)
 
     def revision(self) -> int:
-        return self._call("revision", lambda c: c.get_response(b"\0").header.revision)
+        # Any read returns the store's revision; this key is inside the prefix a job's etcd
+        # role may read (docs/security.md), where b"\0" would be refused with etcd auth on.
+        return self._call("revision", lambda c: c.get_response(_REVISION_KEY).header.revision)
 
     # -- leases -----------------------------------------------------------
     def grant_lease(self, ttl_s: int | float) -> Lease:
@@ -252,7 +316,7 @@ class EtcdStore(Store):
         if start_revision is None:
             # Pin "now" to a revision so a break before the first event loses nothing.
             start_revision = self.revision() + 1
-        return _EtcdWatch(self._new_client, prefix, start_revision)
+        return _EtcdWatch(self._logged_in_client, prefix, start_revision)
 
     def close(self) -> None:
         with self._lock:
@@ -271,6 +335,33 @@ class _LeaseCompare:
     def build_message(self) -> Any:
         return etcdrpc.Compare(key=self.key.encode(), result=etcdrpc.Compare.EQUAL,
                                target=etcdrpc.Compare.LEASE, lease=self.lease_id)
+
+
+_REFUSED = {grpc.StatusCode.UNAUTHENTICATED: "not authenticated",
+            grpc.StatusCode.PERMISSION_DENIED: "permission denied"}
+
+
+def _raise_if_refused(exc: grpc.RpcError, what: str) -> None:
+    """etcd answered "no" to these credentials: StoreAuthError, not "unreachable"."""
+    code, details = exc.code(), exc.details() or ""
+    auth_words = ("auth", "password", "user", "permission", "token")
+    if code in _REFUSED or (code == grpc.StatusCode.INVALID_ARGUMENT and any(w in details for w in auth_words)) \
+            or (code == grpc.StatusCode.FAILED_PRECONDITION and "auth" in details):
+        raise StoreAuthError(f"etcd {what}: refused: {details or code.name} "
+                             "(check --etcd-user/--etcd-password-file or the user's role)") from None
+
+
+def _tls_hint(exc: BaseException | None, tls: bool) -> str:
+    """What a failed TLS handshake says, which pyetcd's own error hides (its cause)."""
+    while exc is not None and not isinstance(exc, grpc.RpcError):
+        exc = exc.__context__
+    details = (exc.details() or "") if isinstance(exc, grpc.RpcError) else ""
+    lowered = details.lower()
+    if any(w in lowered for w in ("ssl", "handshake", "certificate", "tls", "tsi_", "unwrap")):
+        return f"; TLS handshake failed: {details} (check --etcd-cacert/--etcd-cert/--etcd-key)"
+    if not tls and ("socket closed" in lowered or "connection reset" in lowered):
+        return "; does etcd serve TLS? then give --etcd-cacert (and a client certificate)"
+    return f"; {details}" if details else ""
 
 
 def _raw_txn(c: pyetcd.MultiEndpointEtcd3Client, compare: list[Any], success: list[Any],

@@ -10,35 +10,25 @@ nobody, so a group- or world-accessible file is refused rather than used.
 from __future__ import annotations
 
 import os
-import stat
+
+from .secret_files import SecretFileError, read_private
 
 ENV_VAR = "RLFLEET_JOB_SECRET_FILE"
 MIN_BYTES = 16  # 128 bits: below that an HMAC key is guessable offline from one recorded handshake
 
 
-class JobSecretError(ValueError):
+class JobSecretError(SecretFileError):
     """The secret file cannot be used (names the path and why)."""
 
 
 def load_job_secret(path: str | os.PathLike[str]) -> bytes:
-    """The secret in ``path`` (surrounding whitespace stripped); refuses loose permissions."""
+    """The secret in ``path`` (surrounding whitespace stripped); refuses loose permissions
+    and a symlink (the file itself must be the owner's)."""
     path = os.fspath(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise JobSecretError(f"job secret file {path}: cannot open: {exc.strerror or exc}") from None
-    try:
-        st = os.fstat(fd)  # the file we read, not whatever the name points to a moment later
-        if not stat.S_ISREG(st.st_mode):
-            raise JobSecretError(f"job secret file {path}: not a regular file")
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o077:
-            raise JobSecretError(f"job secret file {path}: mode {mode:04o} lets group or others access it; "
-                                 f"it must be 0600 or stricter (chmod 600 {path})")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            secret = f.read().strip()
-    finally:
-        os.close(fd)
+        secret = read_private(path, "job secret file", follow_symlinks=False).strip()
+    except SecretFileError as exc:
+        raise JobSecretError(str(exc)) from None
     if len(secret) < MIN_BYTES:
         raise JobSecretError(f"job secret file {path}: {len(secret)} bytes; at least {MIN_BYTES} are needed "
                              "(e.g. head -c 32 /dev/urandom | base64 > FILE)")

@@ -39,6 +39,7 @@ from typing import Any, Self
 
 import zmq
 
+from . import curve as curve_setup
 from .wire import (MAX_FRAME_BYTES, REJECT_REASONS, Message, WireError, decode, encode,
                    record_rejection)
 
@@ -138,7 +139,9 @@ def make_socket(kind: int, *, server: bool, ctx: zmq.Context | None = None,
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
-    if curve is not None:
+    if curve is None:
+        curve_setup.arm(sock, server)  # the process's keys, when CURVE is on (common/curve.py)
+    else:
         sock.curve_publickey = curve.public
         sock.curve_secretkey = curve.secret
         if server:
@@ -190,11 +193,11 @@ class _Endpoint:
         try:
             if server:
                 assert isinstance(address, str)
-                self.endpoint = self.address = bind(self.sock, address)
+                self.endpoint = self.address = curve_setup.publish(bind(self.sock, address), self.sock)
             else:
                 addresses = [address] if isinstance(address, str) else list(address)
                 for a in addresses:
-                    self.sock.connect(a)
+                    curve_setup.connect(self.sock, a)  # with the server key the address carries
                 self.address = ",".join(addresses)
         except BaseException:
             self.sock.close(linger=0)

@@ -34,6 +34,7 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     Field,
+    StrictBool,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -304,6 +305,34 @@ class RepackManagerSection(Section):
     planner: PlannerConfig = REPACK_PLANNERS.field()
 
 
+def _absolute(path: str | None) -> str | None:
+    # Read by daemons on other machines, from other working directories.
+    if path is not None and not os.path.isabs(path):
+        raise fail(f"must be an absolute path (each daemon reads it on its own machine), got {show(path)}")
+    return path
+
+
+class SecuritySection(Section):
+    """What the job requires of every daemon (docs/security.md). etcd's credentials are
+    not here: a daemon needs them to read the spec (--etcd-cacert etc., $RLFLEET_ETCD_*)."""
+
+    curve: StrictBool = False  # CURVE on every ZeroMQ socket; a daemon without keys refuses to start
+    # The keys' directory on each machine where $RLFLEET_CURVE_DIR is not set.
+    curve_dir: Annotated[StrictStr | None, AfterValidator(_absolute)] = None
+    relay_auth: StrictBool = False  # the relay's chunk transport authenticated with the job secret
+    # The job secret on each machine where $RLFLEET_JOB_SECRET_FILE is not set.
+    job_secret_file: Annotated[StrictStr | None, AfterValidator(_absolute)] = None
+
+    @model_validator(mode="after")
+    def _used(self) -> SecuritySection:
+        if self.curve_dir is not None and not self.curve:
+            raise fail("curve_dir is set but curve = false: set curve = true, or remove curve_dir")
+        if self.job_secret_file is not None and not self.relay_auth:
+            raise fail("job_secret_file is set but relay_auth = false: set relay_auth = true, "
+                       "or remove job_secret_file")
+        return self
+
+
 class HostPlacement(Section):
     name: Annotated[StrictStr, Field(min_length=1), AfterValidator(_check_host_name)]
     roles: dict[Role, NonNegInt]
@@ -375,6 +404,7 @@ class JobSpec(Section):
     reward_host: RewardHostSection = Field(default_factory=RewardHostSection)
     repack_manager: RepackManagerSection = Field(default_factory=RepackManagerSection)
     placement: PlacementSection = Field(default_factory=PlacementSection)
+    security: SecuritySection = Field(default_factory=SecuritySection)
 
     @model_validator(mode="after")
     def _cross_check(self) -> JobSpec:

@@ -30,16 +30,51 @@ EXIT_ETCD = Exit.ETCD_UNREACHABLE
 DAEMON_FAILPOINT_ENV = "RLFLEET_DAEMON_FAILPOINT"
 DEFAULT_ETCD = os.environ.get("RLFLEET_ETCD", "127.0.0.1:2379")
 
-etcd_option = click.option("--etcd", "etcd", default=DEFAULT_ETCD, show_default=True, metavar="HOST:PORT[,...]",
-                           help="etcd endpoints (also $RLFLEET_ETCD).")
+# etcd credentials (docs/security.md): flags, else the environment. Kept in the click
+# context rather than passed to every command, so every command that talks to etcd
+# takes them and `_store` is the one place that builds the store.
+ETCD_CREDENTIAL_FLAGS = (
+    ("cacert", "RLFLEET_ETCD_CACERT", "FILE", "CA certificate of etcd's server certificate (turns TLS on)."),
+    ("cert", "RLFLEET_ETCD_CERT", "FILE", "Client certificate, for an etcd with --client-cert-auth."),
+    ("key", "RLFLEET_ETCD_KEY", "FILE", "Key of the client certificate (mode 0600)."),
+    ("user", "RLFLEET_ETCD_USER", "NAME", "etcd user, for an etcd with auth enabled."),
+    ("password-file", "RLFLEET_ETCD_PASSWORD_FILE", "FILE", "That user's password, in a file of mode 0600."),
+)
 
 
-def _store(endpoints: str):
-    from rlfleet.common.etcd_store import EtcdStore
+def _remember_credential(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    ctx.meta.setdefault("etcd_creds", {})[param.name.removeprefix("etcd_")] = value
+
+
+def etcd_credential_options(fn):
+    for name, var, metavar, text in reversed(ETCD_CREDENTIAL_FLAGS):
+        fn = click.option(f"--etcd-{name}", envvar=var, default=None, metavar=metavar, expose_value=False,
+                          callback=_remember_credential, help=f"{text} (also ${var})")(fn)
+    return fn
+
+
+def etcd_option(fn):
+    fn = etcd_credential_options(fn)
+    return click.option("--etcd", "etcd", default=DEFAULT_ETCD, show_default=True, metavar="HOST:PORT[,...]",
+                        help="etcd endpoints (also $RLFLEET_ETCD).")(fn)
+
+
+def _etcd_credentials():
+    """The etcd credentials of this command's flags and environment."""
+    from rlfleet.common.etcd_auth import EtcdCredentials
     try:
-        return EtcdStore(endpoints)
+        return EtcdCredentials.from_env(**click.get_current_context().meta.get("etcd_creds", {}))
     except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--etcd") from None
+        raise click.BadParameter(str(exc), param_hint="--etcd-*") from None
+
+
+def _store(endpoints: str, timeout_s: float = 1.0):
+    from rlfleet.common.etcd_auth import open_store
+    creds = _etcd_credentials()
+    try:
+        return open_store(endpoints, timeout_s=timeout_s, creds=creds)
+    except ValueError as exc:  # a bad endpoint, or a credential file refused (mode, missing)
+        raise click.BadParameter(str(exc), param_hint="--etcd / --etcd-*") from None
 
 
 def _fail_unreachable(exc: Exception, endpoints: str) -> None:
@@ -129,6 +164,11 @@ RUN_EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {int(code)}  {text}" for code, 
 @click.argument("spec_file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--etcd", default=None, metavar="HOST:PORT[,...]",
               help="Use this etcd instead of starting a private one.")
+@etcd_credential_options
+@click.option("--insecure", is_flag=True,
+              help="No security (for debugging): plain-http etcd, ZeroMQ in the clear, relay unauthenticated. "
+                   "Default: a private CA and client certificates for the private etcd, CURVE keys and a "
+                   "relay job secret, all made for this run.")
 @click.option("--duration", type=float, default=None,
               help="Stop by itself after this many seconds (exit 7 unless the trainer finished first).")
 @click.option("--no-view", is_flag=True,
@@ -141,7 +181,7 @@ RUN_EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {int(code)}  {text}" for code, 
 @click.option("--take-over", is_flag=True,
               help="Replace a live run of the same job on the same etcd (it stops its daemons and exits 8) "
                    "instead of refusing to start (exit 8).")
-def run(spec_file: str, etcd: str | None, duration: float | None, no_view: bool,
+def run(spec_file: str, etcd: str | None, insecure: bool, duration: float | None, no_view: bool,
         give_up: tuple[int, float], max_idle_s: float, take_over: bool) -> None:
     """Run a whole job on this machine: etcd (private unless --etcd), every daemon, and a
     view of it: a live table in a terminal, plain event lines (progress every few seconds,
@@ -153,9 +193,14 @@ def run(spec_file: str, etcd: str | None, duration: float | None, no_view: bool,
     except SpecError as exc:
         click.echo(str(exc), err=True)
         sys.exit(EXIT_SPEC)
+    if insecure and (spec.security.curve or spec.security.relay_auth):
+        click.echo(f"{spec_file}: [security] requires CURVE or relay authentication; --insecure cannot run it",
+                   err=True)
+        sys.exit(EXIT_SPEC)
     view = not no_view and sys.stdout.isatty()
     supervisor = Supervisor(spec, spec_file, etcd, Path(spec.job.runs_dir) / spec.job.name, view=view,
-                            give_up=give_up, max_idle_s=max_idle_s, take_over=take_over)
+                            give_up=give_up, max_idle_s=max_idle_s, take_over=take_over,
+                            secure=not insecure, etcd_creds=_etcd_credentials())
     sys.exit(supervisor.run(duration))
 
 
@@ -212,7 +257,7 @@ def status(job: str | None, etcd: str, output: str) -> None:
                       f"{(relay.get('latest') or {}).get('version')}")
     for problem in problems:
         console.print(f"[yellow]problem:[/yellow] {problem}")
-    console.print(f"[dim]same data: {etcdctl_equivalent(etcd, JobKeys(job).prefix)}[/dim]")
+    console.print(f"[dim]same data: {etcdctl_equivalent(etcd, JobKeys(job).prefix, credentials=_etcd_credentials().etcdctl_flags())}[/dim]")
     if problems:
         sys.exit(1)
 
@@ -232,7 +277,7 @@ def keys(prefix: str, etcd: str, keys_only: bool) -> None:
         _fail_unreachable(exc, etcd)
     for kv in items:
         click.echo(kv.key if keys_only else f"{kv.key}\t{json.dumps(kv.value, sort_keys=True)}")
-    click.echo(f"# same data: {etcdctl_equivalent(etcd, prefix, keys_only)}", err=True)
+    click.echo(f"# same data: {etcdctl_equivalent(etcd, prefix, keys_only, _etcd_credentials().etcdctl_flags())}", err=True)
 
 
 @main.command()
@@ -264,6 +309,21 @@ def accounting(run_dir: str, job: str, etcd: str, group_size: int | None) -> Non
     click.echo(json.dumps(result.to_json(), indent=2))
     click.echo(result.sentence(), err=True)
     sys.exit(0 if result.ok else 1)
+
+
+@main.command("curve-keys")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--name", default=socket.gethostname(), show_default=True,
+              help="Name of the public key file (authorized/NAME.key) to copy to the other machines.")
+def curve_keys(directory: str, name: str) -> None:
+    """Make this machine's CURVE key pair in DIRECTORY (docs/security.md): DIRECTORY/daemon.key_secret
+    (mode 0600), its public key authorized in DIRECTORY/authorized/NAME.key."""
+    from rlfleet.common.curve import SECRET_FILE, create_keys
+    if (Path(directory) / SECRET_FILE).exists():
+        raise click.UsageError(f"{Path(directory) / SECRET_FILE} exists; move it away to make a new pair")
+    public = create_keys(directory, name)
+    click.echo(f"public key {public.decode()}: copy {Path(directory) / 'authorized' / (name + '.key')} "
+               "into every other machine's authorized/ (then SIGHUP their daemons)")
 
 
 # -- job specs ----------------------------------------------------------------------------

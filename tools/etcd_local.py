@@ -16,6 +16,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlfleet.tools.credentials import EtcdTls
 
 INSTALL_HINT = ("etcd is not installed. On Debian/Ubuntu as root: "
                 "apt-get install -y etcd-server etcd-client (or put an etcd 3.4+ binary on PATH)")
@@ -78,6 +82,9 @@ class EtcdCluster:
     heartbeat_ms: int = 10
     election_ms: int = 100
     members: list[EtcdMember] = field(default_factory=list)
+    # TLS on the client port, and only clients with a certificate from the same CA
+    # (--client-cert-auth); None: plain http, anyone who can reach the port.
+    tls: EtcdTls | None = None
     _own_dir: bool = False
 
     def __post_init__(self) -> None:
@@ -100,9 +107,13 @@ class EtcdCluster:
 
     def _cmd(self, m: EtcdMember, state: str) -> list[str]:
         initial = ",".join(f"{x.name}={x.peer_url}" for x in self.members)
+        scheme = "https" if self.tls else "http"
+        tls = [] if self.tls is None else [
+            "--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key),
+            "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth"]
         return [etcd_binary(), "--name", m.name, "--data-dir", str(m.data_dir),
-                "--listen-client-urls", f"http://{m.endpoint}",
-                "--advertise-client-urls", f"http://{m.endpoint}",
+                "--listen-client-urls", f"{scheme}://{m.endpoint}",
+                "--advertise-client-urls", f"{scheme}://{m.endpoint}", *tls,
                 "--listen-peer-urls", m.peer_url, "--initial-advertise-peer-urls", m.peer_url,
                 "--initial-cluster", initial, "--initial-cluster-state", state,
                 "--initial-cluster-token", f"rlfleet-{id(self):x}",
@@ -128,15 +139,20 @@ class EtcdCluster:
 
     def wait_healthy(self, timeout_s: float = 20.0, members: list[EtcdMember] | None = None) -> None:
         """Until every given member answers a linearizable read (so quorum exists)."""
+        import ssl
         import urllib.request
         deadline = time.monotonic() + timeout_s
+        scheme, context = "http", None
+        if self.tls is not None:
+            scheme, context = "https", ssl.create_default_context(cafile=str(self.tls.ca))
+            context.load_cert_chain(str(self.tls.client_cert), str(self.tls.client_key))
         for m in members or self.members:
             while True:
                 if m.proc is not None and m.proc.poll() is not None:
                     raise RuntimeError(f"etcd member {m.name} exited with {m.proc.returncode}; "
                                        f"log: {m.log_path}\n{m.log_path.read_text()[-2000:]}")
                 try:
-                    with urllib.request.urlopen(f"http://{m.endpoint}/health", timeout=1) as r:
+                    with urllib.request.urlopen(f"{scheme}://{m.endpoint}/health", timeout=1, context=context) as r:
                         if b'"true"' in r.read():
                             break
                 except OSError:

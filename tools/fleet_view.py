@@ -184,7 +184,9 @@ def report_console() -> Console:
     return Console(width=100_000, no_color=True, highlight=False)
 
 
-def etcdctl_equivalent(endpoints: str, prefix: str, keys_only: bool = False) -> str:
-    """The plain etcdctl command that shows the same data (no Python needed)."""
+def etcdctl_equivalent(endpoints: str, prefix: str, keys_only: bool = False, credentials: str = "") -> str:
+    """The plain etcdctl command that shows the same data (no Python needed); ``credentials``:
+    its TLS / user flags (EtcdCredentials.etcdctl_flags)."""
     extra = " --keys-only" if keys_only else ""
-    return f"ETCDCTL_API=3 etcdctl --endpoints={endpoints} get --prefix {prefix}{extra}"
+    creds = f" {credentials}" if credentials else ""
+    return f"ETCDCTL_API=3 etcdctl --endpoints={endpoints}{creds} get --prefix {prefix}{extra}"

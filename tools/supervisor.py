@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,14 +36,19 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from rlfleet.common import curve
 from rlfleet.common.daemon import INCARNATION_ENV
+from rlfleet.common.etcd_auth import ENV as ETCD_ENV
+from rlfleet.common.etcd_auth import EtcdCredentials
 from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.members import members_from
 from rlfleet.common.placement import Placed, placement_from_spec
+from rlfleet.common.security import JOB_SECRET_ENV
 from rlfleet.common.signals import route_signals
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.store import StoreUnavailable
+from rlfleet.tools.credentials import RunCredentials
 from rlfleet.tools.etcd_local import EtcdCluster, die_with_parent
 from rlfleet.tools.exit_codes import Exit, Outcome
 from rlfleet.tools.fleet_view import members_table, nodes_table, take_snapshot
@@ -186,8 +192,14 @@ class Supervisor:
     def __init__(self, spec: JobSpec, spec_path: str, etcd: str | None, runs_dir: Path,
                  host: str | None = None, view: bool = True,
                  give_up: tuple[int, float] = (CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_S),
-                 max_idle_s: float = MAX_IDLE_S, take_over: bool = False) -> None:
+                 max_idle_s: float = MAX_IDLE_S, take_over: bool = False, secure: bool = False,
+                 etcd_creds: EtcdCredentials | None = None) -> None:
         self.spec, self.spec_path, self.runs_dir = spec, spec_path, runs_dir
+        # secure: TLS etcd with client certificates (the private one), CURVE and the relay's
+        # job secret, all made for this run (tools/credentials.py); `rlfleet run` defaults to it.
+        self.secure = secure
+        self.etcd_creds = etcd_creds or EtcdCredentials()  # for an --etcd given, from flags/env
+        self.credentials: RunCredentials | None = None
         self.run_dir = runs_dir  # the run's own directory once `run` made it
         self.etcd_arg, self.view = etcd, view
         # Which placement hosts this supervisor starts daemons for; default all (one machine).
@@ -217,17 +229,60 @@ class Supervisor:
         # etcd's own default ticks, not the test clusters' 10 ms: a single member has no
         # peer to heartbeat, yet ticks every heartbeat interval (11 ms/s of CPU at 10 ms,
         # 3-4 ms/s at 100 ms); it costs ~0.3 s more to elect itself at start.
-        self.cluster = EtcdCluster(1, base_dir=self.run_dir / "etcd", heartbeat_ms=100, election_ms=1000).start()
+        tls = self.credentials.etcd_tls if self.credentials is not None else None
+        self.cluster = EtcdCluster(1, base_dir=self.run_dir / "etcd", heartbeat_ms=100, election_ms=1000,
+                                   tls=tls).start()
         return self.cluster.endpoints_arg
+
+    def make_credentials(self) -> str:
+        """This run's CA and certificates, CURVE keys and job secret; a sentence for the log."""
+        started = time.monotonic()
+        self.credentials = RunCredentials.create(self.run_dir / "credentials", private_etcd=not self.etcd_arg)
+        etcd = "etcd over TLS with client certificates, " if self.credentials.etcd_tls else ""
+        relay = ("relay authenticated" if self.relay_auth else
+                 "relay NOT authenticated (UCX offers no authentication: docs/relay.md, Trust)")
+        return (f"security on: {etcd}CURVE on every ZeroMQ socket, {relay} "
+                f"(credentials made in {time.monotonic() - started:.2f} s; --insecure turns it off)")
+
+    def store_credentials(self) -> EtcdCredentials:
+        """What this run's processes present to etcd."""
+        if self.credentials is not None and self.credentials.etcd_tls is not None:
+            return self.credentials.etcd_tls.client_credentials()
+        return self.etcd_creds if self.etcd_arg else EtcdCredentials()
+
+    def security_env(self) -> dict[str, str]:
+        """Every daemon's credentials, and nothing of the caller's own: a variable left set
+        would give the private etcd's clients a user it does not have, or turn CURVE on
+        under --insecure."""
+        env = dict.fromkeys([*ETCD_ENV.values(), curve.ENV_DIR, JOB_SECRET_ENV], "")
+        env.update(self.store_credentials().env())
+        if self.credentials is not None:
+            env.update(self.credentials.env())
+            if not self.relay_auth:
+                env[JOB_SECRET_ENV] = ""  # relays on UCX refuse a secret they cannot use
+        return env
+
+    @property
+    def relay_auth(self) -> bool:
+        """The relay's chunk transport is authenticated by the job secret over TCP only."""
+        return self.secure and self.spec.relay.transport == "tcp"
+
+    def submitted_spec(self) -> dict:
+        """The spec as written to etcd: a secure run requires CURVE and the relay secret of
+        every daemon, so one started by hand without them is refused, not half-joined."""
+        spec = self.spec.to_dict()
+        if self.secure:
+            spec["security"] = {**spec["security"], "curve": True, "relay_auth": self.relay_auth}
+        return spec
 
     def submit_spec(self, endpoints: str) -> EtcdStore:
         """Own the job (JobOwned if another live run does), then write its spec."""
-        store = EtcdStore(endpoints, timeout_s=self.spec.etcd.retry_timeout_s)
+        store = EtcdStore(endpoints, timeout_s=self.spec.etcd.retry_timeout_s, creds=self.store_credentials())
         keys = JobKeys(self.spec.job.name)
         try:
             self.owner = JobOwner(store, keys, self.spec.etcd.lease_ttl_s)
             claimed = self.owner.claim(self.take_over)
-            store.put(keys.spec, self.spec.to_dict())
+            store.put(keys.spec, self.submitted_spec())
         except BaseException:
             if self.owner is not None and self.owner.lease is not None:
                 self.owner.release()
@@ -247,7 +302,7 @@ class Supervisor:
             cmd = [sys.executable, "-m", "rlfleet.tools.cli", "daemon", p.role,
                    "--job", self.spec.job.name, "--etcd", endpoints, "--id", p.member_id, "--host", p.host]
             env = {"RLFLEET_RUN_DIR": str(self.run_dir.resolve()), INCARNATION_ENV: self.owner.incarnation,
-                   "RLFLEET_TORCH_THREADS": str(torch_threads(placed, p.host))}
+                   "RLFLEET_TORCH_THREADS": str(torch_threads(placed, p.host)), **self.security_env()}
             self.children.append(Child(p, cmd, logs / f"{p.member_id}.log", env=env))
 
     # -- supervision ------------------------------------------------------------
@@ -444,6 +499,14 @@ class Supervisor:
                 return Outcome(Exit.JOB_OWNED, f"refused: {exc}")
         self.run_dir = new_run_dir(self.runs_dir)
         print(f"run dir: {self.run_dir}", flush=True)  # the first line: scripts read it
+        if self.secure:
+            try:
+                self.note(self.make_credentials())
+            except (OSError, RuntimeError) as exc:
+                if store is not None:
+                    store.close()
+                return Outcome(Exit.FAILURE, f"could not make this run's credentials: {exc} "
+                                             "(--insecure runs without)")
         try:
             endpoints = self.start_etcd()
             if store is None:
@@ -586,3 +649,7 @@ class Supervisor:
         if self.cluster is not None:
             self.cluster.stop()
             self.note("etcd stopped")
+        if self.credentials is not None:
+            # Worthless once the job is gone, and secrets: not left in the run directory.
+            shutil.rmtree(self.run_dir / "credentials", ignore_errors=True)
+            self.credentials = None

@@ -1,0 +1,328 @@
+"""CURVE on every ZeroMQ socket of a process, configured once (docs/security.md).
+
+A daemon calls ``configure_from_env()`` at start (``RLFLEET_CURVE_DIR``); from then on
+every socket ``common/sockets.py`` makes carries the process's key pair, with no
+change at any call site:
+
+- a server (ROUTER) is a CURVE server, and a ZAP handler on its context admits only
+  clients whose public key is in ``<dir>/authorized/*.key``: CURVE alone admits anyone
+  who knows the server's public key (which etcd shows to every reader);
+- the endpoint a server publishes (``addresses`` in its member registration) carries
+  its public key: ``tcp://10.0.0.5:41231?curve=<40 Z85 characters>``. A client
+  (DEALER) takes the key from the address it was given, so it authenticates the
+  server it reaches: no one without the server's secret can answer in its name.
+
+Refusals are logged once per peer and kind and counted in
+``rlfleet_auth_refused_total``: a client with a key not on the list (ZAP, with its
+IP and key), and a client that does not speak CURVE or has the wrong server key
+(a socket monitor on each server socket; libzmq drops those before ZAP is asked).
+
+The directory::
+
+    <dir>/daemon.key_secret     this process's key pair (pyzmq certificate format, mode 0600)
+    <dir>/authorized/*.key      public keys of every daemon allowed to connect
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+from prometheus_client import Counter
+from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
+
+from .secret_files import read_private, write_private
+
+log = logging.getLogger("rlfleet.auth")
+
+ENV_DIR = "RLFLEET_CURVE_DIR"
+SECRET_FILE = "daemon.key_secret"
+AUTHORIZED_DIR = "authorized"
+KEY_MARK = "?curve="  # endpoint + KEY_MARK + the server's Z85 public key
+ZAP_DOMAIN = b"rlfleet"
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP RFC (27/ZAP)
+_MAX_REMEMBERED = 10_000  # peers logged once each; past this many only counted (a flood)
+
+REFUSED = Counter("rlfleet_auth_refused_total", "Connections refused for authentication",
+                  ["transport", "reason"])
+
+_CERT_KEY = re.compile(rb'^\s*(public|secret)-key\s*=\s*"(.{40})"\s*$', re.MULTILINE)
+
+
+class CurveError(ValueError):
+    """CURVE keys missing or unusable; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class CurveSetup:
+    public: bytes            # Z85, 40 bytes
+    secret: bytes
+    authorized: frozenset[bytes]  # Z85 public keys of the clients allowed in
+    directory: str
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> CurveSetup:
+        d = Path(directory)
+        keys = dict((k.decode(), v) for k, v in _CERT_KEY.findall(read_private(d / SECRET_FILE,
+                                                                                 "CURVE secret key file")))
+        if "public" not in keys or "secret" not in keys:
+            raise CurveError(f"{d / SECRET_FILE}: no public-key/secret-key pair "
+                             "(create one with `rlfleet curve-keys DIR`)")
+        if zmq.curve_public(keys["secret"]) != keys["public"]:
+            raise CurveError(f"{d / SECRET_FILE}: the public key does not belong to the secret key")
+        return cls(keys["public"], keys["secret"], load_authorized(d / AUTHORIZED_DIR), str(d))
+
+
+def load_authorized(directory: Path) -> frozenset[bytes]:
+    if not directory.is_dir():
+        raise CurveError(f"{directory}: no such directory of authorized public keys (*.key)")
+    found = set()
+    for path in sorted(directory.glob("*.key")):
+        found.update(v for k, v in _CERT_KEY.findall(path.read_bytes()) if k == b"public")
+    if not found:
+        raise CurveError(f"{directory}: no public key in any *.key file; no client could connect")
+    return frozenset(found)
+
+
+def _cert(public: bytes, secret: bytes | None) -> bytes:
+    lines = ["#   rlfleet CURVE certificate (ZeroMQ/pyzmq format)", "metadata", "curve",
+             f'    public-key = "{public.decode()}"']
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    return ("\n".join(lines) + "\n").encode()
+
+
+def create_keys(directory: str | os.PathLike[str], name: str = "daemon") -> bytes:
+    """A new key pair in ``directory`` (secret 0600), its public key authorized there too;
+    returns the public key. On a cluster, copy each host's ``authorized/<name>.key`` into
+    every other host's ``authorized/``."""
+    d = Path(directory)
+    (d / AUTHORIZED_DIR).mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    public, secret = zmq.curve_keypair()
+    write_private(d / SECRET_FILE, _cert(public, secret))
+    (d / AUTHORIZED_DIR / f"{name}.key").write_bytes(_cert(public, None))
+    return public
+
+
+# ----------------------------------------------------------------- the process's setup
+_active: CurveSetup | None = None
+_guards: dict[int, tuple[_ZapHandler, _HandshakeWatch]] = {}  # id(context) -> its threads
+_lock = threading.Lock()
+
+
+def configure(setup: CurveSetup | None) -> None:
+    """Turn CURVE on for every socket made from now on (None: off, for tests)."""
+    global _active
+    with _lock:
+        _active = setup
+        if setup is None:
+            for zap, watch in _guards.values():
+                zap.stop()
+                watch.stop()
+            _guards.clear()
+
+
+def configure_from_env(directory: str | None = None) -> CurveSetup | None:
+    """From ``$RLFLEET_CURVE_DIR`` (else ``directory``, the spec's security.curve_dir);
+    None when neither names one. CurveError / SecretFileError when it cannot be used."""
+    where = os.environ.get(ENV_DIR) or directory
+    if not where:
+        return None
+    setup = CurveSetup.load(where)
+    configure(setup)
+    return setup
+
+
+def active() -> CurveSetup | None:
+    return _active
+
+
+def reload_authorized() -> str:
+    """Re-read ``authorized/`` (SIGHUP): new clients are checked against it at once."""
+    global _active
+    setup = _active
+    if setup is None:
+        return ""
+    keys = load_authorized(Path(setup.directory) / AUTHORIZED_DIR)
+    _active = CurveSetup(setup.public, setup.secret, keys, setup.directory)
+    return f"CURVE: {len(keys)} authorized key(s)"
+
+
+# ----------------------------------------------------------------- sockets
+def arm(sock: zmq.Socket, server: bool) -> None:
+    """Give a new socket the process's keys (nothing when CURVE is off)."""
+    setup = _active
+    if setup is None:
+        return
+    sock.curve_publickey = setup.public
+    sock.curve_secretkey = setup.secret
+    if server:
+        _guard(sock.context).watch(sock)  # ZAP bound before this socket can accept anyone
+        sock.zap_domain = ZAP_DOMAIN
+        sock.curve_server = True
+
+
+def publish(endpoint: str, sock: zmq.Socket) -> str:
+    """The endpoint a server publishes: with the process's public key when CURVE is on
+    (libzmq cannot read a socket's key back; daemons never pass keys of their own)."""
+    setup = _active
+    if setup is not None and sock.getsockopt(zmq.MECHANISM) == zmq.CURVE and sock.getsockopt(zmq.CURVE_SERVER):
+        return f"{endpoint}{KEY_MARK}{setup.public.decode()}"
+    return endpoint
+
+
+def split(address: str) -> tuple[str, bytes | None]:
+    """'tcp://h:p?curve=KEY' -> ('tcp://h:p', b'KEY'); no key -> (address, None)."""
+    plain, _, key = address.partition(KEY_MARK)
+    return plain, (key.encode() if len(key) == 40 else None)
+
+
+def connect(sock: zmq.Socket, address: str) -> bool:
+    """Connect a client to a published address, trusting the server key it carries.
+
+    A CURVE client is never connected to an address without a key (a daemon running
+    without CURVE in a job that has it): logged, and False."""
+    plain, key = split(address)
+    if sock.getsockopt(zmq.MECHANISM) == zmq.CURVE and not sock.getsockopt(zmq.CURVE_SERVER):
+        if key is None and _active is None:  # keys given by the caller (CurveKeys), server key too
+            sock.connect(plain)
+            return True
+        if key is None:
+            _refused_once(("keyless", plain), "handshake",
+                          "not connecting to %s: it publishes no CURVE key and this process requires CURVE",
+                          plain)
+            return False
+        sock.curve_serverkey = key  # read at connect(): each address may have its own server key
+    sock.connect(plain)
+    return True
+
+
+# ----------------------------------------------------------------- refusals
+_seen: set[tuple] = set()
+
+
+def _refused_once(peer: tuple, reason: str, message: str, *args: object) -> None:
+    REFUSED.labels("zmq", reason).inc()
+    if peer in _seen:
+        return
+    if len(_seen) < _MAX_REMEMBERED:
+        _seen.add(peer)
+    log.warning(message, *args, extra={"event": "auth_refused", "reason": reason})
+
+
+def _guard(ctx: zmq.Context) -> _HandshakeWatch:
+    with _lock:
+        pair = _guards.get(id(ctx))
+        if pair is None:
+            pair = _guards[id(ctx)] = (_ZapHandler(ctx), _HandshakeWatch(ctx))
+        return pair[1]
+
+
+class _ZapHandler(threading.Thread):
+    """Answers libzmq's ZAP requests: a CURVE client is admitted iff its key is authorized."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        super().__init__(name="curve-zap", daemon=True)
+        self._stop_event = threading.Event()
+        self._sock = ctx.socket(zmq.REP)
+        self._sock.linger = 0
+        self._sock.bind(_ZAP_ENDPOINT)  # bound here, so it exists before arm() returns
+        self.start()
+
+    def run(self) -> None:
+        sock = self._sock
+        try:
+            while not self._stop_event.is_set():
+                if not sock.poll(200):
+                    continue
+                msg = sock.recv_multipart()
+                sock.send_multipart(self._answer(msg))
+        finally:
+            sock.close(linger=0)
+
+    def _answer(self, msg: list[bytes]) -> list[bytes]:
+        if len(msg) < 6:
+            return [b"1.0", msg[1] if len(msg) > 1 else b"", b"400", b"malformed ZAP request", b"", b""]
+        version, request_id, _domain, address, _identity, mechanism, *credentials = msg
+        setup = _active
+        peer_ip = address.decode(errors="replace")
+        if mechanism == b"CURVE" and credentials and len(credentials[0]) == 32:
+            key = z85.encode(credentials[0])
+            if setup is not None and key in setup.authorized:
+                return [version, request_id, b"200", b"OK", key, b""]
+            _refused_once((peer_ip, key), "unknown_key",
+                          "refused a CURVE client from %s: key %s is not authorized", peer_ip, key.decode())
+        else:
+            _refused_once((peer_ip, mechanism), "mechanism",
+                          "refused a %s client from %s: CURVE is required", mechanism.decode(errors="replace"),
+                          peer_ip)
+        return [version, request_id, b"400", b"not authorized", b"", b""]
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=2)
+
+
+# libzmq's ZMQ_PROTOCOL_ERROR_ZMTP_* codes a refused handshake reports, in words.
+_PROTOCOL_ERRORS = {0x11000001: "not this server's key (cryptographic error)",
+                    0x11000002: "the client does not speak CURVE (mechanism mismatch)"}
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+
+
+class _HandshakeWatch(threading.Thread):
+    """Reads the monitor of every CURVE server socket of a context: a peer that does not
+    speak CURVE, or encrypts to another server key, fails its handshake before ZAP."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        super().__init__(name="curve-handshakes", daemon=True)
+        self.ctx = ctx
+        self._ids = itertools.count()
+        self._new: queue.Queue[zmq.Socket] = queue.Queue()
+        self._stop_event = threading.Event()
+        self.start()
+
+    def watch(self, sock: zmq.Socket) -> None:
+        endpoint = f"inproc://rlfleet-handshakes-{id(self):x}-{next(self._ids)}"
+        sock.monitor(endpoint, _HANDSHAKE_FAILED | zmq.EVENT_MONITOR_STOPPED)
+        # Connected here, before the server can accept anyone, so no event is lost; the
+        # queue hands the socket to the watcher thread (a full memory barrier, which is
+        # how ZeroMQ allows a socket to change threads).
+        mon = self.ctx.socket(zmq.PAIR)
+        mon.connect(endpoint)
+        self._new.put(mon)
+
+    def run(self) -> None:
+        poller, monitors = zmq.Poller(), []
+        try:
+            while not self._stop_event.is_set():
+                while not self._new.empty():
+                    mon = self._new.get()
+                    poller.register(mon, zmq.POLLIN)
+                    monitors.append(mon)
+                for mon, _ in poller.poll(100):
+                    event = recv_monitor_message(mon)
+                    if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                        poller.unregister(mon)
+                        monitors.remove(mon)
+                        mon.close(linger=0)
+                        continue
+                    where = event["endpoint"].decode(errors="replace")
+                    why = _PROTOCOL_ERRORS.get(event["value"], f"libzmq code {event['value']:#x}")
+                    _refused_once((where, event["value"]), "handshake",
+                                  "refused a connection on %s: handshake failed: %s", where, why)
+        finally:
+            for mon in monitors:
+                mon.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=2)

@@ -1,0 +1,116 @@
+"""CURVE for a whole process (common/curve.py): real sockets over loopback TCP. The
+process-wide setup is switched on per test and off again after it."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import zmq
+
+from rlfleet.common import curve
+from rlfleet.common.secret_files import SecretFileError
+from rlfleet.common.sockets import CurveKeys, PeerTimeout, RequestClient, RequestServer
+from rlfleet.common.wire import Abort
+
+LOCAL = "tcp://127.0.0.1:0"
+
+
+@pytest.fixture
+def job_keys(tmp_path):
+    curve.create_keys(tmp_path / "job")
+    setup = curve.CurveSetup.load(tmp_path / "job")
+    curve.configure(setup)
+    yield setup
+    curve.configure(None)
+
+
+def _refused(reason: str) -> float:
+    return curve.REFUSED.labels("zmq", reason)._value.get()
+
+
+def _serve_one(server: RequestServer, timeout_s: float) -> bool:
+    got = server.recv(timeout_s)
+    if got is None:
+        return False
+    server.reply(got[0], got[1], got[2])
+    return True
+
+
+def test_a_job_client_reaches_a_job_server_and_the_endpoint_carries_the_key(job_keys):
+    with RequestServer(LOCAL) as server, RequestClient(server.endpoint) as client:
+        assert server.endpoint.endswith(curve.KEY_MARK + job_keys.public.decode())
+        rid = client.send(Abort("a"))
+        assert _serve_one(server, 5.0)
+        assert client.poll_replies(5.0) == [(rid, Abort("a"))]
+
+
+def test_clients_without_the_jobs_keys_are_refused_and_logged(job_keys, caplog):
+    caplog.set_level(logging.WARNING, logger="rlfleet.auth")
+    unknown, handshake = _refused("unknown_key"), _refused("handshake")
+    with RequestServer(LOCAL) as server:
+        plain_address, server_key = curve.split(server.endpoint)
+        assert server_key == job_keys.public
+        # A stranger that knows the server's public key (etcd shows it) but whose own key
+        # is not authorized: the handshake reaches ZAP, which says no.
+        stranger = CurveKeys.generate(server_public=server_key)
+        plain = zmq.Context.instance().socket(zmq.DEALER)  # no CURVE at all
+        try:
+            plain.connect(plain_address)
+            plain.send_multipart([b"r1", b"junk"])
+            with RequestClient(server.endpoint, curve=stranger) as client:
+                with pytest.raises(PeerTimeout):
+                    client.request(Abort("x"), timeout_s=1.0)
+            assert server.recv(0.5) is None  # nothing got through, not even the junk
+        finally:
+            plain.close(linger=0)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(f"key {stranger.public.decode()} is not authorized" in m for m in messages), messages
+    assert any("does not speak CURVE" in m for m in messages), messages
+    assert _refused("unknown_key") > unknown and _refused("handshake") > handshake
+
+
+def test_a_curve_client_never_connects_to_an_address_without_a_key(job_keys, caplog):
+    caplog.set_level(logging.WARNING, logger="rlfleet.auth")
+    with RequestClient("tcp://127.0.0.1:9") as client:
+        with pytest.raises(PeerTimeout):
+            client.send(Abort("x"), timeout_s=0.2)
+    assert any("publishes no CURVE key" in r.getMessage() for r in caplog.records)
+
+
+def test_a_secret_file_others_can_read_is_refused(tmp_path):
+    curve.create_keys(tmp_path / "k")
+    os.chmod(tmp_path / "k" / curve.SECRET_FILE, 0o644)
+    with pytest.raises(SecretFileError, match="mode 0644.*chmod 600"):
+        curve.CurveSetup.load(tmp_path / "k")
+
+
+def test_an_empty_allow_list_is_an_error(tmp_path):
+    curve.create_keys(tmp_path / "k")
+    for key in (tmp_path / "k" / curve.AUTHORIZED_DIR).glob("*.key"):
+        key.unlink()
+    with pytest.raises(curve.CurveError, match="no public key"):
+        curve.CurveSetup.load(tmp_path / "k")
+
+
+def test_reload_admits_a_key_added_to_authorized(job_keys, tmp_path):
+    other = tmp_path / "other"
+    curve.create_keys(other)
+    other_keys = curve.CurveSetup.load(other)
+    (tmp_path / "job" / curve.AUTHORIZED_DIR / "other.key").write_bytes(
+        (other / curve.AUTHORIZED_DIR / "daemon.key").read_bytes())
+    assert other_keys.public not in curve.active().authorized
+    assert curve.reload_authorized() == "CURVE: 2 authorized key(s)"
+    with RequestServer(LOCAL) as server:
+        plain_address, key = curve.split(server.endpoint)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            sock.curve_publickey, sock.curve_secretkey = other_keys.public, other_keys.secret
+            sock.curve_serverkey = key
+            sock.connect(plain_address)
+            sock.send_multipart([b"r1", b"junk"])  # a malformed frame: counted, proves delivery
+            assert server.recv(2.0) is None
+            assert sum(server.rejected.values()) == 1
+        finally:
+            sock.close(linger=0)

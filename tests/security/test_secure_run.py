@@ -1,0 +1,132 @@
+"""A whole `rlfleet run` with its default security (TLS etcd with client certificates,
+CURVE on every ZeroMQ socket, the relay's job secret), real processes throughout.
+
+While it trains, the test plays an attacker on the same machine: it injects a
+ScoredTrajectory into the trainer's published socket, once with no CURVE and once with
+a CURVE key of its own (knowing the trainer's public key, which etcd shows). Without
+security such a message was accepted, journaled and counted; here both are refused,
+the trainer logs each refusal, and nothing of them reaches the journal.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from rlfleet.common import curve
+from rlfleet.common.etcd_auth import EtcdCredentials, open_store
+from rlfleet.common.keys import JobKeys
+from rlfleet.common.sockets import CurveKeys, ReliableSender
+from rlfleet.common.store import StoreUnavailable
+from rlfleet.daemons.trainer.journal import Journal
+
+from ..integration.helpers import REPO, TINY_MODEL, wait_for, write_spec
+from ..trainer.conftest import scored
+
+needs_model = pytest.mark.skipif(not (TINY_MODEL / "tokenizer.json").exists(), reason="models/tiny-qwen2 not built")
+
+JOB = """\
+group_size = 4
+eval_size = 8
+eval_every_steps = 100
+
+[trainer]
+batch_size = 8
+max_steps = 6
+checkpoint_every = 100
+
+[env_host]
+max_concurrent = 16
+"""
+
+INJECTED = 987654  # a prompt id no claim ever hands out
+
+
+def _clean_env() -> dict[str, str]:
+    drop = ("RLFLEET_ETCD", "RLFLEET_CURVE_DIR", "RLFLEET_JOB_SECRET_FILE")
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
+class Lines:
+    """stdout of a process, read by a thread, so the pipe never fills."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+
+    def find(self, marker: str) -> str | None:
+        return next((line for line in list(self.lines) if marker in line), None)
+
+
+@needs_model
+def test_a_secure_run_trains_and_refuses_injected_trajectories(tmp_path):
+    spec = write_spec(tmp_path, job="secure", extra=JOB)
+    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.tools.cli", "run", str(spec), "--no-view"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=_clean_env())
+    out = Lines(proc)
+    try:
+        run_dir = Path(wait_for("the run dir line", lambda: out.find("run dir: "), 60).split("run dir: ")[1].strip())
+        started = wait_for("the job line", lambda: out.find(f"job secure:"), 60)
+        assert out.find("security on: etcd over TLS with client certificates, CURVE"), out.lines
+        endpoints = started.split(" etcd ")[1].split(",")[0]
+        pki = run_dir / "credentials" / "etcd"
+        creds = EtcdCredentials(cacert=str(pki / "ca.crt"), cert=str(pki / "client.crt"), key=str(pki / "client.key"))
+
+        stranger_store = open_store(endpoints, creds=EtcdCredentials())
+        with pytest.raises(StoreUnavailable):  # the private etcd: no certificate, no answer
+            stranger_store.get(JobKeys("secure").spec)
+        stranger_store.close()
+
+        store = open_store(endpoints, creds=creds)
+        try:
+            assert store.get(JobKeys("secure").spec).value["security"]["curve"] is True
+            address = wait_for("the trainer's trajectories address", lambda: next(
+                (m.value.get("addresses", {}).get("trajectories")
+                 for m in store.get_prefix(JobKeys("secure").role_members_prefix("trainer"))
+                 if m.value.get("addresses", {}).get("trajectories")), None), 120)
+        finally:
+            store.close()
+        plain_address, server_key = curve.split(address)
+        assert server_key is not None, address  # the registration carries the server's key
+
+        injected = [scored(INJECTED, k, 1.0) for k in range(4)]
+        with ReliableSender(address, curve=CurveKeys.generate(server_public=server_key), name="stranger") as keyed, \
+                ReliableSender(plain_address, name="plain") as plain:
+            for sender in (keyed, plain):
+                for st in injected:
+                    sender.send(st.trajectory.trajectory_id, st)
+            assert not keyed.flush(3.0) and not plain.flush(0.5)  # no ack: nothing was accepted
+        assert proc.wait(timeout=400) == 0, "".join(out.lines[-40:])
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(30)
+
+    trainer_log = (run_dir / "logs" / "trainer-0.log").read_text()
+    assert "is not authorized" in trainer_log and "does not speak CURVE" in trainer_log, trainer_log[-3000:]
+    with Journal(run_dir / "checkpoints" / "journal.bin", fsync=False) as journal:
+        state = journal.state
+        groups = {*state.pending, *state.trained, *state.dropped}
+    assert f"p{INJECTED}" not in groups and state.trained, sorted(groups)[:10]
+    assert "accounting" in "".join(out.lines) and "invariant holds" in "".join(out.lines)
+    assert not (run_dir / "credentials").exists()  # secrets do not outlive the run
+
+
+def test_a_daemon_without_the_keys_the_job_requires_refuses_to_start(tmp_path, etcd):
+    spec = write_spec(tmp_path, job="needskeys", extra="\n[security]\ncurve = true\n")
+    done = subprocess.run([sys.executable, "-m", "rlfleet.tools.cli", "daemon", "repack-manager", "--job", "needskeys",
+                           "--etcd", etcd.endpoints_arg, "--spec", str(spec)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO, env=_clean_env())
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "refusing to start: the job requires CURVE" in done.stderr
+    store = open_store(etcd.endpoints_arg, creds=EtcdCredentials())
+    try:  # it never registered
+        assert store.get_prefix(JobKeys("needskeys").role_members_prefix("repack-manager")) == []
+    finally:
+        store.close()

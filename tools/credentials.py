@@ -1,0 +1,101 @@
+"""The credentials `rlfleet run` makes for one run (docs/security.md): a private CA with
+a server certificate for its etcd and a client certificate for everyone else, the
+job's CURVE key pair, and the relay's job secret. Nothing to set up, nothing reused
+across runs: they live in the run directory and die with it.
+
+Certificates come from the `openssl` command line (one call each, EC P-256), so no
+Python crypto package is needed. On a cluster the deployment makes its own with the
+same commands (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlfleet.common import curve
+from rlfleet.common.etcd_auth import EtcdCredentials
+from rlfleet.common.secret_files import write_private
+from rlfleet.common.security import JOB_SECRET_ENV
+CERT_DAYS = 30  # a run's certificates outlive any run, and are worthless after it
+_EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-noenc"]
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    """What an etcd server needs for TLS with client-certificate authentication, and the
+    client side that every process of the run presents."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+    def client_credentials(self) -> EtcdCredentials:
+        return EtcdCredentials(cacert=str(self.ca), cert=str(self.client_cert), key=str(self.client_key))
+
+
+def _openssl(*args: str) -> None:
+    exe = shutil.which("openssl")
+    if exe is None:
+        raise FileNotFoundError("openssl is not installed (apt-get install openssl), or run with --insecure")
+    done = subprocess.run([exe, *args], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"openssl {' '.join(args[:2])} failed: {done.stderr.strip()[-500:]}")
+
+
+def make_etcd_tls(directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> EtcdTls:
+    """A CA, etcd's server certificate (for ``hosts``) and one client certificate."""
+    d = directory
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    tls = EtcdTls(d / "ca.crt", d / "server.crt", d / "server.key", d / "client.crt", d / "client.key")
+    ca_key = d / "ca.key"
+    _openssl("req", "-x509", *_EC, "-keyout", str(ca_key), "-out", str(tls.ca), "-days", str(CERT_DAYS),
+             "-subj", "/CN=rlfleet run CA", "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    sans = ",".join(f"IP:{h}" if h.replace(".", "").isdigit() or ":" in h else f"DNS:{h}" for h in hosts)
+    for cert, key, cn, usage in ((tls.server_cert, tls.server_key, "etcd", "serverAuth"),
+                                 (tls.client_cert, tls.client_key, "rlfleet", "clientAuth")):
+        extra = ["-addext", f"subjectAltName={sans}"] if usage == "serverAuth" else []
+        _openssl("req", "-x509", *_EC, "-keyout", str(key), "-out", str(cert), "-days", str(CERT_DAYS),
+                 "-CA", str(tls.ca), "-CAkey", str(ca_key), "-subj", f"/CN={cn}",
+                 "-addext", "basicConstraints=critical,CA:FALSE", "-addext", f"extendedKeyUsage={usage}", *extra)
+    for key in (ca_key, tls.server_key, tls.client_key):
+        os.chmod(key, 0o600)
+    ca_key.unlink()  # nothing else will be signed: a CA key left on disk could only do harm
+    return tls
+
+
+def make_job_secret(path: Path) -> Path:
+    """The relay's job secret: 32 random bytes, base64, in a 0600 file."""
+    write_private(path, base64.b64encode(os.urandom(32)) + b"\n")
+    return path
+
+
+@dataclass(frozen=True)
+class RunCredentials:
+    """Everything `rlfleet run` hands its daemons, as the environment they read it from."""
+
+    etcd_tls: EtcdTls | None
+    curve_dir: Path
+    job_secret: Path
+
+    @classmethod
+    def create(cls, directory: Path, private_etcd: bool) -> RunCredentials:
+        directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+        tls = make_etcd_tls(directory / "etcd") if private_etcd else None
+        curve.create_keys(directory / "curve", name="job")
+        return cls(tls, directory / "curve", make_job_secret(directory / "job.secret"))
+
+    def env(self) -> dict[str, str]:
+        env = {curve.ENV_DIR: str(self.curve_dir.resolve()), JOB_SECRET_ENV: str(self.job_secret.resolve())}
+        if self.etcd_tls is not None:
+            env.update(self.etcd_tls.client_credentials().env())
+        return env
