@@ -17,6 +17,7 @@ class FakeTrainer:
         self.address = self.receiver.endpoint
         self.copies: list[ScoredTrajectory] = []
         self.refuse: set[str] = set()
+        self.hold = threading.Event()  # set: receive and keep, but ack nothing (work piles up upstream)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="fake-trainer")
@@ -28,6 +29,8 @@ class FakeTrainer:
                 for key, msg in self.receiver.drain(0.02):
                     with self._lock:
                         self.copies.append(msg)  # journaled, then acked
+                    if self.hold.is_set():
+                        continue  # the sender re-sends it: dedup by id makes that harmless
                     if key in self.refuse:
                         self.receiver.ack([key], ok=False, error="trainer says no")
                     else:

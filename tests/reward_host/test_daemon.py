@@ -94,19 +94,31 @@ def test_scored_exactly_once_per_id_across_a_sigkill(tmp_path, etcd, trainer):
         address = wait_for("reward-host registered", lambda: registered(proc.pid), timeout_s=30)
         outbox.set_addresses([address])
 
-        def feed():  # a steady stream that goes on through the outage
-            for t in trajs:
+        held = threading.Event()
+
+        def feed():  # a steady stream: the first half, then the rest once the trainer holds its acks
+            for i, t in enumerate(trajs):
+                if i == len(trajs) // 2:
+                    held.wait(60)
                 outbox.submit(t.trajectory_id, t)
                 time.sleep(0.005)
 
         feeder = threading.Thread(target=feed, daemon=True)
         feeder.start()
         wait_for("some acks", lambda: len(acked) >= 30, timeout_s=30, every_s=0.005)
+        # Work in flight at the kill, however fast this machine is: the trainer stops acking,
+        # so what the reward-host scores from now on waits in it, unacked, until the kill.
+        trainer.hold.set()
+        held_from = len(trainer.copies)
+        held.set()
+        wait_for("scored trajectories waiting for the trainer's ack",
+                 lambda: len(trainer.copies) > held_from, timeout_s=30, every_s=0.005)
         workers = children(proc.pid)
         assert len(workers) == 2
         os.kill(proc.pid, signal.SIGKILL)  # mid-stream: some trajectories are in flight
         proc.wait(10)
-        assert len(acked) < len(trajs) // 2, "the stream was over before the kill; nothing was tested"
+        trainer.hold.clear()
+        assert len(acked) < len(trajs), "the stream was over before the kill; nothing was tested"
         # Orphaned workers see their pipe close and exit by themselves.
         wait_for("orphaned reward workers to exit", lambda: not any(alive(w) for w in workers),
                  timeout_s=10)
