@@ -57,8 +57,8 @@ def int32_arrays(draw: st.DrawFn) -> Int32Array:
     values = draw(st.lists(_token_values, max_size=40))
     if values and draw(st.booleans()) and len(values) % 2 == 0:
         return Int32Array.frombuffer(np.asarray(values, np.int32).tobytes(), [2, len(values) // 2])
-    if draw(st.integers(0, 9)) == 0:
-        return Int32Array(np.zeros(200_000, np.int32) + draw(_token_values))  # goes out of band
+    if draw(st.integers(0, 19)) == 0:  # more tokens than any receiver takes; out of band
+        return Int32Array(np.full(1_100_000, draw(_token_values), np.int32))
     return Int32Array(values)
 
 
@@ -77,11 +77,14 @@ turns = st.builds(Turn, int32_arrays(), int32_arrays(), float32_arrays(), hostil
                   hostile_text, hostile_text, segments)
 
 
+# More turns than any receiver takes (Limits.max_items), each tiny: ~2 MB on the wire.
+_MANY_TURNS = [Turn(Int32Array([1]), Int32Array([2]), Float32Array([-0.5]), 0, "", "")] * 70_000
+
+
 def trajectories(trajectory_id: st.SearchStrategy[str] = hostile_ids) -> st.SearchStrategy[Trajectory]:
     return st.builds(
         Trajectory, trajectory_id, hostile_ints, hostile_ids, hostile_text,
-        st.one_of(st.lists(turns, max_size=3), st.just([]),
-                  turns.map(lambda t: [t] * 5000)),
+        st.one_of(st.lists(turns, max_size=3), st.just([]), st.just(_MANY_TURNS)),
         hostile_floats,
         st.dictionaries(hostile_text, hostile_text, max_size=3),
         st.one_of(st.just(""), hostile_text),
