@@ -175,9 +175,14 @@ def _check_lengths(msg: Turn | GenerateResult, where: str) -> None:
 
 def error_reply(msg: msgspec.Struct, why: str) -> msgspec.Struct | None:
     """The protocol's refusal of a request ``msg`` (None: the protocol has none, the
-    client's timeout answers). Ids that were themselves the problem are not echoed."""
+    client's timeout answers). An id that was itself the problem is not echoed: the
+    reply names "invalid-id" (the client matches replies by the socket's request id)."""
     def safe(value: str) -> str:
-        return value if len(value) <= DEFAULT_LIMITS.max_id_chars else ""
+        try:
+            _check_id(value, DEFAULT_LIMITS, "id", may_be_empty=False)
+        except WireError:
+            return "invalid-id"
+        return value
 
     if isinstance(msg, GenerateRequest):
         return GenerateResult(safe(msg.request_id), Int32Array(), Float32Array(), 0, "error",

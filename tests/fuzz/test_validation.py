@@ -144,6 +144,7 @@ def test_every_refusal_is_a_sendable_message(msg) -> None:
     reply = error_reply(decode(encode(msg)), "why")
     assert reply is not None
     assert decode(encode(reply)) == reply
+    check_message(reply)  # the client takes it (it is not rejected in turn)
 
 
 def _rejected(role: str, endpoint: str, kind: str) -> float:
