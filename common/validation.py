@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -154,11 +155,20 @@ def _check_array(value: Array, limits: Limits, at: str, *, tokens: bool) -> None
     if value.size > limits.max_tokens:
         raise WireError("too_large", f"{at}: {value.size} values > {limits.max_tokens}")
     if tokens and value.size:
-        ids = value.numpy()
-        lo, hi = int(ids.min()), int(ids.max())
+        lo, hi = _min_max(value)
         if lo < 0 or (limits.vocab_size is not None and hi >= limits.vocab_size):
             vocab = "" if limits.vocab_size is None else f", vocabulary of {limits.vocab_size}"
             raise WireError("out_of_vocab", f"{at}: token ids from {lo} to {hi}{vocab}")
+
+
+def _min_max(value: Array) -> tuple[int, int]:
+    # numpy when the process has it already; never imported for this alone (a reward-host
+    # does not otherwise load it, and its first message would wait for the import).
+    if "numpy" in sys.modules:
+        ids = value.numpy()
+        return int(ids.min()), int(ids.max())
+    ids = value.tolist()
+    return min(ids), max(ids)
 
 
 def _check_lengths(msg: Turn | GenerateResult, where: str) -> None:
