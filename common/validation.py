@@ -67,15 +67,16 @@ _IDS: dict[type, dict[str, bool]] = {  # field -> may be empty
     Abort: {"request_id": False},
     Trajectory: {"trajectory_id": False, "group_id": False, "task": True},
     Prompt: {"task": True, "split": True, "uid": True},
-    RolloutStats: {"rollout_id": False},
+    RolloutStats: {"rollout_id": True},  # a stats poll (the request) may leave it empty
     RepackOrder: {"order_id": False, "source_rollout": False, "target_rollout": False},
 }
 _ID_LISTS = {RepackOrder: "request_ids", Ack: "ids"}
-_TOKEN_ARRAYS = {GenerateRequest: ("prompt_token_ids",), GenerateResult: ("token_ids",),
-                 Turn: ("prompt_token_ids", "token_ids")}
+# A GenerateResult's tokens, log-probs and version are the env-host's to judge
+# (manager.check_result): a broken rollout's result is retried elsewhere at once, where
+# a rejection here would only make the request time out.
+_TOKEN_ARRAYS = {GenerateRequest: ("prompt_token_ids",), Turn: ("prompt_token_ids", "token_ids")}
 # Counts and versions: never negative from a legitimate sender.
-_NON_NEGATIVE = {Segment: ("tokens", "version"), Turn: ("weight_version",),
-                 GenerateResult: ("weight_version",)}
+_NON_NEGATIVE = {Segment: ("tokens", "version"), Turn: ("weight_version",)}
 # Floats whose non-finite values a handler accounts for (module docstring).
 _MAY_BE_NON_FINITE = {(ScoredTrajectory, "reward"), (RolloutStats, "tokens_per_s"),
                       (RolloutStats, "time")}
@@ -106,7 +107,7 @@ def _check_struct(msg: msgspec.Struct, limits: Limits, where: str) -> None:
             _check_value(value, limits, at, (cls, name) in _MAY_BE_NON_FINITE)
         if name in non_negative and value < 0:
             raise WireError("out_of_range", f"{at} is {value} < 0")
-    if isinstance(msg, (Turn, GenerateResult)):
+    if isinstance(msg, Turn):
         _check_lengths(msg, where)
 
 
@@ -171,7 +172,7 @@ def _min_max(value: Array) -> tuple[int, int]:
     return min(ids), max(ids)
 
 
-def _check_lengths(msg: Turn | GenerateResult, where: str) -> None:
+def _check_lengths(msg: Turn, where: str) -> None:
     n = msg.token_ids.size
     if msg.logprobs.size != n:
         raise WireError("inconsistent", f"{where}: {n} token ids but {msg.logprobs.size} log-probs")

@@ -105,6 +105,17 @@ def test_a_legitimate_message_always_passes(msg) -> None:
     check_message(decode(encode(msg)), Limits(vocab_size=VOCAB))
 
 
+def test_a_broken_rollout_result_is_left_to_the_env_host() -> None:
+    # Its checks retry the turn elsewhere at once; a rejection would be a timeout.
+    for r in (GenerateResult("r", Int32Array([5, 2]), Float32Array([-1.0]), 0, "stop"),
+              GenerateResult("r", Int32Array([-5]), Float32Array([float("nan")]), -1, "stop")):
+        check_message(decode(encode(r)), Limits(vocab_size=VOCAB))
+
+
+def _traj(turn: Turn) -> Trajectory:
+    return Trajectory("t", 0, "g", "a", [turn], 0.0)
+
+
 @pytest.mark.parametrize("msg,reason", [
     (Trajectory("t", 0, "g", "a", [], 0.0,
                 prompt=Prompt("arithmetic", "train", "u", "1+1", "2", seed=2**64 - 1)), "out_of_range"),
@@ -115,10 +126,13 @@ def test_a_legitimate_message_always_passes(msg) -> None:
     (GenerateRequest("r", "t", Int32Array([1]), 4, float("nan"), 1.0), "not_finite"),
     (GenerateRequest("r" * 300, "t", Int32Array([1]), 4, 1.0, 1.0), "bad_id"),
     (GenerateRequest("", "t", Int32Array([1]), 4, 1.0, 1.0), "bad_id"),
-    (GenerateResult("r", Int32Array([1, 2]), Float32Array([0.0]), 0, "stop"), "inconsistent"),
-    (GenerateResult("r", Int32Array([1]), Float32Array([0.0]), 0, "stop",
-                    segments=[Segment(5, 0)]), "inconsistent"),
-    (GenerateResult("r", Int32Array([1]), Float32Array([0.0]), -1, "stop"), "out_of_range"),
+    (_traj(Turn(Int32Array([1]), Int32Array([1, 2]), Float32Array([0.0]), 0, "", "")),
+     "inconsistent"),
+    (_traj(Turn(Int32Array([1]), Int32Array([1]), Float32Array([0.0]), 0, "", "",
+                [Segment(5, 0)])), "inconsistent"),
+    (_traj(Turn(Int32Array([1]), Int32Array([1]), Float32Array([0.0]), -1, "", "")),
+     "out_of_range"),
+    (GenerateResult("r", Int32Array([1]), Float32Array([0.0]), 2**63, "stop"), "out_of_range"),
 ])
 def test_each_kind_of_hostile_value(msg, reason) -> None:
     with pytest.raises(WireError) as e:
