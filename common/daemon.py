@@ -69,6 +69,7 @@ class Daemon:
         self._reload = threading.Event()
         self._wake = threading.Event()
         self._labels = {"role": self.role, "id": options.member_id}
+        metrics.set_role(self.role)  # the role label of rlfleet_rejected_messages_total
 
     # -- hooks for subclasses ------------------------------------------------
     def setup(self) -> None:

@@ -16,6 +16,23 @@ CYCLES = Counter("rlfleet_cycles_total", "Main-loop cycles run", ["role", "id"])
 LEASE_GRANTS = Counter("rlfleet_lease_grants_total", "Leases granted (1 + re-registrations)", ["role", "id"])
 CYCLE_SECONDS = Histogram("rlfleet_cycle_seconds", "Duration of one main-loop cycle", ["role", "id"],
                           buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 1, 2, 5))
+# Every message a receiver refused, whatever the reason: undecodable frames (wire.py
+# REJECT_REASONS), hostile content (validation.py) and messages whose handler raised
+# ("handler_error"). `endpoint` is the receiving socket's name.
+REJECTED_MESSAGES = Counter("rlfleet_rejected_messages_total",
+                            "Messages a daemon rejected and served on, by endpoint and kind",
+                            ["role", "endpoint", "kind"])
+
+_process_role = ""  # the daemon's role, set once by Daemon (a label of REJECTED_MESSAGES)
+
+
+def set_role(role: str) -> None:
+    global _process_role
+    _process_role = role
+
+
+def process_role() -> str:
+    return _process_role
 
 
 def serve_metrics(host: str = "127.0.0.1", port: int = 0) -> str:

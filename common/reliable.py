@@ -169,11 +169,16 @@ class ReliableReceiver(_Endpoint):
         """Next valid (id, msg); None on timeout."""
         deadline = _deadline(timeout)
         while (frames := self._recv_frames(deadline)) is not None:
-            got = self._decode(frames[1:])
+            got = self._decode(frames[1:], peer=frames[0].bytes)
             if got is not None:
                 self._senders[got[0]] = frames[0].bytes
                 return got
         return None
+
+    def _refuse(self, peer: bytes, rid: str, msg: Message, why: str) -> None:
+        # Refused for good: a message that is never data would otherwise be resent forever.
+        if not self._send_routed([peer, *encode(Ack(ids=[rid], ok=False, error=f"rejected: {why}"))]):
+            log.info("%s: refusal of %s dropped: sender gone", self.name, rid)
 
     def drain(self, timeout: float = 0.0,
               max_n: int | None = None) -> Iterator[tuple[str, Message]]:

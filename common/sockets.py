@@ -40,6 +40,7 @@ from typing import Any, Self
 import zmq
 
 from . import curve as curve_setup
+from .validation import DEFAULT_LIMITS, Limits, check_message, error_reply
 from .wire import (MAX_FRAME_BYTES, REJECT_REASONS, Message, WireError, decode, encode,
                    record_rejection)
 
@@ -203,20 +204,30 @@ class _Endpoint:
             self.sock.close(linger=0)
             raise
 
-    def _decode(self, frames: list[Any], with_id: bool = True) -> tuple[str, Message] | None:
-        """Decode ``[id, header, body, *buffers]`` (``[header, ...]`` without id).
+    limits: Limits = DEFAULT_LIMITS  # content checks (validation.py); a daemon may set its own
 
-        None if rejected: counted, logged, and the caller moves on to the next message.
-        """
+    def _decode(self, frames: list[Any], with_id: bool = True,
+                peer: bytes | None = None) -> tuple[str, Message] | None:
+        """Decode ``[id, header, body, *buffers]`` (``[header, ...]`` without id), content
+        checked. None if rejected: counted, logged, refused to ``peer`` where the protocol
+        has a refusal (``_refuse``), and the caller moves on to the next message."""
+        rid, msg = "", None
         try:
             n_ids = 1 if with_id else 0
             if len(frames) < 2 + n_ids:
                 raise WireError("truncated", f"{len(frames)} frames")
             rid = _id_from(frames[0]) if n_ids else ""
-            return rid, decode(frames[n_ids:], self.expect, max_bytes=self.max_bytes)
+            msg = decode(frames[n_ids:], self.expect, max_bytes=self.max_bytes)
+            check_message(msg, self.limits)
+            return rid, msg
         except WireError as e:
             record_rejection(e, self.name, self.rejected)
+            if msg is not None and peer is not None:
+                self._refuse(peer, rid, msg, str(e)[:300])
             return None
+
+    def _refuse(self, peer: bytes, rid: str, msg: Message, why: str) -> None:
+        """Answer a decodable message rejected for its content; servers override."""
 
     def _recv_frames(self, deadline: float | None) -> list[Any] | None:
         """Next multipart message, or None once the deadline passes."""
@@ -268,10 +279,15 @@ class RequestServer(_Endpoint):
         """
         deadline = _deadline(timeout)
         while (frames := self._recv_frames(deadline)) is not None:
-            got = self._decode(frames[1:])
+            got = self._decode(frames[1:], peer=frames[0].bytes)
             if got is not None:
                 return frames[0].bytes, got[0], got[1]
         return None
+
+    def _refuse(self, peer: bytes, rid: str, msg: Message, why: str) -> None:
+        reply = error_reply(msg, why)
+        if reply is not None:
+            self.reply(peer, rid, reply)  # type: ignore[arg-type]
 
     def reply(self, client_identity: bytes, request_id: str, msg: Message) -> bool:
         """Send the reply; False (logged) if that client is gone or not reading."""

@@ -31,6 +31,8 @@ from typing import Any, Literal, Union
 import msgspec
 from prometheus_client import Counter
 
+from rlfleet.common import metrics
+
 from rlfleet.common.arrays import ARRAY_TYPES, Array, Float32Array, Int32Array
 
 PROTOCOL_VERSION = 1
@@ -51,6 +53,11 @@ REJECT_REASONS = (
     "unexpected_type",
     "bad_array",
 )
+# Decodable but hostile (validation.py), and a handler that raised on the message.
+CONTENT_REASONS = ("out_of_range", "not_finite", "too_large", "bad_id", "out_of_vocab",
+                   "inconsistent")
+HANDLER_ERROR = "handler_error"
+REJECT_REASONS += CONTENT_REASONS
 
 REJECTED_FRAMES = Counter(
     "rlfleet_wire_rejected_frames_total",
@@ -441,27 +448,35 @@ def decode(
 
 # ----------------------------------------------------------------------------- rejections
 
-_LOG_EVERY_S = 10.0
-_log_state: dict[str, tuple[float, int]] = {}  # reason -> (last logged, suppressed since)
+_LOG_EVERY_S = 600.0  # after the first, one summary line per (endpoint, kind) at most this often
+_log_state: dict[tuple[str, str], tuple[float, int]] = {}  # -> (last logged, suppressed since)
 _log_lock = threading.Lock()
+
+
+def count_rejection(where: str, kind: str) -> None:
+    """Count one rejected message in rlfleet_rejected_messages_total{role,endpoint,kind}."""
+    metrics.REJECTED_MESSAGES.labels(role=metrics.process_role(), endpoint=where, kind=kind).inc()
 
 
 def record_rejection(err: WireError, where: str, counts: dict[str, int] | None = None) -> None:
     """Count and log one rejected message; what every receiver does on WireError.
 
-    Logging is rate-limited per reason so a peer spraying garbage cannot flood logs;
-    the Counter stays exact.
+    Logged once per (endpoint, reason), then as a count at most every _LOG_EVERY_S: a
+    peer spraying garbage cannot flood the log (or fill the disk with its payloads);
+    the Counters stay exact.
     """
     REJECTED_FRAMES.labels(reason=err.reason).inc()
+    count_rejection(where, err.reason)
     if counts is not None:
         counts[err.reason] = counts.get(err.reason, 0) + 1
     now = time.monotonic()
+    key = (where, err.reason)
     with _log_lock:
-        last, suppressed = _log_state.get(err.reason, (-math.inf, 0))
+        last, suppressed = _log_state.get(key, (-math.inf, 0))
         if now - last < _LOG_EVERY_S:
-            _log_state[err.reason] = (last, suppressed + 1)
+            _log_state[key] = (last, suppressed + 1)
             return
-        _log_state[err.reason] = (now, 0)
+        _log_state[key] = (now, 0)
     more = f" (+{suppressed} more since last report)" if suppressed else ""
-    log.warning("%s: rejected message: %s%s", where, err, more,
+    log.warning("%s: rejected message: %s%s", where, str(err)[:500], more,
                 extra={"reason": err.reason, "where": where, "suppressed": suppressed})

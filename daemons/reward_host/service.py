@@ -30,6 +30,7 @@ from prometheus_client import Counter
 
 from rlfleet.common.outbox import Outbox
 from rlfleet.common.sockets import ReliableReceiver
+from rlfleet.common.validation import confined
 from rlfleet.common.wire import ScoredTrajectory, Trajectory
 
 from .backends import RewardBackend
@@ -94,7 +95,8 @@ class RewardService:
         if self.receiver.sock in ready:
             for tid, msg in self.receiver.drain(0.0, max_n=1000):
                 assert isinstance(msg, Trajectory)
-                self._on_trajectory(tid, msg)
+                with confined(self.receiver.name, "Trajectory"):
+                    self._on_trajectory(tid, msg)
         # The pool also has deadlines (timeouts, respawns) that no fd announces: asked always.
         for outcome in self.pool.poll(0.0):
             self._on_outcome(outcome)

@@ -32,6 +32,7 @@ repack ordered it), so the env-host can continue them on the same version.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -42,6 +43,7 @@ from typing import Any, Callable, Protocol
 import msgspec
 
 from rlfleet.common.sockets import RequestServer
+from rlfleet.common.validation import confined
 from rlfleet.common.wire import (Abort, Ack, Float32Array, GenerateRequest, GenerateResult,
                                  Int32Array, RepackOrder, RolloutStats, Segment)
 
@@ -113,6 +115,11 @@ class RolloutCore:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.engine, self.server, self.member_id, self.mode = engine, server, member_id, mode
+        self._where = getattr(server, "name", member_id)  # the endpoint, in metrics and logs
+        vocab = getattr(engine, "vocab_size", None)
+        if vocab is not None and hasattr(server, "limits"):
+            # token ids past the model's vocabulary are refused at the socket, with an error reply
+            server.limits = dataclasses.replace(server.limits, vocab_size=int(vocab))
         self.policy = WeightUpdatePolicy(check_every_s=check_every_s, hold_max_s=hold_max_s)
         self.events: deque[str] = deque()  # one sentence per version change, read by the daemon
         self.draining = False
@@ -125,15 +132,18 @@ class RolloutCore:
 
     # -- messages -----------------------------------------------------------------------
     def on_message(self, identity: bytes, rid: str, msg: Any, now: float) -> None:
+        """Handle one request; whatever it raises is that request's failure (counted and
+        logged by ``confined``), never the engine thread's."""
         client = Client(identity, rid)
-        if isinstance(msg, GenerateRequest):
-            self._on_generate(client, msg, now)
-        elif isinstance(msg, Abort):
-            self._on_abort(client, msg.request_id)
-        elif isinstance(msg, RolloutStats):
-            self.server.reply(identity, rid, self.stats())
-        elif isinstance(msg, RepackOrder):
-            self.server.reply(identity, rid, self._on_repack(msg))
+        with confined(self._where, type(msg).__name__):
+            if isinstance(msg, GenerateRequest):
+                self._on_generate(client, msg, now)
+            elif isinstance(msg, Abort):
+                self._on_abort(client, msg.request_id)
+            elif isinstance(msg, RolloutStats):
+                self.server.reply(identity, rid, self.stats())
+            elif isinstance(msg, RepackOrder):
+                self.server.reply(identity, rid, self._on_repack(msg))
 
     def _on_generate(self, client: Client, req: GenerateRequest, now: float) -> None:
         version = self.engine.weight_version

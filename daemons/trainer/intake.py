@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfleet.common.wire import ScoredTrajectory
+from rlfleet.common.validation import confined
+from rlfleet.common.wire import ScoredTrajectory, count_rejection
 
 from .batching import INVALID, check_trajectory, drop_reason
 from .journal import Journal
@@ -114,10 +115,40 @@ class Intake:
                     # trajectory). Acks wait at most LINGER_S more.
                     got += receiver.drain(timeout=LINGER_S, max_n=MAX_BATCH - len(got))
                 if got:
-                    self.ingest(receiver, got)
+                    self.ingest_confined(receiver, got)
         finally:
             self.endpoint = None
             receiver.close()
+
+    def ingest_confined(self, receiver: Any, got: list[tuple[str, Any]]) -> None:
+        """``ingest``, with a failure confined to the arrival that caused it: a batch that
+        raises is taken again one by one, and an arrival that still raises alone is
+        refused for good (counted and logged by ``confined``), so neither the intake
+        thread nor the rest of its batch goes down with it. A journal that cannot be
+        written (OSError) is no arrival's fault: it still ends the intake, unacked (the
+        senders resend to whoever trains next)."""
+        try:
+            self.ingest(receiver, got)
+            return
+        except OSError:
+            raise
+        except Exception as exc:  # noqa: BLE001 — find the one arrival (below)
+            if len(got) == 1:
+                self._refuse_failed(receiver, got[0][0], exc)
+                return
+        for one in got:
+            try:
+                self.ingest(receiver, [one])
+            except OSError:
+                raise
+            except Exception as exc:  # noqa: BLE001 — counted and logged in _refuse_failed
+                self._refuse_failed(receiver, one[0], exc)
+
+    @staticmethod
+    def _refuse_failed(receiver: Any, key: str, exc: Exception) -> None:
+        with confined(getattr(receiver, "name", "trainer-trajectories"), "ScoredTrajectory"):
+            raise exc  # counted as handler_error, its traceback logged once per kind
+        receiver.ack([key], ok=False, error=f"the trainer failed handling it: {type(exc).__name__}")
 
     def ingest(self, receiver: Any, got: list[tuple[str, Any]]) -> None:
         """Journal what is new, drop what cannot be trained, then ack: in that order."""
@@ -126,6 +157,9 @@ class Intake:
         sizes = journal.group_sizes({st.trajectory.group_id for st in arrived})
         decided = triage(got, journal.duplicates(arrived), sizes, self.group_size(), self.vocab_size)
         self.counts.update(decided.counts)
+        for _, reason, _ in decided.drops:  # untrainable content (NaN reward, out-of-vocab ids):
+            if reason == INVALID:  # its group is dropped durably, and the rejection counted
+                count_rejection(getattr(receiver, "name", "trainer-trajectories"), "invalid")
         journal.append_trajectories(decided.new)
         journal.record_dropped(decided.drops)
         if os.environ.get(FAILPOINT_ENV) == "exit_after_journal" and (decided.new or decided.drops):
