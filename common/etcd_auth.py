@@ -112,3 +112,31 @@ def open_store(endpoints: str | list[str], timeout_s: float = 1.0, creds: EtcdCr
 
     return EtcdStore(endpoints, timeout_s=timeout_s,
                      creds=EtcdCredentials.from_env() if creds is None else creds)
+
+
+# -- what etcd's refusals and TLS failures mean (used by EtcdStore) -------------------
+_REFUSED = {grpc.StatusCode.UNAUTHENTICATED: "not authenticated",
+            grpc.StatusCode.PERMISSION_DENIED: "permission denied"}
+
+
+def raise_if_refused(exc: grpc.RpcError, what: str) -> None:
+    """etcd answered "no" to these credentials: StoreAuthError, not "unreachable"."""
+    code, details = exc.code(), exc.details() or ""
+    auth_words = ("auth", "password", "user", "permission", "token")
+    if code in _REFUSED or (code == grpc.StatusCode.INVALID_ARGUMENT and any(w in details for w in auth_words)) \
+            or (code == grpc.StatusCode.FAILED_PRECONDITION and "auth" in details):
+        raise StoreAuthError(f"etcd {what}: refused: {details or code.name} "
+                             "(check --etcd-user/--etcd-password-file or the user's role)") from None
+
+
+def tls_hint(exc: BaseException | None, tls: bool) -> str:
+    """What a failed TLS handshake says, which pyetcd's own error hides (its cause)."""
+    while exc is not None and not isinstance(exc, grpc.RpcError):
+        exc = exc.__context__
+    details = (exc.details() or "") if isinstance(exc, grpc.RpcError) else ""
+    lowered = details.lower()
+    if any(w in lowered for w in ("ssl", "handshake", "certificate", "tls", "tsi_", "unwrap")):
+        return f"; TLS handshake failed: {details} (check --etcd-cacert/--etcd-cert/--etcd-key)"
+    if not tls and ("socket closed" in lowered or "connection reset" in lowered):
+        return "; does etcd serve TLS? then give --etcd-cacert (and a client certificate)"
+    return f"; {details}" if details else ""

@@ -22,7 +22,7 @@ import pyetcd
 from pyetcd import etcdrpc
 from pyetcd import exceptions as etcd_exc
 
-from rlfleet.common.etcd_auth import EtcdCredentials, StoreAuthError
+from rlfleet.common.etcd_auth import EtcdCredentials, raise_if_refused, tls_hint
 from rlfleet.common.keys import ROOT_PREFIX
 from rlfleet.common.store import (
     KeyValue,
@@ -134,7 +134,7 @@ class EtcdStore(Store):
         try:
             token = c.authstub.Authenticate(request, self.timeout_s).token
         except grpc.RpcError as exc:
-            _raise_if_refused(exc, "login")
+            raise_if_refused(exc, "login")
             c._manage_grpc_errors(exc)  # marks the endpoint failed, raises pyetcd's error
             raise
         c.metadata = (("token", token),)
@@ -160,12 +160,12 @@ class EtcdStore(Store):
                         self._client.metadata = None
                         self._drop_keepalive()
                     continue
-                _raise_if_refused(exc, what)
+                raise_if_refused(exc, what)
                 last, first = exc, first or exc
             except _UNREACHABLE as exc:
                 last, first = exc, first or exc
         raise StoreUnavailable(f"etcd {what}: no endpoint answered ({self.describe()}): "
-                               f"{last!r}{_tls_hint(first, self._tls is not None)}")
+                               f"{last!r}{tls_hint(first, self._tls is not None)}")
 
     def _drop_keepalive(self) -> None:
         if self._keepalive is not None:
@@ -335,33 +335,6 @@ class _LeaseCompare:
     def build_message(self) -> Any:
         return etcdrpc.Compare(key=self.key.encode(), result=etcdrpc.Compare.EQUAL,
                                target=etcdrpc.Compare.LEASE, lease=self.lease_id)
-
-
-_REFUSED = {grpc.StatusCode.UNAUTHENTICATED: "not authenticated",
-            grpc.StatusCode.PERMISSION_DENIED: "permission denied"}
-
-
-def _raise_if_refused(exc: grpc.RpcError, what: str) -> None:
-    """etcd answered "no" to these credentials: StoreAuthError, not "unreachable"."""
-    code, details = exc.code(), exc.details() or ""
-    auth_words = ("auth", "password", "user", "permission", "token")
-    if code in _REFUSED or (code == grpc.StatusCode.INVALID_ARGUMENT and any(w in details for w in auth_words)) \
-            or (code == grpc.StatusCode.FAILED_PRECONDITION and "auth" in details):
-        raise StoreAuthError(f"etcd {what}: refused: {details or code.name} "
-                             "(check --etcd-user/--etcd-password-file or the user's role)") from None
-
-
-def _tls_hint(exc: BaseException | None, tls: bool) -> str:
-    """What a failed TLS handshake says, which pyetcd's own error hides (its cause)."""
-    while exc is not None and not isinstance(exc, grpc.RpcError):
-        exc = exc.__context__
-    details = (exc.details() or "") if isinstance(exc, grpc.RpcError) else ""
-    lowered = details.lower()
-    if any(w in lowered for w in ("ssl", "handshake", "certificate", "tls", "tsi_", "unwrap")):
-        return f"; TLS handshake failed: {details} (check --etcd-cacert/--etcd-cert/--etcd-key)"
-    if not tls and ("socket closed" in lowered or "connection reset" in lowered):
-        return "; does etcd serve TLS? then give --etcd-cacert (and a client certificate)"
-    return f"; {details}" if details else ""
 
 
 def _raw_txn(c: pyetcd.MultiEndpointEtcd3Client, compare: list[Any], success: list[Any],

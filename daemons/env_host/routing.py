@@ -24,7 +24,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from rlfleet.common.sockets import AsyncRequestClient, PeerTimeout
+from rlfleet.common.async_client import AsyncRequestClient
+from rlfleet.common.sockets import PeerTimeout
 from rlfleet.common.wire import Abort, GenerateRequest, GenerateResult
 
 from .routing_policy import LeastLoaded, RoutingPolicy
