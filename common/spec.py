@@ -234,11 +234,8 @@ class TrainerSection(Section):
     max_steps: PosInt = 100
     checkpoint_every: PosInt = 10
     max_staleness: NonNegInt | None = None  # the bound α in versions; None = unbounded
-    # Dynamic filtering (DAPO's dynamic sampling): a group whose rewards are all equal has
-    # advantage 0 everywhere, so it teaches nothing and only dilutes the step; drop it
-    # ("no_signal", accounted) and wait for informative groups instead — at most this many
-    # times the batch's groups per step, after which such groups are trained as they come
-    # (a policy that solves everything must still finish its steps). 0: off.
+    # Dynamic filtering: drop groups whose rewards are all equal ("no_signal", accounted), at
+    # most this many times a batch's groups per step; 0: off (docs/dataflow.md).
     no_signal_drops_per_batch: Annotated[float, Field(strict=False, ge=0, le=64, allow_inf_nan=False)] = 0.0
     loss: LossConfig = POLICY_LOSSES.field()
     # What makes the versions: "torch" trains the policy; "sim" sleeps a timing model
