@@ -113,6 +113,18 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
     return logp, entropy
 
 
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, aggregate: Aggregate,
+                denominator: float | None = None) -> torch.Tensor:
+    """The mean of ``values`` over masked tokens as the loss aggregates: every token alike
+    ("token"), or per row, then over rows ("sequence"); ``denominator`` as in clipped_loss."""
+    if aggregate == "token":
+        denom = denominator if denominator is not None else mask.sum().item()
+        return (values * mask).sum() / max(denom, 1.0)
+    lengths = mask.sum(dim=1).clamp(min=1.0)
+    denom = denominator if denominator is not None else float(mask.shape[0])
+    return ((values * mask).sum(dim=1) / lengths).sum() / max(denom, 1.0)
+
+
 def clipped_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor,
                  mask: torch.Tensor, clip_eps: float, aggregate: Aggregate = "token",
                  denominator: float | None = None,
@@ -135,13 +147,7 @@ def clipped_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: t
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped) * mask
-    if aggregate == "token":
-        denom = denominator if denominator is not None else mask.sum().item()
-        loss = per_token.sum() / max(denom, 1.0)
-    else:
-        lengths = mask.sum(dim=1).clamp(min=1.0)
-        denom = denominator if denominator is not None else float(mask.shape[0])
-        loss = (per_token.sum(dim=1) / lengths).sum() / max(denom, 1.0)
+    loss = masked_mean(per_token, mask, aggregate, denominator)
     with torch.no_grad():
         n = max(mask.sum().item(), 1.0)
         stats = {

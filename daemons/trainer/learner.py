@@ -132,7 +132,8 @@ class Learner:
                                 position_ids=packed.position_ids[prows, :pw],
                                 attention_mask=packed.attention[prows, :, :pw, :pw]).logits
             logp, entropy = packing.token_logprobs(logits, packed, prows, rows,
-                                                   batch.input_ids[rows, 1:width], self.temperature)
+                                                   batch.input_ids[rows, 1:width], self.temperature,
+                                                   entropy_grad=self.loss.needs_entropy_grad)
             loss, stats = self.loss(
                 logp, batch.behaviour_logprobs[rows, :width - 1], batch.advantages[rows],
                 batch.loss_mask[rows, :width - 1], aggregate=self.aggregate,

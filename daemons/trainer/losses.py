@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 class PolicyLoss(abc.ABC):
     """One loss, configured once; called per micro-batch by the learner."""
 
+    # True: ``entropy`` must carry gradient (the loss uses it, not only reports it).
+    needs_entropy_grad: bool = False
+
     @abc.abstractmethod
     def __call__(self, logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor,
                  mask: torch.Tensor, *, aggregate: str, denominator: float,
@@ -41,26 +44,35 @@ class PPOClipConfig(KindConfig):
     # The ratio is clipped to [1 - clip_eps, 1 + clip_eps]; at 1 or more the lower
     # bound is gone and the clip no longer limits a step.
     clip_eps: float = Field(default=0.2, strict=True, gt=0, lt=1, allow_inf_nan=False)
+    # An entropy bonus, - entropy_coef x the mean next-token entropy of the generated tokens
+    # (aggregated like the surrogate): it keeps a policy from sharpening into one that samples
+    # the same answer for every prompt, after which no group carries signal. 0: off.
+    entropy_coef: float = Field(default=0.0, strict=False, ge=0, le=1, allow_inf_nan=False)
 
 
 class PPOClipLoss(PolicyLoss):
     """PPO's clipped surrogate (grpo.clipped_loss), ratio against the behaviour log-probs."""
 
-    def __init__(self, clip_eps: float = 0.2) -> None:
+    def __init__(self, clip_eps: float = 0.2, entropy_coef: float = 0.0) -> None:
         from . import grpo  # torch
 
-        self._clipped_loss = grpo.clipped_loss
-        self.clip_eps = clip_eps
+        self._grpo = grpo
+        self.clip_eps, self.entropy_coef = clip_eps, entropy_coef
+        self.needs_entropy_grad = entropy_coef > 0
 
     def __call__(self, logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor,
                  mask: torch.Tensor, *, aggregate: str, denominator: float,
                  entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-        return self._clipped_loss(logp, behaviour_logp, advantages, mask, self.clip_eps,
-                                  aggregate,  # type: ignore[arg-type]
-                                  denominator=denominator, entropy=entropy)
+        loss, stats = self._grpo.clipped_loss(logp, behaviour_logp, advantages, mask, self.clip_eps,
+                                              aggregate,  # type: ignore[arg-type]
+                                              denominator=denominator, entropy=entropy)
+        if self.entropy_coef and entropy is not None:
+            bonus = self._grpo.masked_mean(entropy, mask, aggregate, denominator)  # type: ignore[arg-type]
+            loss = loss - self.entropy_coef * bonus
+        return loss, stats
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "ppo_clip", "clip_eps": self.clip_eps}
+        return {"kind": "ppo_clip", "clip_eps": self.clip_eps, "entropy_coef": self.entropy_coef}
 
 
 class PPOClip(Kind):
@@ -68,4 +80,4 @@ class PPOClip(Kind):
 
     @classmethod
     def build(cls, config: PPOClipConfig, /, **_: Any) -> PPOClipLoss:
-        return PPOClipLoss(config.clip_eps)
+        return PPOClipLoss(config.clip_eps, config.entropy_coef)

@@ -128,8 +128,9 @@ def _layout(ids: list[list[int]], lengths: list[int], plan: list[tuple[int, list
 
 def token_logprobs(logits: torch.Tensor, packed: PackedRows, prows: Sequence[int],
                    rows: Sequence[int], targets: torch.Tensor,
-                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """grpo.token_logprobs for TokenBatch ``rows`` from the logits of packed rows ``prows``.
+                   temperature: float = 1.0, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """grpo.token_logprobs for TokenBatch ``rows`` from the logits of packed rows ``prows``
+    (``entropy_grad``: the entropies carry gradient, for a loss with an entropy bonus).
 
     ``logits`` [len(prows), W, V]; ``targets`` [len(rows), T'] = input_ids[rows, 1:T'+1].
     Returns log-probs and entropies [len(rows), T'], aligned with the TokenBatch."""
@@ -140,6 +141,6 @@ def token_logprobs(logits: torch.Tensor, packed: PackedRows, prows: Sequence[int
     pos = packed.position[index, :targets.shape[1]]
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
     logp = logp_all[prow, pos].gather(-1, targets[..., None]).squeeze(-1)
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(logp_all.exp() * logp_all).sum(-1)[prow, pos]
     return logp, entropy

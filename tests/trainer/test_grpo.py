@@ -82,6 +82,24 @@ def test_clipped_loss_token_mean_by_hand():
     assert logp.grad.flatten().tolist() == pytest.approx([0.0, -0.5 / 3, 0.0, 0.0, 0.0, 0.0])
 
 
+def test_entropy_bonus_by_hand():
+    from rlfleet.daemons.trainer.losses import PPOClipLoss
+
+    logp, behaviour, adv, mask = _case()
+    entropy = torch.tensor([[0.6, 0.3, 9.0], [1.2, 9.0, 9.0]], requires_grad=True)  # 9.0: padding
+    loss, _ = PPOClipLoss(0.2, entropy_coef=0.1)(logp, behaviour, adv, mask, aggregate="token",
+                                                 denominator=3.0, entropy=entropy)
+    # the surrogate of test_clipped_loss_token_mean_by_hand, minus 0.1 x the masked mean entropy
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 0.8) / 3 - 0.1 * (0.6 + 0.3 + 1.2) / 3)
+    loss.backward()
+    assert entropy.grad.flatten().tolist() == pytest.approx([-0.1 / 3, -0.1 / 3, 0.0, -0.1 / 3, 0.0, 0.0])
+    # off by default: the loss ignores entropy, which the learner then computes without gradient
+    plain = PPOClipLoss(0.2)
+    assert not plain.needs_entropy_grad and PPOClipLoss(0.2, 0.01).needs_entropy_grad
+    loss0, _ = plain(logp, behaviour, adv, mask, aggregate="token", denominator=3.0, entropy=entropy)
+    assert loss0.item() == pytest.approx((-1.2 - 0.5 + 0.8) / 3)
+
+
 def test_clipped_loss_sequence_mean_and_denominator():
     logp, behaviour, adv, mask = _case()
     loss, _ = grpo.clipped_loss(logp, behaviour, adv, mask, 0.2, aggregate="sequence")
