@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                 r["passed" if ok else "failed"] += 1
                 r["seconds"].append(round(seconds, 1))
                 if not ok:
-                    r["failures"].append({"run": i, "tail": out[-3000:]})
+                    # The first assertion lines: a `finally` that fails too would hide them in a tail.
+                    errors = [line for line in out.splitlines() if line.startswith("E ")][:40]
+                    r["failures"].append({"run": i, "errors": errors, "tail": out[-3000:]})
                 print(f"  {test} run {i + 1}/{args.runs}: {'pass' if ok else 'FAIL'} in {seconds:.0f} s "
                       f"(load {os.getloadavg()[0]:.1f})", flush=True)
                 (args.out / "fault_loop.json").write_text(json.dumps(
