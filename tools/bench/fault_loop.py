@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -25,14 +26,19 @@ from typing import Any
 from rlfleet.tools.bench.learning import cpu_hog
 
 
-def run_once(test: str, timeout_s: float) -> tuple[bool, float, str]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", test]
+def run_once(test: str, timeout_s: float, basetemp: Path) -> tuple[bool, float, str]:
+    """One pytest process; its temporary files (run dirs, daemon logs) stay in ``basetemp``
+    when it fails, as the evidence, and are removed when it passes."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+           f"--basetemp={basetemp}", test]
     started = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         ok, out = proc.returncode == 0, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         ok, out = False, f"timed out after {timeout_s:.0f} s\n{exc.stdout or ''}"
+    if ok:
+        shutil.rmtree(basetemp, ignore_errors=True)
     return ok, time.monotonic() - started, out
 
 
@@ -50,14 +56,16 @@ def main(argv: list[str] | None = None) -> int:
         for test in args.tests:
             r = results[test] = {"runs": 0, "passed": 0, "failed": 0, "seconds": [], "failures": []}
             for i in range(args.runs):
-                ok, seconds, out = run_once(test, args.timeout_s)
+                basetemp = args.out / "tmp" / f"{test.replace('/', '_').replace(':', '_')}-{i}"
+                ok, seconds, out = run_once(test, args.timeout_s, basetemp)
                 r["runs"] += 1
                 r["passed" if ok else "failed"] += 1
                 r["seconds"].append(round(seconds, 1))
                 if not ok:
                     # The first assertion lines: a `finally` that fails too would hide them in a tail.
                     errors = [line for line in out.splitlines() if line.startswith("E ")][:40]
-                    r["failures"].append({"run": i, "errors": errors, "tail": out[-3000:]})
+                    r["failures"].append({"run": i, "errors": errors, "tail": out[-3000:],
+                                          "evidence": str(basetemp)})
                 print(f"  {test} run {i + 1}/{args.runs}: {'pass' if ok else 'FAIL'} in {seconds:.0f} s "
                       f"(load {os.getloadavg()[0]:.1f})", flush=True)
                 (args.out / "fault_loop.json").write_text(json.dumps(
