@@ -31,6 +31,7 @@ def run_once(test: str, timeout_s: float, basetemp: Path) -> tuple[bool, float, 
     when it fails, as the evidence, and are removed when it passes."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
            f"--basetemp={basetemp}", test]
+    basetemp.parent.mkdir(parents=True, exist_ok=True)  # pytest makes basetemp itself, not its parents
     started = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
