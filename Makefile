@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   train on the FrozenLake example on this machine (private etcd, all daemons, live view);
-#               about 6 minutes on 2 cores, plus about 90 s of set-up the first time
-#   make test   run the whole test suite (unit + integration with real etcd and real processes), ~6 min
+#               about 4 minutes on 2 cores, plus about 90 s of set-up the first time
+#   make test   run the whole test suite (unit + integration with real etcd and real processes), ~9 min
 # Both create .venv if missing, install the pinned dependencies and etcd.
 
 PYTHON ?= python3
