@@ -130,3 +130,50 @@ def test_a_daemon_without_the_keys_the_job_requires_refuses_to_start(tmp_path, e
         assert store.get_prefix(JobKeys("needskeys").role_members_prefix("repack-manager")) == []
     finally:
         store.close()
+
+
+@needs_model
+def test_a_whole_run_on_an_etcd_with_tls_client_certificates_and_users(tmp_path):
+    """A cluster-style etcd: TLS with --client-cert-auth and etcd users (auth enable), the
+    job's user limited to /rlfleet/ — `rlfleet run --etcd` with every credential flag
+    trains to the end with CURVE and the relay secret on; a user without a password file
+    is a usage error, and with a wrong password etcd refuses and the refusal is said."""
+    from rlfleet.common.secret_files import write_private
+    from rlfleet.tools.credentials import make_etcd_tls
+    from rlfleet.tools.etcd_local import EtcdCluster
+
+    from .test_etcd_auth import _etcdctl
+
+    tls = make_etcd_tls(tmp_path / "pki")
+    cluster = EtcdCluster(1, base_dir=tmp_path / "etcd", tls=tls).start()
+    try:
+        cert = ["--cacert", str(tls.ca), "--cert", str(tls.client_cert), "--key", str(tls.client_key)]
+        for args in (["user", "add", "root", "--new-user-password=root-pw"],
+                     ["user", "add", "fleet", "--new-user-password=fleet-pw"], ["role", "add", "fleet"],
+                     ["role", "grant-permission", "fleet", "--prefix=true", "readwrite", "/rlfleet/"],
+                     ["user", "grant-role", "fleet", "fleet"], ["auth", "enable"]):
+            _etcdctl(cluster, *cert, *args)
+        password = tmp_path / "fleet.pw"
+        write_private(password, b"fleet-pw\n")
+        flags = ["--etcd", cluster.endpoints_arg, "--etcd-cacert", str(tls.ca), "--etcd-cert", str(tls.client_cert),
+                 "--etcd-key", str(tls.client_key), "--etcd-user", "fleet"]
+        spec = write_spec(tmp_path, job="authed", extra=JOB)
+
+        def run(*more: str, timeout: float = 120) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "rlfleet.tools.cli", "run", str(spec), "--no-view", *flags,
+                                   *more], capture_output=True, text=True, cwd=REPO, env=_clean_env(), timeout=timeout)
+
+        no_password = run()
+        assert no_password.returncode == 2 and "--etcd-password-file" in no_password.stderr, no_password.stderr
+        wrong = tmp_path / "wrong.pw"
+        write_private(wrong, b"not-the-password\n")
+        refused = run("--etcd-password-file", str(wrong))
+        said = refused.stdout + refused.stderr
+        assert refused.returncode != 0 and "refused" in said, said[-2000:]
+
+        done = run("--etcd-password-file", str(password), timeout=400)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        assert "security on: CURVE on every ZeroMQ socket, relay authenticated" in done.stdout, done.stdout[-2000:]
+        assert "trainer finished 6 steps" in done.stdout and "invariant holds" in done.stdout, done.stdout[-2000:]
+    finally:
+        cluster.stop()
