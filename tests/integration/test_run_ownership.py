@@ -62,7 +62,9 @@ def all_running(store: EtcdStore, expected: int, incarnation: str) -> bool:
 def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("owned")
     etcd = EtcdCluster(1).start()
-    spec = write_spec(tmp, job="owned")
+    # Never finishes by itself: on an idle machine the default 100 steps take ~7 s, and
+    # the tests below need the run live until the take-over test stops it.
+    spec = write_spec(tmp, job="owned", extra="\n[trainer]\nmax_steps = 1000000\n")
     stall_file = tmp / "stall-reward-host"
     log = tmp / "run1.log"
     proc = start_run(spec, etcd, log, env={DAEMON_FAILPOINT_ENV: f"stall_if_file:reward-host:{stall_file}"})
