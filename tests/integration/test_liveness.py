@@ -22,6 +22,9 @@ from rlfleet.tools.exit_codes import Exit
 from .helpers import rlfleet, stop, wait_for, write_spec
 
 TTL_S = 2.0
+# For the checks of `rlfleet status` right after a kill: status is a fresh Python process,
+# which on a loaded machine takes more than a 2 s lease to start and ask.
+LONG_TTL_S = 20.0
 KEYS = JobKeys("live")
 MEMBER = KEYS.member("reward-host", "rh-1")
 
@@ -36,6 +39,14 @@ def store(tmp_path, etcd):
     with EtcdStore(etcd.endpoints) as s:
         s.put(KEYS.spec, load_spec(write_spec(tmp_path, job="live")).to_dict())
         yield s
+
+
+@pytest.fixture
+def long_lease(tmp_path, store):
+    """The job's spec with LONG_TTL_S leases (request it before reward_host)."""
+    spec = load_spec(write_spec(tmp_path, job="live")).to_dict()
+    spec["etcd"]["lease_ttl_s"] = LONG_TTL_S
+    store.put(KEYS.spec, spec)
 
 
 @pytest.fixture
@@ -58,20 +69,20 @@ def member_health(result: subprocess.CompletedProcess) -> str:
     return next(m["health"] for m in out["members"] if m["member_id"] == "rh-1")
 
 
-def test_status_says_dead_at_once_after_kill_9(etcd, store, reward_host):
+def test_status_says_dead_at_once_after_kill_9(etcd, store, long_lease, reward_host):
     proc, _ = reward_host
     healthy = status(etcd)
     assert healthy.returncode == Exit.OK and member_health(healthy) == "running", healthy.stdout
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    after = status(etcd)  # at once: the lease has up to two seconds left
+    after = status(etcd)  # at once: the lease has up to LONG_TTL_S left
     assert store.get(MEMBER) is not None, "the lease ran out before status was asked; the test proves nothing"
     assert after.returncode == Exit.FAILURE, after.stdout
     assert member_health(after).startswith(f"dead (pid {proc.pid} is gone")
     assert any(p.startswith("reward-host/rh-1: dead") for p in json.loads(after.stdout)["problems"])
 
 
-def test_status_says_stopped_for_a_sigstopped_daemon(etcd, store, reward_host):
+def test_status_says_stopped_for_a_sigstopped_daemon(etcd, store, long_lease, reward_host):
     proc, _ = reward_host
     os.kill(proc.pid, signal.SIGSTOP)
     wait_for("the daemon stopped", lambda: ProcessId(boot_id(), proc.pid, 0).state() == "stopped", timeout_s=5)
@@ -130,11 +141,11 @@ def test_a_member_key_deleted_by_hand_comes_back(etcd, store, reward_host):
 def test_status_says_stalled_when_a_lease_is_not_refreshed(etcd, store):
     """A loop that stopped refreshing (on another machine: no pid to check) is flagged
     before its lease runs out, once over half the TTL passed without a refresh."""
-    lease = store.grant_lease(6)
+    lease = store.grant_lease(LONG_TTL_S)  # status may take seconds to answer on a busy machine
     store.put(MEMBER, {"id": "rh-1", "role": "reward-host", "host": "elsewhere", "pid": 4242,
                        "boot_id": "another-boot", "state": "running"}, lease=lease)
     assert member_health(status(etcd)) == "running"
     flagged = wait_for("status to say stalled", lambda: (r := status(etcd)).returncode == Exit.FAILURE and r,
-                       timeout_s=6)
+                       timeout_s=LONG_TTL_S)
     assert member_health(flagged).startswith("stalled (no lease refresh for ~"), flagged.stdout
     assert store.lease_remaining(lease.id) > 0  # flagged before the registration expired
