@@ -26,12 +26,13 @@ SUITE = "bookworm"
 CONTROLLER_PACKAGES = ("systemd-container", "debootstrap", "openssh-client")
 # Baked into the base: the hosts have no registry access, so everything a role needs is here.
 # python3-apt and python3-cryptography are for Ansible modules (apt facts, openssl_*);
-# netbase gives /etc/services and /etc/protocols; iputils-ping for people debugging a host.
+# acl: Ansible's become_user to an unprivileged user (rlfleet, etcd) shares its temp files by
+# setfacl; rsync for `synchronize`; netbase gives /etc/services and /etc/protocols; ping for people.
 BASE_PACKAGES = (
     "systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "python3-apt",
     "python3-cryptography", "openssh-server", "etcd-server", "etcd-client", "prometheus",
     "iproute2", "iputils-ping", "procps", "sudo", "ca-certificates", "curl", "openssl",
-    "netbase", "less",
+    "netbase", "less", "acl", "rsync",
 )
 # Debian starts these on install; in the base they stay off so a bare host runs no default
 # etcd or Prometheus: Ansible enables what it configures. apt's timers only add noise.
