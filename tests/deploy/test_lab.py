@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.tools.lab import procs
+from rlfleet.tools.lab import cgroups, procs
 from rlfleet.tools.lab.paths import ROOTFS_STAMP, lab_dir
 from tests.deploy.conftest import lab_cli
 
@@ -33,6 +33,7 @@ def _assert_gone(name: str, leaders: list[int]) -> None:
         "mounts left behind"
     assert procs.nspawn_pids_under(lab_dir(name)) == [], "systemd-nspawn processes left behind"
     assert not [p for p in leaders if procs.alive(p)], "container processes left behind"
+    assert cgroups.leftovers(name) == [] and cgroups.procs_in(name) == [], "cgroups left behind"
     assert not lab_dir(name).exists()
 
 

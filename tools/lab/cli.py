@@ -32,7 +32,7 @@ def _lab(name: str):
 
 
 def _root() -> None:
-    from rlfleet.tools.lab.proc import require_root
+    from rlfleet.tools.lab.commands import require_root
     require_root()
 
 
@@ -53,7 +53,7 @@ def build(mirror: str | None, force: bool) -> None:
     """Install the controller's packages and build (or reuse) the cached base rootfs."""
     _root()
     from rlfleet.tools.lab import rootfs
-    from rlfleet.tools.lab.proc import CommandFailed
+    from rlfleet.tools.lab.commands import CommandFailed
     try:
         rootfs.build(mirror, force)
     except CommandFailed as exc:
@@ -67,7 +67,7 @@ def build(mirror: str | None, force: bool) -> None:
 def wheelhouse(repo: Path, force: bool) -> None:
     """Build the wheelhouse the hosts install rlfleet[ml] from (mounted at /srv/wheelhouse)."""
     from rlfleet.tools.lab import wheelhouse as wh
-    from rlfleet.tools.lab.proc import CommandFailed
+    from rlfleet.tools.lab.commands import CommandFailed
     try:
         wh.build(repo, force=force)
     except CommandFailed as exc:
@@ -84,7 +84,7 @@ def up(name: str, count: int, subnet: str, timeout: float) -> None:
     _root()
     import time
     from rlfleet.tools.lab.hosts import LabError
-    from rlfleet.tools.lab.proc import CommandFailed
+    from rlfleet.tools.lab.commands import CommandFailed
     lab = _lab(name)
     t0 = time.monotonic()
     try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from rlfleet.tools.lab.proc import run
+from rlfleet.tools.lab.commands import run
 
 NETNS_DIR = Path("/run/netns")
 BRIDGE = "br0"

@@ -23,7 +23,7 @@ import tomllib
 from pathlib import Path
 
 from rlfleet.tools.lab.paths import CACHE, WHEELHOUSE, WHEELHOUSE_STAMP
-from rlfleet.tools.lab.proc import CommandFailed, run, run_long, say
+from rlfleet.tools.lab.commands import CommandFailed, run, run_long, say
 
 EXTRAS = ("ml",)
 TORCH_PIN = "torch==2.13.0"
