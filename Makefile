@@ -2,6 +2,7 @@
 #   make demo   train on the FrozenLake example on this machine (private etcd, all daemons, live view);
 #               about 4 minutes on 2 cores, plus about 90 s of set-up the first time
 #   make test   run the whole test suite (unit + integration with real etcd and real processes), ~9 min
+#   make test-deploy   the cluster path on a lab of systemd-nspawn hosts (root; docs/lab.md)
 # Both create .venv if missing, install the pinned dependencies and etcd.
 
 PYTHON ?= python3
@@ -11,7 +12,7 @@ STAMP  := $(VENV)/.installed-stamp
 DEMO_SPEC ?= examples/frozenlake.toml
 PYTEST_ARGS ?=
 
-.PHONY: setup etcd test demo clean
+.PHONY: setup etcd test test-deploy demo clean
 
 setup: $(STAMP) etcd
 
@@ -44,6 +45,16 @@ etcd:
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The lab (tools/lab, docs/lab.md): as root, apt-get installs systemd-nspawn and debootstrap, builds
+# the hosts' base rootfs (a few minutes the first time, then cached in /var/cache/rlfleet-lab) and
+# the wheelhouse the hosts install rlfleet from; then the tests marked `lab` boot real systemd hosts.
+test-deploy: setup
+	@echo "deploy extra (ansible-core) into $(VENV)"
+	@$(PY) -m pip install --quiet -e '.[deploy]'
+	$(PY) -m rlfleet.tools.lab build
+	$(PY) -m rlfleet.tools.lab wheelhouse
+	RLFLEET_LAB=1 $(PY) -m pytest -m lab tests/deploy $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/rlfleet run $(DEMO_SPEC)
