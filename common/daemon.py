@@ -192,8 +192,7 @@ class Daemon:
         new = said if said and said != self._told_status else ""
         self._told_status = new or self._told_status
         if not self._told_ready and self.session.registered:
-            self._told_ready = True
-            self.notifier.notify("READY=1", "WATCHDOG=1", *status_field(self._told_status))
+            self._told_ready = self.notifier.notify("READY=1", "WATCHDOG=1", *status_field(self._told_status))
         else:
             self.notifier.watchdog(new)
 
@@ -261,5 +260,5 @@ class Daemon:
         except (StoreUnavailable, LookupError, SpecError, curve.CurveError) as exc:
             said = f"kept the current spec, reload failed: {exc}"
         if told:
-            self.notifier.ready(said)
+            self.notifier.ready()  # the cycle's STATUS (this sentence) follows at once
         return said

@@ -8,8 +8,11 @@ watchdog is meant for): the service must send WATCHDOG=1 more often than that or
 be killed with SIGABRT and, with `Restart=on-failure`, started again.
 
 Outside systemd the variable is unset and every call is a no-op, so a daemon
-notifies unconditionally. A notification that cannot be sent is logged once and
-dropped: systemd going away must never stop a daemon's loop.
+notifies unconditionally. Sending never blocks: the loop that pings the watchdog
+must not hang on a busy systemd (its socket queues only net.unix.max_dgram_qlen
+datagrams, 10 by default, from every service of the host). A notification that
+cannot go out is dropped and logged when sending starts failing; the caller sees
+False (the daemon resends READY=1 until it goes out, WATCHDOG=1 goes every cycle).
 """
 
 from __future__ import annotations
@@ -67,11 +70,13 @@ class Notifier:
         try:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._sock.sendto("\n".join(lines).encode(), target)
+            self._sock.sendto("\n".join(lines).encode(), socket.MSG_DONTWAIT, target)
+            self._failed = False
             return True
-        except OSError as exc:
+        except OSError as exc:  # BlockingIOError: systemd's queue is full
             if not self._failed:
-                log.warning("cannot notify systemd at %s: %s", self.address, exc, extra={"event": "sd_notify"})
+                log.warning("cannot notify systemd at %s (%s): dropping %s", self.address, exc, lines[0],
+                            extra={"event": "sd_notify"})
                 self._failed = True
             return False
 

@@ -1,0 +1,89 @@
+"""`systemd-analyze security` exposure of each unit in systemd/, as JSON.
+
+    python -m rlfleet.tools.bench.unit_security [--json OUT] [--prefix 'nsenter -t PID -a'] [UNIT ...]
+
+Offline (`--offline=true`, systemd >= 250): the unit files are read as files, so
+no booted systemd is needed; the figure is the one systemd prints as "Overall
+exposure level" (0.0 best, 10.0 worst) with its rating (OK, MEDIUM, EXPOSED,
+UNSAFE), plus each check that counted against the unit. With `--prefix` the
+command runs through that prefix instead (e.g. inside a lab host, where
+`--offline=false` on an installed unit also sees what systemd fills in at run
+time; pass the unit names then, e.g. `rlfleet@arith:rollout-0.service`).
+
+Template units are analysed as an instance (`rlfleet@job:role-0.service`,
+`rlfleet-agent@job.service`) in a temporary directory, because systemd refuses
+to analyse a bare template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+UNIT_DIR = REPO / "systemd"
+# The instance each template is analysed as (any valid name does: nothing depends on it).
+INSTANCES = {"rlfleet@.service": "rlfleet@job:rollout-0.service", "rlfleet-agent@.service": "rlfleet-agent@job.service"}
+OVERALL = re.compile(r"Overall exposure level for (\S+):\s*([0-9.]+)\s+(\w+)")
+
+
+def instance_name(unit_file: Path) -> str:
+    return INSTANCES.get(unit_file.name, unit_file.name)
+
+
+def analyse(unit: str, prefix: list[str], cwd: Path | None, offline: bool) -> dict[str, Any]:
+    """The exposure of one unit (a file name in cwd when offline, else a loaded unit)."""
+    base = [*prefix, "systemd-analyze", "security", "--no-pager", f"--offline={str(offline).lower()}"]
+    text = subprocess.run([*base, unit], capture_output=True, text=True, cwd=cwd, timeout=120)
+    match = OVERALL.search(text.stdout + text.stderr)
+    if match is None:
+        raise RuntimeError(f"systemd-analyze security {unit}: no overall exposure in its output "
+                           f"(exit {text.returncode}): {(text.stderr or text.stdout).strip()[-500:]}")
+    checks = subprocess.run([*base, "--json=short", unit], capture_output=True, text=True, cwd=cwd, timeout=120)
+    counted = [c for c in json.loads(checks.stdout or "[]") if c.get("exposure")]
+    return {
+        "unit": unit,
+        "exposure": float(match.group(2)),
+        "rating": match.group(3),
+        "counted": [{"name": c.get("name"), "exposure": c.get("exposure"), "description": c.get("description")}
+                    for c in sorted(counted, key=lambda c: -float(c["exposure"]))],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("units", nargs="*", help="unit names (with --prefix) or files (default: systemd/*.service)")
+    parser.add_argument("--prefix", default="", help="run systemd-analyze through this command, on loaded units")
+    parser.add_argument("--json", dest="out", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    prefix = shlex.split(args.prefix)
+    if not prefix and shutil.which("systemd-analyze") is None:
+        print("systemd-analyze is not installed (Debian: apt-get install systemd)", file=sys.stderr)
+        return 1
+    results = []
+    if prefix:
+        results = [analyse(unit, prefix, None, offline=False) for unit in args.units]
+    else:
+        files = [Path(u) for u in args.units] or sorted(UNIT_DIR.glob("*.service"))
+        with tempfile.TemporaryDirectory() as tmp:
+            for f in files:
+                name = instance_name(f)
+                shutil.copy(f, Path(tmp) / name)
+                results.append({**analyse(name, [], Path(tmp), offline=True), "file": f.name})
+    for r in results:
+        print(f"{r.get('file', r['unit']):28} {r['exposure']:4.1f} {r['rating']}")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
