@@ -10,33 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.tools.bench.unit_security import instance_name
+from rlfleet.tools.bench.unit_security import stand_in_root
 
 REPO = Path(__file__).resolve().parents[2]
 UNITS = sorted((REPO / "systemd").glob("*.service"))
-# What the units run, as stand-ins under the temporary root: verify checks that each
-# command exists and is executable, and nothing here installs rlfleet or etcd there.
-EXECUTABLES = ("opt/rlfleet/venv/bin/rlfleet", "usr/bin/etcd", "bin/kill")
 
 needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                                    reason="systemd-analyze is not installed (Debian package systemd)")
 
 
-@pytest.fixture
-def root(tmp_path):
-    for exe in EXECUTABLES:
-        path = tmp_path / exe
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("#!/bin/sh\nexit 0\n")
-        path.chmod(0o755)
-    (tmp_path / "etc/systemd/system").mkdir(parents=True)
-    return tmp_path
-
-
 def verify(root: Path, unit_file: Path) -> subprocess.CompletedProcess:
-    """verify the unit as an instance (a bare template cannot be verified)."""
-    target = root / "etc/systemd/system" / instance_name(unit_file)
-    target.write_text(unit_file.read_text())
+    """verify the unit under a root with stand-ins for the commands it runs, as an
+    instance (a bare template is not verified); nothing is installed for it."""
+    (target,) = stand_in_root(root, [unit_file])
     return subprocess.run(["systemd-analyze", "verify", f"--root={root}", "--man=no", "--generators=no",
                            str(target)], capture_output=True, text=True, timeout=120)
 
@@ -47,19 +33,19 @@ def test_every_unit_of_the_contract_is_there():
 
 @needs_analyze
 @pytest.mark.parametrize("unit_file", UNITS, ids=lambda u: u.name)
-def test_systemd_analyze_verify_is_clean(root, unit_file):
-    result = verify(root, unit_file)
+def test_systemd_analyze_verify_is_clean(tmp_path, unit_file):
+    result = verify(tmp_path, unit_file)
     assert result.returncode == 0, result.stderr
     assert result.stderr == "", result.stderr
 
 
 @needs_analyze
-def test_verify_would_catch_a_bad_key(root, tmp_path):
+def test_verify_would_catch_a_bad_key(tmp_path):
     """The check above can fail: a misspelt key exits 0 but warns on stderr."""
     bad = tmp_path / "rlfleet-etcd.service"
     bad.write_text((REPO / "systemd" / "rlfleet-etcd.service").read_text()
                    .replace("NoNewPrivileges=yes", "NoNewPrivilege=yes"))
-    result = verify(root, bad)
+    result = verify(tmp_path / "root", bad)
     assert "NoNewPrivilege" in result.stderr
 
 

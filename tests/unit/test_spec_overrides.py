@@ -5,7 +5,7 @@ from __future__ import annotations
 from rlfleet.common.spec import load_spec
 from rlfleet.common.spec_overrides import with_bind_host
 
-from ..integration.helpers import write_spec
+from tests.integration.helpers import write_spec
 
 SECTIONS_THAT_BIND = ("trainer", "rollout", "relay", "env_host", "reward_host")
 

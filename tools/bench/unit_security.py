@@ -10,9 +10,11 @@ command runs through that prefix instead (e.g. inside a lab host, where
 `--offline=false` on an installed unit also sees what systemd fills in at run
 time; pass the unit names then, e.g. `rlfleet@arith:rollout-0.service`).
 
-Template units are analysed as an instance (`rlfleet@job:role-0.service`,
-`rlfleet-agent@job.service`) in a temporary directory, because systemd refuses
-to analyse a bare template.
+Offline, the units are analysed under a temporary `--root` (`stand_in_root`) that
+holds them as instances (`rlfleet@job:rollout-0.service`, `rlfleet-agent@job.service`:
+a bare template is not analysed) and stand-ins for the commands they run, so
+neither rlfleet nor etcd needs to be installed here. tests/systemd/test_units.py
+runs `systemd-analyze verify` under the same root.
 """
 
 from __future__ import annotations
@@ -35,19 +37,42 @@ INSTANCES = {"rlfleet@.service": "rlfleet@job:rollout-0.service", "rlfleet-agent
 OVERALL = re.compile(r"Overall exposure level for (\S+):\s*([0-9.]+)\s+(\w+)")
 
 
+# What the units run: systemd checks that each command exists and is executable.
+EXECUTABLES = ("opt/rlfleet/venv/bin/rlfleet", "usr/bin/etcd", "bin/kill")
+
+
 def instance_name(unit_file: Path) -> str:
     return INSTANCES.get(unit_file.name, unit_file.name)
 
 
-def analyse(unit: str, prefix: list[str], cwd: Path | None, offline: bool) -> dict[str, Any]:
-    """The exposure of one unit (a file name in cwd when offline, else a loaded unit)."""
-    base = [*prefix, "systemd-analyze", "security", "--no-pager", f"--offline={str(offline).lower()}"]
-    text = subprocess.run([*base, unit], capture_output=True, text=True, cwd=cwd, timeout=120)
+def stand_in_root(root: Path, unit_files: list[Path]) -> list[Path]:
+    """A file-system root for systemd-analyze: the units (as instances) in
+    etc/systemd/system and an executable stand-in for every command they run;
+    returns the units' paths in it."""
+    for exe in EXECUTABLES:
+        path = root / exe
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\nexit 0\n")
+        path.chmod(0o755)
+    unit_dir = root / "etc/systemd/system"
+    unit_dir.mkdir(parents=True, exist_ok=True)
+    placed = []
+    for f in unit_files:
+        placed.append(unit_dir / instance_name(f))
+        placed[-1].write_text(f.read_text())
+    return placed
+
+
+def analyse(unit: str, prefix: list[str], root: Path | None) -> dict[str, Any]:
+    """The exposure of one unit: a file under `root` (offline), else a loaded unit."""
+    base = [*prefix, "systemd-analyze", "security", "--no-pager"]
+    base += [f"--root={root}", "--offline=true"] if root else []
+    text = subprocess.run([*base, unit], capture_output=True, text=True, timeout=120)
     match = OVERALL.search(text.stdout + text.stderr)
     if match is None:
         raise RuntimeError(f"systemd-analyze security {unit}: no overall exposure in its output "
                            f"(exit {text.returncode}): {(text.stderr or text.stdout).strip()[-500:]}")
-    checks = subprocess.run([*base, "--json=short", unit], capture_output=True, text=True, cwd=cwd, timeout=120)
+    checks = subprocess.run([*base, "--json=short", unit], capture_output=True, text=True, timeout=120)
     counted = [c for c in json.loads(checks.stdout or "[]") if c.get("exposure")]
     return {
         "unit": unit,
@@ -70,14 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     results = []
     if prefix:
-        results = [analyse(unit, prefix, None, offline=False) for unit in args.units]
+        results = [analyse(unit, prefix, None) for unit in args.units]
     else:
         files = [Path(u) for u in args.units] or sorted(UNIT_DIR.glob("*.service"))
         with tempfile.TemporaryDirectory() as tmp:
-            for f in files:
-                name = instance_name(f)
-                shutil.copy(f, Path(tmp) / name)
-                results.append({**analyse(name, [], Path(tmp), offline=True), "file": f.name})
+            for f, placed in zip(files, stand_in_root(Path(tmp), files)):
+                results.append({**analyse(str(placed), [], Path(tmp)), "file": f.name})
     for r in results:
         print(f"{r.get('file', r['unit']):28} {r['exposure']:4.1f} {r['rating']}")
     if args.out:
