@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.tools.bench.unit_security import stand_in_root
+from rlfleet.tools.bench.unit_security import SYSTEM_UNITS, stand_in_root
 
 REPO = Path(__file__).resolve().parents[2]
 UNITS = sorted((REPO / "systemd").glob("*.service"))
 
-needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None or not SYSTEM_UNITS.is_dir(),
                                    reason="systemd-analyze is not installed (Debian package systemd)")
 
 
 def verify(root: Path, unit_file: Path) -> subprocess.CompletedProcess:
-    """verify the unit under a root with stand-ins for the commands it runs, as an
-    instance (a bare template is not verified); nothing is installed for it."""
+    """verify the unit file under a root with stand-ins for the commands it runs
+    (nothing is installed for it); a template is verified as its instance `@i`."""
     (target,) = stand_in_root(root, [unit_file])
     return subprocess.run(["systemd-analyze", "verify", f"--root={root}", "--man=no", "--generators=no",
                            str(target)], capture_output=True, text=True, timeout=120)

@@ -10,11 +10,12 @@ command runs through that prefix instead (e.g. inside a lab host, where
 `--offline=false` on an installed unit also sees what systemd fills in at run
 time; pass the unit names then, e.g. `rlfleet@arith:rollout-0.service`).
 
-Offline, the units are analysed under a temporary `--root` (`stand_in_root`) that
-holds them as instances (`rlfleet@job:rollout-0.service`, `rlfleet-agent@job.service`:
-a bare template is not analysed) and stand-ins for the commands they run, so
-neither rlfleet nor etcd needs to be installed here. tests/systemd/test_units.py
-runs `systemd-analyze verify` under the same root.
+Offline, the unit files are analysed under a temporary `--root` (`stand_in_root`):
+the units in its etc/systemd/system (systemd analyses a template there as its
+instance `@i`), this machine's own system units in its usr/lib/systemd/system
+(the targets every service depends on by default), and stand-ins for the commands
+the units run, so neither rlfleet nor etcd needs to be installed here.
+tests/systemd/test_units.py runs `systemd-analyze verify` under the same root.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT_DIR = REPO / "systemd"
-# The instance each template is analysed as (any valid name does: nothing depends on it).
-INSTANCES = {"rlfleet@.service": "rlfleet@job:rollout-0.service", "rlfleet-agent@.service": "rlfleet-agent@job.service"}
+SYSTEM_UNITS = Path("/usr/lib/systemd/system")  # this machine's, from Debian's systemd package
 OVERALL = re.compile(r"Overall exposure level for (\S+):\s*([0-9.]+)\s+(\w+)")
 
 
@@ -41,24 +41,22 @@ OVERALL = re.compile(r"Overall exposure level for (\S+):\s*([0-9.]+)\s+(\w+)")
 EXECUTABLES = ("opt/rlfleet/venv/bin/rlfleet", "usr/bin/etcd", "bin/kill")
 
 
-def instance_name(unit_file: Path) -> str:
-    return INSTANCES.get(unit_file.name, unit_file.name)
-
-
 def stand_in_root(root: Path, unit_files: list[Path]) -> list[Path]:
-    """A file-system root for systemd-analyze: the units (as instances) in
-    etc/systemd/system and an executable stand-in for every command they run;
-    returns the units' paths in it."""
+    """A file-system root for systemd-analyze: the units in etc/systemd/system, the
+    system's units (sysinit.target, network-online.target, ...) and an executable
+    stand-in for every command they run; returns the units' paths in it."""
     for exe in EXECUTABLES:
         path = root / exe
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("#!/bin/sh\nexit 0\n")
         path.chmod(0o755)
+    if not (root / "usr/lib/systemd/system").exists():
+        shutil.copytree(SYSTEM_UNITS, root / "usr/lib/systemd/system", symlinks=True)
     unit_dir = root / "etc/systemd/system"
     unit_dir.mkdir(parents=True, exist_ok=True)
     placed = []
     for f in unit_files:
-        placed.append(unit_dir / instance_name(f))
+        placed.append(unit_dir / f.name)
         placed[-1].write_text(f.read_text())
     return placed
 
