@@ -37,16 +37,25 @@ SYSTEM_UNITS = Path("/usr/lib/systemd/system")  # this machine's, from Debian's 
 OVERALL = re.compile(r"Overall exposure level for (\S+):\s*([0-9.]+)\s+(\w+)")
 
 
-# What the units run: systemd checks that each command exists and is executable.
-EXECUTABLES = ("opt/rlfleet/venv/bin/rlfleet", "usr/bin/etcd", "bin/kill")
+
+
+def commands(unit_file: Path) -> set[str]:
+    """The programs a unit runs (ExecStart=, ExecReload=, ...): systemd checks that
+    each exists and is executable."""
+    found = set()
+    for line in unit_file.read_text().splitlines():
+        key, _, value = line.partition("=")
+        if key.startswith("Exec") and value.strip():
+            found.add(value.split()[0].lstrip("-@:+!"))
+    return found
 
 
 def stand_in_root(root: Path, unit_files: list[Path]) -> list[Path]:
     """A file-system root for systemd-analyze: the units in etc/systemd/system, the
     system's units (sysinit.target, network-online.target, ...) and an executable
     stand-in for every command they run; returns the units' paths in it."""
-    for exe in EXECUTABLES:
-        path = root / exe
+    for exe in set().union(*map(commands, unit_files)):
+        path = root / exe.lstrip("/")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("#!/bin/sh\nexit 0\n")
         path.chmod(0o755)
