@@ -4,6 +4,13 @@ Lifecycle: load the spec (from etcd, or a file) → register under
 /rlfleet/<job>/members/<role>/<id> with a lease → loop over `run_cycle()` →
 on SIGTERM: drain, deregister, exit 0; on SIGHUP: reload the spec.
 
+Under systemd (`Type=notify`, systemd/README.md) the same transitions are told to
+systemd (common/sd_notify.py; no-ops elsewhere): READY=1 once the first cycle has
+registered us, STATUS= each new cycle sentence, WATCHDOG=1 from this loop once per
+cycle (never from a thread: a stalled loop stops pinging and systemd kills and
+restarts it), RELOADING=1 … READY=1 around a SIGHUP reload, STOPPING=1 when the
+drain starts.
+
 Signals only set flags; the loop does the work, so every transition happens
 at one well-defined place and is logged as one sentence (STYLE §3).
 Subclasses fill in `setup()`, `cycle()`, `drain()` and `member_info()`;
@@ -26,9 +33,11 @@ from rlfleet.common import curve, metrics, security
 from rlfleet.common.cluster import read_spec
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.procs import ProcessId
+from rlfleet.common.sd_notify import Notifier, status_field
 from rlfleet.common.session import Session
 from rlfleet.common.signals import route_signals
 from rlfleet.common.spec import SINGLETON_ROLES, JobSpec, SpecError, load_spec
+from rlfleet.common.spec_overrides import with_bind_host
 from rlfleet.common.store import Store, StoreUnavailable
 
 log = logging.getLogger("rlfleet.daemon")
@@ -48,6 +57,7 @@ class DaemonOptions:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
     incarnation: str = ""  # the owning run's incarnation ("" when started by hand)
+    bind_host: str | None = None  # replaces every bind_host of the spec (this host's cluster address)
 
 
 class Daemon:
@@ -69,6 +79,9 @@ class Daemon:
         self._reload = threading.Event()
         self._wake = threading.Event()
         self._labels = {"role": self.role, "id": options.member_id}
+        self.notifier = Notifier.from_env()
+        self._told_ready = False
+        self._told_status = ""
         metrics.set_role(self.role)  # the role label of rlfleet_rejected_messages_total
 
     # -- hooks for subclasses ------------------------------------------------
@@ -116,6 +129,7 @@ class Daemon:
             said = security.enforce(self.spec, self.role)
         except security.SecurityError as exc:
             log.error("refusing to start: %s", exc, extra={"event": "security_refused"})
+            self.notifier.status(f"refusing to start: {exc}")
             return EXIT_SECURITY
         if said:
             log.info(said, extra={"event": "security"})
@@ -131,8 +145,13 @@ class Daemon:
             said = self.run_cycle()
             if said:
                 log.info(said, extra={"event": "cycle"})
+            self._tell_systemd(said)
             metrics.CYCLE_SECONDS.labels(**self._labels).observe(time.monotonic() - started)
             wait_s = min(interval, self.cycle_interval_s() or interval)
+            if self.notifier.watchdog_s:
+                # A third of the watchdog timeout (sd_watchdog_enabled(3) asks for less
+                # than half) leaves room for a slow cycle before systemd gives up on us.
+                wait_s = min(wait_s, self.notifier.watchdog_s / 3)
             self._wake.wait(max(0.0, wait_s - (time.monotonic() - started)))
             self._wake.clear()
         return self.shutdown()
@@ -166,8 +185,20 @@ class Daemon:
         metrics.LEASE_GRANTS.labels(**self._labels)._value.set(self.session.lease_grants)
         return "; ".join(said)
 
+    def _tell_systemd(self, said: str) -> None:
+        """One datagram per cycle: the watchdog ping, READY=1 the first time we are
+        registered, and the cycle sentence whenever a new one comes."""
+        assert self.session is not None
+        new = said if said and said != self._told_status else ""
+        self._told_status = new or self._told_status
+        if not self._told_ready and self.session.registered:
+            self._told_ready = self.notifier.notify("READY=1", "WATCHDOG=1", *status_field(self._told_status))
+        else:
+            self.notifier.watchdog(new)
+
     def shutdown(self) -> int:
         self.state = "draining"
+        self.notifier.stopping(f"draining {self.role}/{self.options.member_id}")
         said = [s for s in (self.drain(),) if s]
         if self.session is not None:
             said.append(self.session.close())
@@ -196,11 +227,12 @@ class Daemon:
     # -- spec ----------------------------------------------------------------
     def _fetch_spec(self) -> JobSpec:
         if self.options.spec_file:
-            return load_spec(self.options.spec_file)
-        spec = read_spec(self.store, self.keys)
+            spec = load_spec(self.options.spec_file)
+        else:
+            spec = read_spec(self.store, self.keys)
         if spec is None:
             raise LookupError(f"no spec at {self.keys.spec} yet (submit one with `rlfleet job submit`)")
-        return spec
+        return with_bind_host(spec, self.options.bind_host)
 
     def _load_spec_until_available(self) -> JobSpec | None:
         backoff = 0.1
@@ -211,6 +243,7 @@ class Daemon:
             except (StoreUnavailable, LookupError) as exc:
                 if str(exc) != last_reason:
                     log.warning("waiting for the job spec: %s", exc, extra={"event": "wait_spec"})
+                    self.notifier.status(f"waiting for the job spec: {exc}")
                     last_reason = str(exc)
             self._wake.wait(backoff)
             self._wake.clear()
@@ -218,8 +251,14 @@ class Daemon:
         return None
 
     def _reload_spec(self) -> str:
+        # systemd's reload job (ExecReload sends the SIGHUP) lasts from RELOADING=1 to
+        # READY=1; before we said READY=1 once, a READY=1 would end the start-up early.
+        told = self._told_ready and self.notifier.reloading()
         try:
             keys = curve.reload_authorized()  # SIGHUP also re-reads the authorized CURVE keys
-            return "; ".join(s for s in (keys, self.reload(self._fetch_spec())) if s)
+            said = "; ".join(s for s in (keys, self.reload(self._fetch_spec())) if s)
         except (StoreUnavailable, LookupError, SpecError, curve.CurveError) as exc:
-            return f"kept the current spec, reload failed: {exc}"
+            said = f"kept the current spec, reload failed: {exc}"
+        if told:
+            self.notifier.ready()  # the cycle's STATUS (this sentence) follows at once
+        return said

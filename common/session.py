@@ -297,6 +297,11 @@ class Session:
             return [f"lost leadership of {self.role}"]
         return []
 
+    @property
+    def registered(self) -> bool:
+        """Our member key is in etcd under our lease (written by us, not another's)."""
+        return self.lease is not None and not self.blocked and self.member_key in self._written
+
     def put_lease_bound(self, key: str, value: Any) -> None:
         """A key that lives and dies with this daemon (re-written on re-registration);
         like the member key, only ever written while it is ours or absent."""

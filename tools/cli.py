@@ -93,14 +93,20 @@ def main() -> None:
 @click.option("--job", required=True, help=f"Job name (the {ROOT_PREFIX}<job>/ prefix in etcd).")
 @etcd_option
 @click.option("--id", "member_id", default=None, help="Member id; default <host>-<role>-<pid>.")
-@click.option("--host", default=socket.gethostname(), show_default=True, help="Host name this daemon reports.")
+@click.option("--host", default=socket.gethostname(), show_default=True, envvar="RLFLEET_HOST",
+              help="Host name this daemon reports (also $RLFLEET_HOST).")
 @click.option("--spec", "spec_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Read the spec from this file instead of etcd.")
-@click.option("--metrics-host", default="127.0.0.1", show_default=True)
-@click.option("--metrics-port", default=0, show_default=True, help="0 picks a free port.")
+@click.option("--bind-host", default=None, envvar="RLFLEET_BIND_HOST", metavar="ADDRESS",
+              help="Replaces every bind_host of the spec: this host's address on the cluster network "
+                   "(also $RLFLEET_BIND_HOST).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, envvar="RLFLEET_METRICS_HOST",
+              help="(also $RLFLEET_METRICS_HOST)")
+@click.option("--metrics-port", default=0, show_default=True, envvar="RLFLEET_METRICS_PORT",
+              help="0 picks a free port (also $RLFLEET_METRICS_PORT).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def daemon(role: str, job: str, etcd: str, member_id: str | None, host: str, spec_file: str | None,
-           metrics_host: str, metrics_port: int, log_level: str) -> None:
+           bind_host: str | None, metrics_host: str, metrics_port: int, log_level: str) -> None:
     """Run one daemon of ROLE until SIGTERM."""
     from rlfleet.common.daemon import INCARNATION_ENV, DaemonOptions
     from rlfleet.common.keys import JobKeys
@@ -123,7 +129,7 @@ def daemon(role: str, job: str, etcd: str, member_id: str | None, host: str, spe
     member_id = member_id or f"{host}-{role}-{os.getpid()}"
     setup_json_logging(log_level, job=job, role=role, id=member_id)
     options = DaemonOptions(job=job, member_id=member_id, host=host, spec_file=spec_file,
-                            metrics_host=metrics_host, metrics_port=metrics_port,
+                            bind_host=bind_host or None, metrics_host=metrics_host, metrics_port=metrics_port,
                             incarnation=os.environ.get(INCARNATION_ENV, ""))
     instance = daemon_class(role)(options, _store(etcd))
     failpoint, _, path = os.environ.get(DAEMON_FAILPOINT_ENV, "").partition(f"stall_if_file:{role}:")
