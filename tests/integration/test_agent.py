@@ -88,7 +88,7 @@ def test_the_agent_bootstraps_acts_on_placement_and_reports_a_failing_daemon(tmp
         assert groups == [{"targets": [rm["metrics"].split("/")[2]],
                            "labels": {"job": "agentjob", "host": HOST, "role": "resource-manager",
                                       "id": "resource-manager-0"}}]
-        assert b'rlfleet_up{role="agent",id="agent-h1"} 1.0' in urllib.request.urlopen(base + "/metrics",
+        assert b'rlfleet_up{id="agent-h1",role="agent"} 1.0' in urllib.request.urlopen(base + "/metrics",
                                                                                        timeout=10).read()
         rm_pid = rm["pid"]
     finally:
