@@ -98,3 +98,50 @@ def test_the_agent_bootstraps_acts_on_placement_and_reports_a_failing_daemon(tmp
     # Its daemons were drained with it, and its registration and node record went at once.
     wait_for("the resource-manager to be gone", lambda: not os.path.exists(f"/proc/{rm_pid}"), timeout_s=10)
     assert node(store) is None and store.get(KEYS.member("agent", HOST)) is None
+
+
+def test_the_agent_under_systemd_starts_units_from_placement_and_leaves_them_running(tmp_path, etcd, monkeypatch):
+    """The same agent with the systemd backend (in-process, a fake systemctl on PATH that
+    records its calls): the bootstrap and a placed daemon become `systemctl start` of
+    their units, each after its environment file; a unit that left the placement is
+    stopped; the agent's own stop leaves the units to systemd."""
+    import threading
+
+    from rlfleet.common.daemon import DaemonOptions
+    from rlfleet.daemons.agent.daemon import Agent, unit_env
+    from rlfleet.daemons.agent.systemd import SystemdBackend
+    from tests.unit.test_agent_systemd import FakeSystemd
+
+    fake = FakeSystemd(tmp_path)
+    monkeypatch.setenv("PATH", f"{fake.bin}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_DIR", str(fake.dir))
+    spec_path = write_spec(tmp_path, job="agentjob", extra=PLACEMENT)
+    store = EtcdStore(etcd.endpoints)
+    store.put(KEYS.spec, load_spec(spec_path).to_dict())
+    backend = SystemdBackend("agentjob", HOST, unit_env("agentjob", etcd.endpoints_arg, HOST, {}),
+                             env_dir=tmp_path / "units")
+    agent = Agent(DaemonOptions(job="agentjob", member_id=HOST, host=HOST), EtcdStore(etcd.endpoints),
+                  backend="systemd", labels={"roles": "reward"}, etcd=etcd.endpoints_arg, backend_impl=backend)
+    runner = threading.Thread(target=agent.run)
+    runner.start()
+    rm_unit, rh_unit = "rlfleet@agentjob:resource-manager-0.service", "rlfleet@agentjob:reward-host-0.service"
+    try:
+        wait_for("the bootstrap's unit started", lambda: f"start --no-block {rm_unit}" in fake.calls(), timeout_s=30)
+        env_file = (tmp_path / "units" / "agentjob:resource-manager-0.env").read_text()
+        assert "RLFLEET_ROLE=resource-manager\n" in env_file and f"RLFLEET_ETCD={etcd.endpoints_arg}\n" in env_file
+        fake.state(rm_unit, "active")
+        store.put(KEYS.placement(HOST, "reward-host", "reward-host-0"),
+                  {"host": HOST, "role": "reward-host", "id": "reward-host-0"})
+        wait_for("the placed unit started", lambda: f"start --no-block {rh_unit}" in fake.calls(), timeout_s=30)
+        fake.state(rh_unit, "active")
+        record = wait_for("both reported running", lambda: (n := node(store)) and all(
+            d["state"] == "running" for d in n["daemons"].values()) and len(n["daemons"]) == 2 and n, timeout_s=30)
+        assert record["agent"]["backend"] == "systemd" and record["labels"] == {"roles": "reward"}
+        store.delete(KEYS.placement(HOST, "reward-host", "reward-host-0"))
+        wait_for("the unplaced unit stopped", lambda: f"stop --no-block {rh_unit}" in fake.calls(), timeout_s=30)
+    finally:
+        agent.request_stop()
+        runner.join(30)
+    assert not runner.is_alive()
+    assert f"stop --no-block {rm_unit}" not in fake.calls()  # the agent's stop leaves units to systemd
+    assert node(store) is None
