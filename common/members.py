@@ -293,3 +293,15 @@ class Placement:
 
     def to_value(self) -> dict[str, str]:
         return {"host": self.host, "role": self.role, "id": self.id}
+
+
+def placements_from(keys: JobKeys, kvs: list[KeyValue]) -> list[Placement]:
+    """Placements of `get_prefix(placement...)` results; keys that name no daemon (a
+    component too many or too few) are skipped, as in `members_from`."""
+    out = []
+    for kv in kvs:
+        try:
+            out.append(Placement.from_kv(keys, kv))
+        except ValueError:
+            continue
+    return out

@@ -46,7 +46,7 @@ from rlfleet.common.etcd_auth import ENV as ETCD_ENV
 from rlfleet.common.etcd_auth import EtcdCredentials
 from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
-from rlfleet.common.members import Placement, members_from
+from rlfleet.common.members import members_from, placements_from
 from rlfleet.common.placement import Placed, placement_from_spec
 from rlfleet.common.procs import ProcessId
 from rlfleet.common.security import JOB_SECRET_ENV
@@ -235,15 +235,9 @@ class Supervisor:
             self._placement_read_at = now
             keys = JobKeys(self.spec.job.name)
             try:
-                found = []
-                for kv in store.get_prefix(keys.placement_prefix):
-                    try:
-                        p = Placement.from_kv(keys, kv)
-                    except ValueError:
-                        continue
-                    if p.host in self.hosts:
-                        found.append(Placed(p.host, p.role, p.id))
-                self._placement = found
+                self._placement = [Placed(p.host, p.role, p.id) for p in
+                                   placements_from(keys, store.get_prefix(keys.placement_prefix))
+                                   if p.host in self.hosts]
             except StoreUnavailable:
                 pass
             self.publish_nodes(store)
@@ -415,7 +409,7 @@ class Supervisor:
 
     def stop_children(self) -> None:
         if self.backend is not None:
-            self.backend.stop_all(STOP_GRACE_S, self.note)
+            self.backend.release(STOP_GRACE_S, self.note)
 
     def request_stop(self, *_: object) -> None:
         self._stop.set()

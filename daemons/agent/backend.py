@@ -9,7 +9,7 @@ host, where systemd itself restarts a unit that dies (Restart=on-failure).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from rlfleet.common.placement import Placed
 
@@ -38,8 +38,9 @@ class Backend(Protocol):
     def existing(self, job_hosts: frozenset[str]) -> list[Placed]:
         """The daemons this backend runs already (an agent restarted under running units)."""
 
-    def release(self) -> str | None:
-        """The agent itself stops: what happens to the daemons it started, as a sentence."""
+    def release(self, grace_s: float, note: Callable[[str], None]) -> str:
+        """The agent itself stops: drain what must stop with it (within grace_s, saying
+        what had to be killed through `note`); returns what happened, as a sentence."""
 
 
 def role_of(member_id: str) -> str:

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.common.daemon import Daemon, DaemonOptions
-from rlfleet.common.members import Placement, members_from
+from rlfleet.common.members import members_from, placements_from
 from rlfleet.common.placement import Placed, placement_from_spec
 from rlfleet.common.procs import ProcessId
 from rlfleet.common.store import Store, StoreUnavailable
 from rlfleet.daemons.agent import http, policy
+from rlfleet.daemons.agent.backend import Backend
 from rlfleet.daemons.agent.inventory import machine_inventory
 from rlfleet.daemons.agent.process import ProcessBackend, daemon_command
 from rlfleet.daemons.agent.reconciler import Reconciler
@@ -70,14 +71,8 @@ class Agent(Daemon):
     def host(self) -> str:
         return self.options.host
 
-    def make_backend(self):
-        job = self.options.job
-        if self.backend_kind == "systemd":
-            return SystemdBackend(job, self.host, unit_env(job, self.etcd, self.host, self.etcd_env))
-        run_dir = Path(os.environ.get("RLFLEET_RUN_DIR") or Path("runs") / job).resolve()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "RLFLEET_RUN_DIR": str(run_dir),
-               **{k: v for k, v in self.etcd_env.items() if v}}
-        return ProcessBackend(lambda p: daemon_command(job, self.etcd, p), lambda p: env, run_dir / "logs")
+    def make_backend(self) -> Backend:
+        return BACKENDS[self.backend_kind](self)
 
     # -- Daemon hooks -----------------------------------------------------------------
     def serve_metrics(self) -> str:
@@ -104,10 +99,7 @@ class Agent(Daemon):
         return "; ".join(e.sentence() for e in events) or None
 
     def drain(self) -> str | None:
-        if isinstance(self.backend, ProcessBackend):
-            self.backend.stop_all(STOP_GRACE_S, log.warning)
-            return "stopped its daemons"
-        return self.backend.release() if self.backend is not None else None
+        return self.backend.release(STOP_GRACE_S, log.warning) if self.backend is not None else None
 
     def member_info(self) -> dict[str, Any]:
         return {"backend": self.backend_kind}
@@ -119,14 +111,7 @@ class Agent(Daemon):
         boot = policy.bootstrap(placement_from_spec(self.spec), [self.host])
         try:
             kvs = self.store.get_prefix(self.keys.host_placement_prefix(self.host))
-            placed = []
-            for kv in kvs:
-                try:
-                    p = Placement.from_kv(self.keys, kv)
-                except ValueError:
-                    continue  # a key with too many components names no daemon
-                placed.append(Placed(p.host, p.role, p.id))
-            self._placed = placed
+            self._placed = [Placed(p.host, p.role, p.id) for p in placements_from(self.keys, kvs)]
         except StoreUnavailable:
             pass  # keep acting on the last placement read: an outage stops nothing
         return sorted(set(boot) | set(self._placed))
@@ -146,3 +131,21 @@ class Agent(Daemon):
         except StoreUnavailable:
             return  # serve the last list
         self._targets = http.http_sd_groups(self.options.job, self.host, members)
+
+
+def _process_backend(agent: Agent) -> ProcessBackend:
+    """Subprocesses logging to $RLFLEET_RUN_DIR/logs (default runs/<job>), with the agent's
+    environment and etcd credentials."""
+    job = agent.options.job
+    run_dir = Path(os.environ.get("RLFLEET_RUN_DIR") or Path("runs") / job).resolve()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RLFLEET_RUN_DIR": str(run_dir),
+           **{k: v for k, v in agent.etcd_env.items() if v}}
+    return ProcessBackend(lambda p: daemon_command(job, agent.etcd, p), lambda p: env, run_dir / "logs")
+
+
+def _systemd_backend(agent: Agent) -> SystemdBackend:
+    return SystemdBackend(agent.options.job, agent.host,
+                          unit_env(agent.options.job, agent.etcd, agent.host, agent.etcd_env))
+
+
+BACKENDS = {"process": _process_backend, "systemd": _systemd_backend}  # --backend

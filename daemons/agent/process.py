@@ -134,8 +134,9 @@ class ProcessBackend:
     def existing(self, job_hosts: frozenset[str]) -> list[Placed]:
         return []  # its daemons die with it (die_with_parent): a new agent finds none
 
-    def release(self) -> str | None:
-        return None  # the caller stops them with stop_all (a grace period, then SIGKILL)
+    def release(self, grace_s: float, note: Callable[[str], None]) -> str:
+        self.stop_all(grace_s, note)  # they would get SIGTERM from the kernel anyway (die_with_parent)
+        return "stopped its daemons"
 
     # -- what the supervisor reads -------------------------------------------------
     def pid(self, member_id: str) -> int | None:

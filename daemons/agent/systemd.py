@@ -140,5 +140,5 @@ class SystemdBackend:
                 found.append(Placed(self.host, role_of(member_id), member_id))
         return found
 
-    def release(self) -> str | None:
-        return "units keep running under systemd"
+    def release(self, grace_s: float, note: Callable[[str], None]) -> str:
+        return "units keep running under systemd"  # an agent restart must not bounce the job

@@ -132,7 +132,8 @@ def test_stop_and_existing_units(fake, tmp_path):
         "rlfleet@other:trainer-0.service loaded active running another job\n")
     assert b.existing(frozenset({"h1"})) == [ROLLOUT]
     assert fake.calls()[-1] == "list-units --all --plain --no-legend --no-pager rlfleet@arith:*.service"
-    assert b.release() == "units keep running under systemd"
+    assert b.release(10.0, print) == "units keep running under systemd"
+    assert fake.calls()[-1].startswith("list-units")  # nothing stopped
 
 
 def test_phrases():

@@ -15,7 +15,7 @@ import pytest
 from rlfleet.common.cluster import Cluster
 from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import ROOT_PREFIX, JobKeys, job_of
-from rlfleet.common.members import Leader, Member, Node, Placement, RelayMember, members_from
+from rlfleet.common.members import Leader, Member, Node, Placement, RelayMember, members_from, placements_from
 from rlfleet.common.records import (Checkpoint, PromptCursor, RelayChain, RelayLayoutRequest, RelayMaster,
                                     TrainerProgress, WeightsLatest)
 from rlfleet.common.store import KeyValue
@@ -97,6 +97,9 @@ def test_leader_node_placement():
     assert placed == Placement("h1", "relay", "relay-0") and placed.to_value()["id"] == "relay-0"
     odd = Placement.from_kv(K, kv(K.placement("h1", "relay", "relay-0"), {"host": "h2"}))
     assert odd != placed and "does not repeat the key" in odd.problem and odd.host == "h1"
+    # A key with a component too many names no daemon: skipped, the others kept.
+    extra = kv(K.placement_prefix + "h1/relay/relay-0/x", {})
+    assert placements_from(K, [kv(K.placement("h1", "relay", "relay-0"), placed.to_value()), extra]) == [placed]
 
 
 # -- single-key records -----------------------------------------------------------------
