@@ -211,7 +211,7 @@ def nodes_table(snap: FleetSnapshot) -> Table:
             backend = node.agent.get("backend", "?") if node.agent else "?"
             agent = f"{health} ({backend})" if health == "alive" else f"[red]{health.split(' (')[0]}[/red]"
             failing = [d.id for d in node.failing]
-            daemons = f"{len(node.daemons)} run" + (f", [red]failing: {' '.join(failing)}[/red]" if failing else "")
+            daemons = f"{len(node.daemons)} daemons" + (f", [red]failing: {' '.join(failing)}[/red]" if failing else "")
         table.add_row(host, str(inv.get("cpus_logical", "?")), f"{mem:.1f} GiB", gpus, labels, agent, daemons)
     return table
 
