@@ -135,7 +135,7 @@ class Daemon:
             log.info(said, extra={"event": "security"})
         self.session = Session(self.store, self.keys, self.role, self.options.member_id,
                                ttl_s=self.spec.etcd.lease_ttl_s, elect=self.role in SINGLETON_ROLES)
-        self.metrics_url = metrics.serve_metrics(self.options.metrics_host, self.options.metrics_port)
+        self.metrics_url = self.serve_metrics()
         self.setup()
         self.state = "running"
         metrics.UP.labels(**self._labels).set(1)
@@ -155,6 +155,10 @@ class Daemon:
             self._wake.wait(max(0.0, wait_s - (time.monotonic() - started)))
             self._wake.clear()
         return self.shutdown()
+
+    def serve_metrics(self) -> str:
+        """Start the /metrics endpoint; returns its URL (the node agent serves more there)."""
+        return metrics.serve_metrics(self.options.metrics_host, self.options.metrics_port)
 
     def cycle_interval_s(self) -> float | None:
         """Seconds to the next cycle when a role is waiting for something it must act on

@@ -6,7 +6,7 @@ interface: change them only with a migration note in docs/etcd-keys.md.
 
     /rlfleet/<job>/spec                            the job spec, as submitted
     /rlfleet/<job>/owner                           the `rlfleet run` running the job: incarnation, host, pid (lease)
-    /rlfleet/<job>/nodes/<host>                    machine inventory (lease)
+    /rlfleet/<job>/nodes/<host>                    machine inventory, labels, daemons: its node agent (lease)
     /rlfleet/<job>/members/<role>/<id>             live daemons: addresses, host, pid, state (lease)
     /rlfleet/<job>/leader/<role>                   elections: {"id": ..., "since": ...} (lease)
     /rlfleet/<job>/term/<role>                     the last leader's fencing term: {term, reign, id, since}

@@ -29,6 +29,7 @@ ROLE_FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = MappingProxyType({
     "env-host": {"in_flight": (int,), "claimed": (int,), "done": (int,), "claim_limit": (int,), "error": (str,)},
     "reward-host": {"in_flight": (int,), "scored": (int,), "reward_errors": (int,)},
     "repack-manager": {"rollouts": (int,), "versions": (list,)},
+    "agent": {"backend": (str,)},  # a host's node agent (daemons/agent/), not a job role
 })
 
 
@@ -199,8 +200,26 @@ class Gpu:
 
 
 @dataclass(frozen=True)
+class NodeDaemon:
+    """One placed daemon as its host's agent reports it (`nodes/<host>.daemons.<id>`)."""
+
+    id: str
+    role: str = ""
+    state: str = ""        # running | waiting (to be restarted) | stopping
+    restarts: int = 0
+    last_exit: str = ""
+    failing: bool = False  # it keeps dying: N deaths within the agent's window
+
+    def to_value(self) -> dict[str, Any]:
+        return {"role": self.role, "state": self.state, "restarts": self.restarts, "last_exit": self.last_exit,
+                "failing": self.failing}
+
+
+@dataclass(frozen=True)
 class Node:
-    """`nodes/<host>`: a machine's inventory, written by its resource-manager."""
+    """`nodes/<host>`: a machine as its node agent (daemons/agent/) records it: inventory,
+    labels, the agent's own process and backend, and the daemons it runs there. Bound
+    to the agent's lease (in `rlfleet run`, to the run's owner lease)."""
 
     host: str
     cpus_logical: int = 0
@@ -211,6 +230,9 @@ class Node:
     boot_time: float = 0.0
     seen: float = 0.0
     problem: str = ""
+    labels: Mapping[str, str] = _no_fields()
+    agent: Mapping[str, Any] = _no_fields()  # pid, boot_id, pid_start, backend, metrics
+    daemons: tuple[NodeDaemon, ...] = ()
 
     @classmethod
     def parse(cls, host: str, value: Any) -> Node:
@@ -220,19 +242,34 @@ class Node:
             gf = _Fields(g, f"{names.NODES}/{host}.gpus[{i}]")
             gpus.append(Gpu(gf.int("index", i), gf.str("name", "?"), gf.int("memory_bytes")))
             f.problems += gf.problems
-        return cls(host, f.int("cpus_logical"), f.int("cpus_physical"), f.int("memory_bytes"),
-                   f.int("memory_available_bytes"), tuple(gpus), f.float("boot_time"), f.float("seen"), f.problem)
+        daemons = []
+        raw = f.value.get("daemons")
+        for member_id, d in sorted(raw.items()) if isinstance(raw, Mapping) else ():
+            df = _Fields(d, f"{names.NODES}/{host}.daemons.{member_id}")
+            daemons.append(NodeDaemon(str(member_id), df.str("role"), df.str("state"), df.int("restarts"),
+                                      df.str("last_exit"), df.bool("failing")))
+            f.problems += df.problems
+        agent, labels = f.value.get("agent"), f.str_map("labels")
+        inventory = (f.int("cpus_logical"), f.int("cpus_physical"), f.int("memory_bytes"),
+                     f.int("memory_available_bytes"), tuple(gpus), f.float("boot_time"), f.float("seen"))
+        return cls(host, *inventory, f.problem, labels,  # the problem once every field was read
+                   MappingProxyType(dict(agent) if isinstance(agent, Mapping) else {}), tuple(daemons))
 
     @classmethod
     def from_kv(cls, keys: JobKeys, kv: KeyValue) -> Node:
         return cls.parse(keys.parse_node(kv.key), kv.value)
 
+    @property
+    def failing(self) -> tuple[NodeDaemon, ...]:
+        return tuple(d for d in self.daemons if d.failing)
+
     def to_value(self) -> dict[str, Any]:
-        """The inventory as the resource-manager writes it (daemons/resource_manager/inventory.py)."""
+        """The record as the agent writes it (daemons/agent/policy.py node_value)."""
         return {"host": self.host, "cpus_logical": self.cpus_logical, "cpus_physical": self.cpus_physical,
                 "memory_bytes": self.memory_bytes, "memory_available_bytes": self.memory_available_bytes,
                 "gpus": [{"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes} for g in self.gpus],
-                "boot_time": self.boot_time, "seen": self.seen}
+                "boot_time": self.boot_time, "seen": self.seen, "labels": dict(self.labels),
+                "agent": thaw(self.agent), "daemons": {d.id: d.to_value() for d in self.daemons}}
 
 
 @dataclass(frozen=True, order=True)
@@ -256,3 +293,15 @@ class Placement:
 
     def to_value(self) -> dict[str, str]:
         return {"host": self.host, "role": self.role, "id": self.id}
+
+
+def placements_from(keys: JobKeys, kvs: list[KeyValue]) -> list[Placement]:
+    """Placements of `get_prefix(placement...)` results; keys that name no daemon (a
+    component too many or too few) are skipped, as in `members_from`."""
+    out = []
+    for kv in kvs:
+        try:
+            out.append(Placement.from_kv(keys, kv))
+        except ValueError:
+            continue
+    return out

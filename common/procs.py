@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -83,3 +84,15 @@ class ProcessId:
         if letter in ("T", "t"):
             return "stopped"  # SIGSTOP, or held by a debugger
         return "running"
+
+
+def die_with_parent(sig: int = signal.SIGKILL):
+    """A preexec_fn: the child gets `sig` when the process that started it dies (even by
+    kill -9), so no etcd or daemon outlives `rlfleet run`, an agent or a test (Linux only)."""
+    def arm() -> None:
+        try:
+            import ctypes
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    return arm

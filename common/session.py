@@ -257,7 +257,7 @@ class Session:
         reason = f"{key} is held by another live process ({who}); not overwriting it"
         if key != self.member_key:
             # Asked again at the next key check, not every cycle; said once, not at every ask
-            # (two resource-managers of one machine share its node key: one holds it).
+            # (two agents started for one host share its node key: one holds it).
             self._refused.add(key)
             if self._refusals.get(key) == reason:
                 return []

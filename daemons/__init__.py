@@ -17,11 +17,16 @@ DAEMON_CLASSES = {
     "reward-host": "rlfleet.daemons.reward_host.daemon:RewardHost",
     "repack-manager": "rlfleet.daemons.repack_manager.daemon:RepackManager",
 }
+# Daemons of a machine, not of the job's work: never placed by a spec, never in ROLES.
+NODE_DAEMON_CLASSES = {
+    "agent": "rlfleet.daemons.agent.daemon:Agent",
+}
 
 
 def daemon_class(role: str) -> type:
     try:
-        module_name, _, cls = DAEMON_CLASSES[role].partition(":")
+        module_name, _, cls = {**DAEMON_CLASSES, **NODE_DAEMON_CLASSES}[role].partition(":")
     except KeyError:
-        raise ValueError(f"unknown role {role!r}; roles: {', '.join(DAEMON_CLASSES)}") from None
+        raise ValueError(f"unknown role {role!r}; roles: {', '.join([*DAEMON_CLASSES, *NODE_DAEMON_CLASSES])}") \
+            from None
     return getattr(importlib.import_module(module_name), cls)

@@ -19,6 +19,7 @@ import click
 
 from rlfleet.common.keys import ROOT_PREFIX, job_of
 from rlfleet.common.spec import ROLES, SpecError, load_spec
+from rlfleet.daemons import NODE_DAEMON_CLASSES
 from rlfleet.tools.exit_codes import RUN_CODES, Exit
 
 EXIT_SPEC = Exit.BAD_SPEC
@@ -89,7 +90,7 @@ def main() -> None:
 
 # -- daemons ------------------------------------------------------------------------
 @main.command()
-@click.argument("role", type=click.Choice(ROLES))
+@click.argument("role", type=click.Choice([*ROLES, *NODE_DAEMON_CLASSES]))
 @click.option("--job", required=True, help=f"Job name (the {ROOT_PREFIX}<job>/ prefix in etcd).")
 @etcd_option
 @click.option("--id", "member_id", default=None, help="Member id; default <host>-<role>-<pid>.")
@@ -105,9 +106,16 @@ def main() -> None:
 @click.option("--metrics-port", default=0, show_default=True, envvar="RLFLEET_METRICS_PORT",
               help="0 picks a free port (also $RLFLEET_METRICS_PORT).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--backend", type=click.Choice(["process", "systemd"]), default=None,
+              help="agent only: run placed daemons as subprocesses (default) or as systemd units "
+                   "(then --metrics-port defaults to 9464).")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
+              help="agent only: a label of this host in nodes/<host> (repeatable; also $RLFLEET_LABELS "
+                   "as 'roles=trainer,rollout;cpu=x86').")
 def daemon(role: str, job: str, etcd: str, member_id: str | None, host: str, spec_file: str | None,
-           bind_host: str | None, metrics_host: str, metrics_port: int, log_level: str) -> None:
-    """Run one daemon of ROLE until SIGTERM."""
+           bind_host: str | None, metrics_host: str, metrics_port: int, log_level: str, backend: str | None,
+           labels: tuple[str, ...]) -> None:
+    """Run one daemon of ROLE until SIGTERM (`agent`: this host's node agent, docs/agent.md)."""
     from rlfleet.common.daemon import INCARNATION_ENV, DaemonOptions
     from rlfleet.common.keys import JobKeys
     from rlfleet.common.logs import setup_json_logging
@@ -126,17 +134,40 @@ def daemon(role: str, job: str, etcd: str, member_id: str | None, host: str, spe
         JobKeys(job)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--job") from None
-    member_id = member_id or f"{host}-{role}-{os.getpid()}"
+    node_args = _node_daemon_args(role, backend, labels, etcd)
+    metrics_port = node_args.pop("metrics_port", metrics_port)
+    member_id = member_id or (host if role in NODE_DAEMON_CLASSES else f"{host}-{role}-{os.getpid()}")
     setup_json_logging(log_level, job=job, role=role, id=member_id)
     options = DaemonOptions(job=job, member_id=member_id, host=host, spec_file=spec_file,
                             bind_host=bind_host or None, metrics_host=metrics_host, metrics_port=metrics_port,
                             incarnation=os.environ.get(INCARNATION_ENV, ""))
-    instance = daemon_class(role)(options, _store(etcd))
+    instance = daemon_class(role)(options, _store(etcd), **node_args)
     failpoint, _, path = os.environ.get(DAEMON_FAILPOINT_ENV, "").partition(f"stall_if_file:{role}:")
     if path and not failpoint:
         instance.cycle = _stall_if_file(instance.cycle, path)
     instance.install_signal_handlers()
     sys.exit(instance.run())
+
+
+def _node_daemon_args(role: str, backend: str | None, labels: tuple[str, ...], etcd: str) -> dict:
+    """The agent's own arguments (and its --metrics-port default under systemd); {} for a job role."""
+    if role not in NODE_DAEMON_CLASSES:
+        if backend or labels:
+            raise click.UsageError("--backend and --label are options of `rlfleet daemon agent` only")
+        return {}
+    from click.core import ParameterSource
+
+    from rlfleet.daemons.agent.daemon import SYSTEMD_METRICS_PORT
+    from rlfleet.daemons.agent.policy import parse_labels
+    try:
+        parsed = {**parse_labels(os.environ.get("RLFLEET_LABELS", "")), **parse_labels(";".join(labels))}
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--label / $RLFLEET_LABELS") from None
+    args = {"backend": backend or "process", "labels": parsed, "etcd": etcd, "etcd_env": _etcd_credentials().env()}
+    if backend == "systemd" and click.get_current_context().get_parameter_source("metrics_port") \
+            == ParameterSource.DEFAULT:
+        args["metrics_port"] = SYSTEMD_METRICS_PORT
+    return args
 
 
 def _stall_if_file(cycle, path: str):
@@ -229,7 +260,8 @@ def status(job: str | None, etcd: str, output: str) -> None:
 
     A member is checked, not taken at its word: a pid on this machine must run and not
     be stopped, and its lease must have been refreshed within half its TTL; a dead,
-    stopped or stalled member is a problem (exit 1).
+    stopped or stalled member is a problem (exit 1), and so is a placed daemon its
+    host's agent reports failing (it keeps dying), or an agent whose process is gone.
 
     To a terminal: tables at its width, long cells folded. To a file or a pipe: tables
     as wide as their contents, so ids, addresses and problems are never cut."""

@@ -18,23 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlfleet.common.procs import die_with_parent
+
 if TYPE_CHECKING:
     from rlfleet.tools.credentials import EtcdTls
 
 INSTALL_HINT = ("etcd is not installed. On Debian/Ubuntu as root: "
                 "apt-get install -y etcd-server etcd-client (or put an etcd 3.4+ binary on PATH)")
-
-
-def die_with_parent(sig: int = signal.SIGKILL):
-    """A preexec_fn: the child gets `sig` when the process that started it dies (even by
-    kill -9), so no etcd or daemon outlives `rlfleet run` or a test (Linux only)."""
-    def arm() -> None:
-        try:
-            import ctypes
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-    return arm
 
 
 def etcd_binary() -> str:

@@ -10,6 +10,10 @@ stopped), so a kill -9 shows before its lease runs out; with `check_leases`
 each lease is read too (one request per lease, not per member), and a lease not
 refreshed for over half its TTL means a main loop that stalled. Members bound
 to the lease of a dead one (a sim host's rollouts) are dead with it.
+
+Nodes are the hosts' agents' records (docs/agent.md): a placed daemon its agent
+reports `failing` (it keeps dying) is a problem, and so is an agent whose
+process on this machine is gone.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from rich.table import Table
 
 from rlfleet.common import members as registrations
 from rlfleet.common.cluster import Cluster
+from rlfleet.common.keys import NODES
 from rlfleet.common.procs import ProcessId
 from rlfleet.common.spec import ROLES, SINGLETON_ROLES
 from rlfleet.common.store import Store
@@ -90,7 +95,27 @@ def take_snapshot(store: Store, job: str, check_leases: bool = False) -> FleetSn
     nodes = {host: node.to_value() for host, node in cluster.nodes.items()}
     placed = [(p.host, p.role, p.id) for p in cluster.placement]
     return FleetSnapshot(job, cluster.taken_at, members, leaders, nodes, placed,
-                         _problems(members, leaders, placed) + list(cluster.problems), cluster)
+                         _problems(members, leaders, placed) + _node_problems(cluster) + list(cluster.problems),
+                         cluster)
+
+
+def _agent_health(node: registrations.Node) -> str:
+    """"alive" while its record exists (it is bound to the agent's lease), unless the
+    agent's process is on this machine and gone."""
+    ident = ProcessId.of(dict(node.agent))
+    if ident is not None and ident.state() in ("dead", "zombie"):
+        return f"dead (pid {ident.pid} is gone; lease not expired yet)"
+    return "alive"
+
+
+def _node_problems(cluster: Cluster) -> list[str]:
+    problems = []
+    for host, node in sorted(cluster.nodes.items()):
+        if _agent_health(node) != "alive":
+            problems.append(f"{NODES}/{host}: agent {_agent_health(node)}")
+        problems += [f"{d.id} on {host}: failing (keeps dying: {d.restarts} deaths, last {d.last_exit or '?'})"
+                     for d in node.failing]
+    return problems
 
 
 def _process_health(m: registrations.Member) -> str:
@@ -164,14 +189,30 @@ def members_table(snap: FleetSnapshot, restarts: dict[str, int] | None = None) -
 
 
 def nodes_table(snap: FleetSnapshot) -> Table:
+    """One row per host with an agent's record or a placement: inventory, labels, the
+    agent, and what it runs (failing daemons named)."""
     table = Table(title="nodes")
-    for col in ("host", "cpus", "memory", "gpus"):
+    for col in ("host", "cpus", "memory", "gpus", "labels", "agent", "daemons"):
         table.add_column(col, overflow="fold")
-    for host, inv in sorted(snap.nodes.items()):
-        inv = inv or {}
+    records = snap.cluster.nodes if snap.cluster is not None else {}
+    placed_hosts = {host for host, _, _ in snap.placed}
+    for host in sorted(set(snap.nodes) | placed_hosts):
+        inv = snap.nodes.get(host)
+        if inv is None:
+            table.add_row(host, "—", "—", "—", "", "[yellow]no agent[/yellow]", "")
+            continue
         mem = inv.get("memory_bytes", 0) / 2**30
         gpus = ", ".join(g.get("name", "?") for g in inv.get("gpus", [])) or "—"
-        table.add_row(host, str(inv.get("cpus_logical", "?")), f"{mem:.1f} GiB", gpus)
+        labels = " ".join(f"{k}={v}" for k, v in sorted((inv.get("labels") or {}).items()))
+        node = records.get(host)
+        agent, daemons = "", ""
+        if node is not None:
+            health = _agent_health(node)
+            backend = node.agent.get("backend", "?") if node.agent else "?"
+            agent = f"{health} ({backend})" if health == "alive" else f"[red]{health.split(' (')[0]}[/red]"
+            failing = [d.id for d in node.failing]
+            daemons = f"{len(node.daemons)} daemons" + (f", [red]failing: {' '.join(failing)}[/red]" if failing else "")
+        table.add_row(host, str(inv.get("cpus_logical", "?")), f"{mem:.1f} GiB", gpus, labels, agent, daemons)
     return table
 
 

@@ -1,8 +1,15 @@
 """The embedded fleet behind `rlfleet run`: a private etcd (unless one is given),
-the spec written to it, every placed daemon as a supervised subprocess, and a
-view: the live table on a terminal, plain event lines otherwise.
+the spec written to it, the node agent's work for this machine, and a view: the
+live table on a terminal, plain event lines otherwise.
 
-One loop (`Supervisor.run`) starts and restarts daemons, samples their CPU and
+The supervisor is the agent for localhost (daemons/agent/, docs/agent.md), run
+in-process with the process backend: it starts the spec's resource-managers
+itself, and every other daemon because its `placement/<host>/...` key appeared
+(written by the elected resource-manager), so `rlfleet run` and a cluster follow
+one path. It records `nodes/<host>` for every host the spec places here, bound
+to the run's owner lease.
+
+One loop (`Supervisor.run`) reconciles placement with what runs, samples CPU and
 watches four things that end the run: the trainer reporting `training: done`,
 a daemon that keeps dying (`give_up`: N deaths within a window), no new
 training step for `max_idle_s`, and another run taking the job over. A daemon
@@ -23,15 +30,12 @@ import os
 import resource
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
@@ -42,14 +46,20 @@ from rlfleet.common.etcd_auth import ENV as ETCD_ENV
 from rlfleet.common.etcd_auth import EtcdCredentials
 from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
-from rlfleet.common.members import members_from
+from rlfleet.common.members import members_from, placements_from
 from rlfleet.common.placement import Placed, placement_from_spec
+from rlfleet.common.procs import ProcessId
 from rlfleet.common.security import JOB_SECRET_ENV
 from rlfleet.common.signals import route_signals
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.store import StoreUnavailable
+from rlfleet.daemons.agent import policy
+from rlfleet.daemons.agent.inventory import machine_inventory
+from rlfleet.daemons.agent.policy import CRASH_LOOP_DEATHS, CRASH_LOOP_WINDOW_S, CrashLoop
+from rlfleet.daemons.agent.process import ProcessBackend, daemon_command, tree_cpu_s
+from rlfleet.daemons.agent.reconciler import Event, Reconciler
 from rlfleet.tools.credentials import RunCredentials
-from rlfleet.tools.etcd_local import EtcdCluster, die_with_parent
+from rlfleet.tools.etcd_local import EtcdCluster
 from rlfleet.tools.exit_codes import Exit, Outcome
 from rlfleet.tools.fleet_view import members_table, nodes_table, take_snapshot
 from rlfleet.tools.job_owner import JobOwned, JobOwner, RegistrationCheck
@@ -58,119 +68,18 @@ from rlfleet.tools.run_summary import end_summary, eval_line, progress_line
 
 log = logging.getLogger("rlfleet.supervisor")
 
-BACKOFF_START_S = 0.5
-BACKOFF_MAX_S = 10.0
-HEALTHY_AFTER_S = 30.0      # a child that lived this long gets its backoff reset
-CRASH_LOOP_RESTARTS = 5     # this many deaths within CRASH_LOOP_WINDOW_S: the supervisor gives up
-CRASH_LOOP_WINDOW_S = 60.0  # (rlfleet run --give-up-after N/WINDOW; N = 0 only reports them)
 MAX_IDLE_S = 300.0          # no training step for this long ends the run (--max-idle-s; 0: never)
 PROGRESS_EVERY_S = 5.0      # plain mode: a progress line this often while steps advance
 STOP_GRACE_S = 10.0
 TORCH_ROLES = ("trainer", "rollout")  # the processes that compute; they share the cores
 CPU_SAMPLE_S = 1.0          # how often each daemon's CPU time is read (what a kill -9 loses)
-TREE_RESCAN_S = 10.0        # how often a daemon's descendants are looked up again (a scan of all of /proc)
-
-
-def tree_cpu_s(pid: int) -> float:
-    """User+system CPU seconds of a process and its live descendants (reward workers)."""
-    try:
-        root = psutil.Process(pid)
-        total = 0.0
-        for proc in [root, *root.children(recursive=True)]:
-            try:
-                t = proc.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:  # a descendant that just exited
-                pass
-        return total
-    except psutil.Error:
-        return 0.0
-
-
-class TreeCpu:
-    """`tree_cpu_s` for one daemon, sampled every CPU_SAMPLE_S: finding the descendants
-    scans every process on the machine (psutil reads each /proc/<pid>/stat for its
-    parent), so it is done every TREE_RESCAN_S, and at once after one of them ended;
-    a sample in between reads only the known processes' own counters."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._procs: list[psutil.Process] = []
-        self._scanned_at = -TREE_RESCAN_S
-
-    def read(self) -> float:
-        now = time.monotonic()
-        if now - self._scanned_at >= TREE_RESCAN_S:
-            self._scanned_at = now
-            try:
-                root = psutil.Process(self.pid)
-                self._procs = [root, *root.children(recursive=True)]
-            except psutil.Error:
-                return 0.0
-        total = 0.0
-        for proc in self._procs:
-            try:
-                t = proc.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:  # it ended: look the tree up again at the next sample
-                self._scanned_at = -TREE_RESCAN_S
-        return total
+PLACEMENT_READ_S = 0.5      # how often placement/ is read (and nodes/<host> rewritten if changed)
 
 
 def torch_threads(placed: list[Placed], host: str) -> int:
     """Threads per torch process so the processes on one machine do not oversubscribe its cores."""
     n = sum(1 for p in placed if p.host == host and p.role in TORCH_ROLES)
     return max(1, (os.cpu_count() or 1) // max(1, n))
-
-
-@dataclass
-class Child:
-    placed: Placed
-    cmd: list[str]
-    log_path: Path
-    proc: subprocess.Popen | None = None
-    started_at: float = 0.0
-    restarts: int = 0
-    backoff_s: float = BACKOFF_START_S
-    next_start_at: float = 0.0
-    recent_deaths: deque = field(default_factory=lambda: deque(maxlen=CRASH_LOOP_RESTARTS))
-    last_exit: str = ""
-    env: dict[str, str] = field(default_factory=dict)
-    cpu_s_ended: float = 0.0    # CPU of this daemon's earlier (dead) processes, as last sampled
-    cpu_s_current: float = 0.0  # CPU of the running process at the last sample
-    cpu_meter: TreeCpu | None = None
-
-    @property
-    def name(self) -> str:
-        return self.placed.member_id
-
-    @property
-    def cpu_s(self) -> float:
-        return self.cpu_s_ended + self.cpu_s_current
-
-    def sample_cpu(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            if self.cpu_meter is None or self.cpu_meter.pid != self.proc.pid:
-                self.cpu_meter = TreeCpu(self.proc.pid)
-            self.cpu_s_current = max(self.cpu_s_current, self.cpu_meter.read())
-
-    def process_ended(self) -> None:
-        self.cpu_s_ended += self.cpu_s_current
-        self.cpu_s_current = 0.0
-
-    def start(self, env: dict[str, str]) -> None:
-        env = {**env, **self.env}
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True,
-                                         preexec_fn=die_with_parent(signal.SIGTERM))  # a clean drain
-        self.started_at = time.monotonic()
-
-    def log_tail(self, lines: int = 8) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
 
 def new_run_dir(base: Path) -> Path:
@@ -191,7 +100,7 @@ def new_run_dir(base: Path) -> Path:
 class Supervisor:
     def __init__(self, spec: JobSpec, spec_path: str, etcd: str | None, runs_dir: Path,
                  host: str | None = None, view: bool = True,
-                 give_up: tuple[int, float] = (CRASH_LOOP_RESTARTS, CRASH_LOOP_WINDOW_S),
+                 give_up: tuple[int, float] = (CRASH_LOOP_DEATHS, CRASH_LOOP_WINDOW_S),
                  max_idle_s: float = MAX_IDLE_S, take_over: bool = False, secure: bool = False,
                  etcd_creds: EtcdCredentials | None = None) -> None:
         self.spec, self.spec_path, self.runs_dir = spec, spec_path, runs_dir
@@ -207,7 +116,14 @@ class Supervisor:
         self.give_up_deaths, self.give_up_window_s = give_up
         self.max_idle_s = max_idle_s
         self.cluster: EtcdCluster | None = None
-        self.children: list[Child] = []
+        self.placed: list[Placed] = []  # what the spec places on this machine's hosts
+        self.backend: ProcessBackend | None = None
+        self.agent: Reconciler | None = None  # the node agent's reconcile step, for those hosts
+        self._placement: list[Placed] = []  # placement/<host>/... as last read
+        self._placement_read_at = -PLACEMENT_READ_S
+        self._nodes: dict[str, tuple[int, dict]] = {}  # host -> (lease, value) last written
+        self._nodes_written_at = 0.0
+        self._inventory: dict = {}
         self.events: deque[str] = deque(maxlen=8)
         self._stop = threading.Event()
         self.cpu_report: dict[str, float] = {}
@@ -292,18 +208,67 @@ class Supervisor:
         self._claimed = claimed  # noted once the run's event log exists
         return store
 
-    def make_children(self, endpoints: str) -> None:
-        logs = self.run_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        placed = placement_from_spec(self.spec)
-        for p in placed:
-            if self.host is not None and p.host != self.host:
+    def make_agent(self, endpoints: str) -> None:
+        """The agent's reconcile step for this machine's hosts, with the process backend."""
+        self.placed = [p for p in placement_from_spec(self.spec) if self.host is None or p.host == self.host]
+        base = {**os.environ, "PYTHONUNBUFFERED": "1", "RLFLEET_RUN_DIR": str(self.run_dir.resolve()),
+                INCARNATION_ENV: self.owner.incarnation, **self.security_env()}
+
+        def env(p: Placed) -> dict[str, str]:
+            return {**base, "RLFLEET_TORCH_THREADS": str(torch_threads(self.placed, p.host))}
+        self.backend = ProcessBackend(lambda p: daemon_command(self.spec.job.name, endpoints, p), env,
+                                      self.run_dir / "logs")
+        self.backend.log_dir.mkdir(parents=True, exist_ok=True)
+        self.agent = Reconciler(self.backend, CrashLoop(self.give_up_deaths or CRASH_LOOP_DEATHS,
+                                                        self.give_up_window_s))
+        self._inventory = machine_inventory("")
+
+    @property
+    def hosts(self) -> set[str]:
+        return {p.host for p in self.placed}
+
+    def desired(self, store: EtcdStore) -> list[Placed]:
+        """The spec's resource-managers of this machine (bootstrap), and what placement/
+        says for its hosts, read every PLACEMENT_READ_S (the last read through an outage)."""
+        now = time.monotonic()
+        if now - self._placement_read_at >= PLACEMENT_READ_S:
+            self._placement_read_at = now
+            keys = JobKeys(self.spec.job.name)
+            try:
+                self._placement = [Placed(p.host, p.role, p.id) for p in
+                                   placements_from(keys, store.get_prefix(keys.placement_prefix))
+                                   if p.host in self.hosts]
+            except StoreUnavailable:
+                pass
+            self.publish_nodes(store)
+        return sorted(set(policy.bootstrap(self.placed, self.hosts)) | set(self._placement))
+
+    def publish_nodes(self, store: EtcdStore) -> None:
+        """nodes/<host> for each host here, bound to the owner lease; written when it changed,
+        and once a TTL anyway (a run we took the job over from may have rebound it to its
+        own lease just before it ended, which deleted it)."""
+        lease = self.owner.lease if self.owner is not None else None
+        if lease is None or self.agent is None:
+            return
+        if time.monotonic() - self._nodes_written_at >= self.spec.etcd.lease_ttl_s:
+            self._nodes_written_at = time.monotonic()
+            self._nodes.clear()
+        try:
+            labels = policy.parse_labels(os.environ.get("RLFLEET_LABELS", ""))
+        except ValueError:
+            labels = {}
+        agent = {**ProcessId.current().to_fields(), "backend": "process"}
+        keys = JobKeys(self.spec.job.name)
+        for host in sorted(self.hosts):
+            value = policy.node_value({**self._inventory, "host": host}, labels, agent,
+                                      self.agent.report(time.monotonic(), host))
+            if self._nodes.get(host) == (lease.id, value):
                 continue
-            cmd = [sys.executable, "-m", "rlfleet.tools.cli", "daemon", p.role,
-                   "--job", self.spec.job.name, "--etcd", endpoints, "--id", p.member_id, "--host", p.host]
-            env = {"RLFLEET_RUN_DIR": str(self.run_dir.resolve()), INCARNATION_ENV: self.owner.incarnation,
-                   "RLFLEET_TORCH_THREADS": str(torch_threads(placed, p.host)), **self.security_env()}
-            self.children.append(Child(p, cmd, logs / f"{p.member_id}.log", env=env))
+            try:
+                store.put(keys.node(host), value, lease=lease)
+            except StoreUnavailable:
+                return
+            self._nodes[host] = (lease.id, value)
 
     # -- supervision ------------------------------------------------------------
     def note(self, message: str) -> None:
@@ -313,47 +278,32 @@ class Supervisor:
         if not self.view:
             print(stamped, flush=True)
 
-    def supervise_once(self, env: dict[str, str]) -> Outcome | None:
-        """Start what is due, reap what died; an Outcome when a daemon keeps dying."""
-        now = time.monotonic()
-        for child in self.children:
-            if child.proc is None:
-                if now >= child.next_start_at:
-                    child.start(env)
-                    if child.restarts:
-                        self.note(f"restarted {child.name} (restart #{child.restarts}, pid {child.proc.pid})")
+    def supervise_once(self, store: EtcdStore) -> Outcome | None:
+        """One reconcile step: start what is placed and due, reap what died, stop what is
+        no longer placed; an Outcome when a daemon keeps dying (and --give-up-after)."""
+        outcome = None
+        for event in self.agent.step(self.desired(store), time.monotonic()):
+            if event.kind == "started" and not event.restarts:
+                continue  # the first start of each daemon is no news
+            if event.kind != "crash_loop":
+                self.note(event.sentence())
                 continue
-            code = child.proc.poll()
-            if code is None:
-                if now - child.started_at > HEALTHY_AFTER_S:
-                    child.backoff_s = BACKOFF_START_S
-                continue
-            child.proc = None
-            child.process_ended()
-            child.restarts += 1
-            child.recent_deaths.append(now)
-            child.next_start_at = now + child.backoff_s
-            child.last_exit = f"signal {-code}" if code < 0 else f"exit code {code}"
-            self.note(f"{child.name} died ({child.last_exit}); restarting in {child.backoff_s:.1f}s")
-            child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
-            crash_loop = self._crash_loop(child, now)
-            if crash_loop:
-                return crash_loop
-        return None
+            outcome = outcome or self._crash_loop(event)
+        return outcome
 
-    def _crash_loop(self, child: Child, now: float) -> Outcome | None:
+    def _crash_loop(self, event: Event) -> Outcome | None:
         """N deaths within the window: reported with the log's tail, and (N > 0) the end of the run."""
-        n = self.give_up_deaths or CRASH_LOOP_RESTARTS
-        deaths = list(child.recent_deaths)[-n:]
-        if len(deaths) < n or now - deaths[0] >= self.give_up_window_s:
-            return None
-        self.note(f"{child.name} keeps dying: {n} deaths in {now - deaths[0]:.0f}s; "
-                  f"log {child.log_path}, last lines:\n{child.log_tail()}")
+        log_path = self.backend.log_path(event.name)
+        self.note(f"{event.name} keeps dying: {event.deaths} deaths in {event.span_s:.0f}s; "
+                  f"log {log_path}, last lines:\n{self.backend.log_tail(event.name)}")
         if not self.give_up_deaths:
             return None
         return Outcome(Exit.DAEMON_GAVE_UP,
-                       f"gave up: {child.name} died {n} times in {now - deaths[0]:.0f} s "
-                       f"(last: {child.last_exit}); see {child.log_path}")
+                       f"gave up: {event.name} died {event.deaths} times in {event.span_s:.0f} s "
+                       f"(last: {event.exit}); see {log_path}")
+
+    def restarts(self) -> dict[str, int]:
+        return {t.name: t.restarts for t in self.agent.tracked.values()} if self.agent is not None else {}
 
     def watch_training(self, last_step_at: float) -> tuple[float, Outcome | None]:
         """Read new metrics lines: note evaluations (and, in plain mode, progress); an
@@ -367,7 +317,7 @@ class Supervisor:
         for index in range(len(m.evals) - new_evals, len(m.evals)):
             self.note(eval_line(m, index))
         if (self.max_idle_s and now - last_step_at > self.max_idle_s
-                and any(c.placed.role == "trainer" for c in self.children)):
+                and any(p.role == "trainer" for p in self.placed)):
             since = f"since step {m.train[-1]['step']}" if m.train else "since the start"
             return last_step_at, Outcome(Exit.NO_PROGRESS, f"no training step for {self.max_idle_s:.0f} s "
                                                            f"({since}; --max-idle-s); see {self.run_dir / 'logs'}")
@@ -381,7 +331,7 @@ class Supervisor:
             self.note(progress_line(m, self.spec.trainer.max_steps))
 
     def render(self, store: EtcdStore, endpoints: str):
-        restarts = {c.name: c.restarts for c in self.children}
+        restarts = self.restarts()
         try:
             snap = take_snapshot(store, self.spec.job.name)
         except StoreUnavailable as exc:
@@ -439,14 +389,14 @@ class Supervisor:
         text = end_summary(self.metrics.metrics if self.metrics is not None else RunMetrics(),
                            job=self.spec.job.name, max_steps=self.spec.trainer.max_steps, headline=headline,
                            run_dir=self.run_dir, accounting=self.accounting,
-                           restarts={c.name: c.restarts for c in self.children},
+                           restarts=self.restarts(),
                            cpu_s=self.cpu_report, plots=self.plots)
         print(text, flush=True)
 
     def cpu_by_daemon(self) -> dict[str, float]:
         """CPU seconds each daemon used (all its restarts, its worker processes included),
         the private etcd and the supervisor itself: where the machine's time went."""
-        cpu = {c.name: round(c.cpu_s, 1) for c in self.children}
+        cpu = {mid: round(self.backend.cpu_s(mid), 1) for mid in self.backend.children} if self.backend else {}
         if self.cluster is not None:
             cpu["etcd"] = round(sum(tree_cpu_s(m.proc.pid) for m in self.cluster.members
                                     if m.proc is not None), 1)
@@ -458,19 +408,8 @@ class Supervisor:
         return [Text(e, style="cyan") for e in self.events]
 
     def stop_children(self) -> None:
-        for child in self.children:
-            if child.proc is not None and child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for child in self.children:
-            if child.proc is None:
-                continue
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.note(f"{child.name} ignored SIGTERM for {STOP_GRACE_S:.0f}s; killing it")
-                child.proc.kill()
-                child.proc.wait()
+        if self.backend is not None:
+            self.backend.release(STOP_GRACE_S, self.note)
 
     def request_stop(self, *_: object) -> None:
         self._stop.set()
@@ -520,9 +459,9 @@ class Supervisor:
         failure: Outcome | None = None
         finished = False
         try:
-            self.make_children(endpoints)
-            roles = len({c.placed.role for c in self.children})
-            self.note(f"job {self.spec.job.name}: {len(self.children)} daemons ({roles} roles), "
+            self.make_agent(endpoints)
+            roles = len({p.role for p in self.placed})
+            self.note(f"job {self.spec.job.name}: {len(self.placed)} daemons ({roles} roles), "
                       f"etcd {endpoints}, run dir {self.run_dir}")
             self.note(self._claimed)
             failure, finished = self._loop(store, endpoints, duration_s)
@@ -562,15 +501,15 @@ class Supervisor:
     def replace_stalled(self) -> None:
         """SIGKILL a child whose registration expired while its process still exists (stopped,
         or its main loop stalled past the TTL): reaped and restarted like any dead child."""
-        running = [(c.placed.role, c.placed.member_id, c.proc.pid) for c in self.children
-                   if c.proc is not None and c.proc.poll() is None]
+        running = [(p.role, p.member_id, pid) for p in self.agent.running()
+                   if (pid := self.backend.pid(p.member_id)) is not None]
         try:
             lost = self.registrations.lost(running)
         except StoreUnavailable:
             return  # no registration can be read: nothing to judge by
         for pid, why in lost:
-            child = next(c for c in self.children if c.proc is not None and c.proc.pid == pid)
-            self.note(f"replacing {child.name} (pid {pid}): {why}; SIGKILL")
+            name = next(mid for role, mid, p in running if p == pid)
+            self.note(f"replacing {name} (pid {pid}): {why}; SIGKILL")
             try:
                 os.killpg(pid, signal.SIGKILL)  # its worker processes too
             except ProcessLookupError:
@@ -584,7 +523,6 @@ class Supervisor:
     def _loop(self, store: EtcdStore, endpoints: str, duration_s: float | None) -> tuple[Outcome | None, bool]:
         """Supervise until the trainer is done, a failure, a stop request or --duration;
         then stop the daemons and check the accounting. Returns (failure, finished)."""
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         started = time.monotonic()
         deadline = started + duration_s if duration_s else None
         live = Live(self.render(store, endpoints), console=self.console, refresh_per_second=2,
@@ -597,7 +535,7 @@ class Supervisor:
             last_watch = last_done_check = last_cpu_sample = last_progress = last_liveness = 0.0
             last_step_at = started
             while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
-                failure = self.supervise_once(env)
+                failure = self.supervise_once(store)
                 if failure:
                     break
                 failure = self.keep_job()
@@ -609,8 +547,7 @@ class Supervisor:
                     self.replace_stalled()
                 if now - last_cpu_sample > CPU_SAMPLE_S:
                     last_cpu_sample = now
-                    for child in self.children:
-                        child.sample_cpu()
+                    self.backend.sample_cpu()
                 if now - last_done_check > 2.0:
                     last_done_check = now
                     if self.trainer_done(store):
@@ -628,8 +565,7 @@ class Supervisor:
                         self.note_progress()
                 self._stop.wait(0.1)
         finally:
-            for child in self.children:
-                child.sample_cpu()
+            self.backend.sample_cpu()
             if live:
                 live.stop()  # transient: the table goes; what happened is in the summary below
                 for event in self.events:

@@ -1,1 +1,1 @@
-"""resource-manager: node inventory, placement (leader-elected; standbys wait)."""
+"""resource-manager: placement from the spec (leader-elected; standbys wait)."""

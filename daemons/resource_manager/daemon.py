@@ -1,9 +1,8 @@
 """The resource-manager daemon.
 
-Every instance records the inventory of its own machine under
-`nodes/<host>` (bound to its lease, so a machine whose manager
-died drops out). The elected leader also reconciles
-`placement/...` with the spec: what should run where.
+The elected leader reconciles `placement/...` with the spec: what should run
+where. Standbys wait. The node agents (daemons/agent/) act on that placement
+and record each machine's inventory under `nodes/<host>`.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from rlfleet.common.members import Placement
 from rlfleet.common.placement import placement_from_spec
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.store import KeyValue
-from rlfleet.daemons.resource_manager.inventory import machine_inventory
 
 RECONCILE_EVERY_CYCLES = 10
 
@@ -32,9 +30,6 @@ class ResourceManager(Daemon):
     role = "resource-manager"
 
     def setup(self) -> None:
-        assert self.session is not None
-        self.inventory = machine_inventory(self.options.host)
-        self.session.put_lease_bound(self.keys.node(self.options.host), self.inventory)
         self._was_leader = False
 
     def cycle(self) -> str | None:

@@ -15,7 +15,7 @@ import pytest
 from rlfleet.common.cluster import Cluster
 from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import ROOT_PREFIX, JobKeys, job_of
-from rlfleet.common.members import Leader, Member, Node, Placement, RelayMember, members_from
+from rlfleet.common.members import Leader, Member, Node, Placement, RelayMember, members_from, placements_from
 from rlfleet.common.records import (Checkpoint, PromptCursor, RelayChain, RelayLayoutRequest, RelayMaster,
                                     TrainerProgress, WeightsLatest)
 from rlfleet.common.store import KeyValue
@@ -81,9 +81,15 @@ def test_leader_node_placement():
     assert (lead.role, lead.id, lead.since, lead.lease_id, lead.problem) == ("trainer", "trainer-0", 5.0, 3, "")
     assert "id: missing" in Leader.from_kv(K, kv(K.leader("trainer"), {"since": 5})).problem
     inv = {"host": "h1", "cpus_logical": 8, "cpus_physical": 4, "memory_bytes": 2**34, "memory_available_bytes": 2**33,
-           "gpus": [{"index": 0, "name": "H100", "memory_bytes": 2**36}], "boot_time": 1.0, "seen": 2.0}
+           "gpus": [{"index": 0, "name": "H100", "memory_bytes": 2**36}], "boot_time": 1.0, "seen": 2.0,
+           "labels": {"cpu": "x86"}, "agent": {"pid": 9, "backend": "systemd"},
+           "daemons": {"rollout-0": {"role": "rollout", "state": "waiting", "restarts": 5,
+                                     "last_exit": "exit code 1", "failing": True}}}
     node = Node.from_kv(K, kv(K.node("h1"), inv))
     assert node.gpus[0].name == "H100" and node.to_value() == inv and node.problem == ""
+    assert [d.id for d in node.failing] == ["rollout-0"] and node.labels == {"cpu": "x86"}
+    odd = Node.from_kv(K, kv(K.node("h1"), {"daemons": {"relay-0": {"failing": "yes"}}, "labels": {"a": 1}}))
+    assert "daemons.relay-0.failing" in odd.problem and "labels.a" in odd.problem and odd.failing == ()
     bad = Node.from_kv(K, kv(K.node("h1"), {"gpus": [{"name": 7}], "cpus_logical": "8"}))
     assert "gpus[0].name" in bad.problem and "cpus_logical" in bad.problem and bad.cpus_logical == 0
     placed = Placement.from_kv(K, kv(K.placement("h1", "relay", "relay-0"),
@@ -91,6 +97,9 @@ def test_leader_node_placement():
     assert placed == Placement("h1", "relay", "relay-0") and placed.to_value()["id"] == "relay-0"
     odd = Placement.from_kv(K, kv(K.placement("h1", "relay", "relay-0"), {"host": "h2"}))
     assert odd != placed and "does not repeat the key" in odd.problem and odd.host == "h1"
+    # A key with a component too many names no daemon: skipped, the others kept.
+    extra = kv(K.placement_prefix + "h1/relay/relay-0/x", {})
+    assert placements_from(K, [kv(K.placement("h1", "relay", "relay-0"), placed.to_value()), extra]) == [placed]
 
 
 # -- single-key records -----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The supervisor's per-daemon CPU meter counts a daemon's descendants (reward workers)
+"""The process backend's per-daemon CPU meter counts a daemon's descendants (reward workers)
 with real processes, while scanning /proc for them only now and then."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import time
 
 import psutil
 
-from rlfleet.tools import supervisor
+from rlfleet.daemons.agent import process
 from tests.integration.helpers import wait_for
-from rlfleet.tools.supervisor import TreeCpu, tree_cpu_s
+from rlfleet.daemons.agent.process import TreeCpu, tree_cpu_s
 
 # A parent that starts one child burning ~0.3 s of CPU, then waiting for a line on its stdin
 # to exit; the parent prints the child's pid, and "reaped" once the child is gone.
@@ -50,7 +50,7 @@ def test_descendants_count_and_are_looked_up_again_after_the_rescan_interval(mon
         assert abs(sampled - tree_cpu_s(parent.pid)) < 0.05
 
         # Between rescans only the known processes are read; a rescan finds the tree again.
-        monkeypatch.setattr(supervisor, "TREE_RESCAN_S", 0.0)
+        monkeypatch.setattr(process, "TREE_RESCAN_S", 0.0)
         assert meter.read() >= 0.3 and len(meter._procs) == 2
         parent.stdin.write("end the child\n")
         parent.stdin.flush()

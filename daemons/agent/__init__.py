@@ -1,0 +1,1 @@
+"""agent: one per host per job; acts on placement (docs/agent.md). Not a job role."""
