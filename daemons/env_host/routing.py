@@ -22,6 +22,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 import zmq
+from prometheus_client import Counter
 from zmq.utils.monitor import parse_monitor_message
 
 from rlfleet.common.async_client import AsyncRequestClient
@@ -29,6 +30,11 @@ from rlfleet.common.sockets import PeerTimeout
 from rlfleet.common.wire import Abort, GenerateRequest, GenerateResult
 
 from .routing_policy import LeastLoaded, RoutingPolicy
+
+# A turn that has to go to another rollout: the one it was on timed out, went away (a
+# killed or powered-off host), or there was none. The same figures as Router.reissued.
+TURNS_REISSUED = Counter("rlfleet_env_turns_reissued_total",
+                         "Turns sent to another rollout, by why the first one failed", ["id", "reason"])
 
 log = logging.getLogger("rlfleet.env_host")
 
@@ -75,6 +81,10 @@ class Router:
         self._changed = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
         self.reissued = {"timeout": 0, "gone": 0, "no_rollout": 0}
+
+    def _reissued(self, reason: str) -> None:
+        self.reissued[reason] += 1
+        TURNS_REISSUED.labels(self.name, reason).inc()
 
     # -- membership -----------------------------------------------------------------
     def update(self, rollouts: Mapping[str, str],
@@ -165,15 +175,15 @@ class Router:
         try:
             result = await call
         except _Gone as exc:
-            self.reissued["gone"] += 1
+            self._reissued("gone")
             raise RouteError("gone", r.id, exc.why) from None
         except PeerTimeout as exc:
             r.suspect_until = loop.time() + self.suspect_s
-            self.reissued["timeout"] += 1
+            self._reissued("timeout")
             self._spawn(self._abort(r, req.request_id))
             raise RouteError("timeout", r.id, str(exc)) from None
         except (zmq.ZMQError, OSError) as exc:  # the socket went away under the call
-            self.reissued["gone"] += 1
+            self._reissued("gone")
             raise RouteError("gone", r.id, repr(exc)) from None
         finally:
             r.outstanding -= 1
@@ -210,7 +220,7 @@ class Router:
                 if pool:
                     return self.policy.choose(pool)
             if now >= deadline:
-                self.reissued["no_rollout"] += 1
+                self._reissued("no_rollout")
                 wanted = (f"rollout {to}" if to else "live rollout") + (
                     f" holding weight version {version}" if version is not None else "")
                 raise RouteError("no_rollout", "", f"no {wanted} registered")
