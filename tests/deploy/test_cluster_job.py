@@ -1,0 +1,297 @@
+"""The cluster path end to end, on a lab of five real systemd hosts (tools/lab, docs/lab.md).
+
+`site.yml` brings the cluster up from bare hosts (etcd on h1-h3 with TLS and client-cert
+auth, rlfleet from the wheelhouse, the units, one agent per host, Prometheus on h5), a
+second run changes nothing; `job.yml` submits the arithmetic example, and the agents start
+what the elected resource-manager places. While it trains, the faults of a bare-metal
+deployment: kill -9 of a daemon (systemd restarts it), one etcd member stopped, a rollout
+host powered off (its relay leaves the chain, its turns are re-issued), the trainer host
+rebooted (it resumes from its checkpoint and journal). Then the operator ends the job at a
+step (the spec's max_steps, applied with `systemctl reload`): it trains to it, and the
+accounting invariant holds over the journals of every host.
+
+The tests run in file order on one lab (a cluster takes minutes to build). Figures are
+printed and saved to runs/deploy/cluster.json. Run by `make test-deploy` (root, RLFLEET_LAB=1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from .conftest import LAB_CMD, lab_cli
+
+pytestmark = pytest.mark.lab
+
+T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE = REPO / "ansible"
+LAB = "e2e"
+SUBNET = "10.213.0"
+HOSTS = 5
+JOB = "arith"
+ENV_FILE = f"/etc/rlfleet/jobs/{JOB}.env"
+RLFLEET = "/opt/rlfleet/venv/bin/rlfleet"
+RUN_DIR = f"/var/lib/rlfleet/{JOB}"
+OBSERVER = "h5"  # never faulted: the test reads etcd and Prometheus from it
+PLACED_DAEMONS = 10  # examples/cluster-arithmetic.toml: trainer, 2 relays, 2 rollouts, env, reward, 2 RMs, repack
+RESULTS = REPO / "runs" / "deploy" / "cluster.json"
+figures: dict[str, Any] = {}
+
+
+def wait_for(what: str, fn: Callable[[], T], timeout_s: float, every_s: float = 1.0) -> T:
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = fn()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 — a host rebooting answers nothing for a while
+            last = exc
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}" + (f" (last error: {last!r})" if last else ""))
+
+
+def host_sh(host: str, script: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    """A shell script inside a lab host (nsenter: works whatever the network does)."""
+    proc = subprocess.run([*LAB_CMD, "exec", "--name", LAB, host, "--", "bash", "-c", script],
+                          capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, f"{host}$ {script}\n-> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def with_job_env(command: str) -> str:
+    return f"set -a; . {ENV_FILE}; set +a; {command}"
+
+
+def etcd(prefix: str) -> dict[str, Any]:
+    """{key: value} under /rlfleet/<job>/PREFIX, read from the observer host with the job's credentials."""
+    out = host_sh(OBSERVER, with_job_env(f"{RLFLEET} keys /rlfleet/{JOB}/{prefix}")).stdout
+    found = {}
+    for line in out.splitlines():
+        key, _, value = line.partition("\t")
+        found[key] = json.loads(value)
+    return found
+
+
+def trainer() -> dict[str, Any]:
+    members = [v for v in etcd("members/trainer/").values() if v.get("version") is not None]
+    return members[0] if members else {}
+
+
+def version() -> int:
+    return int(trainer().get("version") or 0)
+
+
+def advances(by: int, timeout_s: float, what: str) -> int:
+    start = version()
+    return wait_for(f"training to advance {by} steps from {start} ({what})",
+                    lambda: (v := version()) >= start + by and v, timeout_s)
+
+
+def playbook(name: str, *extra: str, timeout: float = 1200) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run([*LAB_CMD, "ansible", "--name", LAB, "--", "ansible-playbook", "-i",
+                           str(ANSIBLE / "inventory.lab.ini"), str(ANSIBLE / name), *extra],
+                          capture_output=True, text=True, timeout=timeout, cwd=ANSIBLE,
+                          env={**os.environ, "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
+                               "ANSIBLE_FORCE_COLOR": "0"})
+    took = time.monotonic() - t0
+    print(f"$ ansible-playbook {name} {' '.join(extra)} -> {proc.returncode} in {took:.0f} s\n{proc.stdout[-6000:]}")
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-3000:]}"
+    return proc, took
+
+
+def recap(stdout: str) -> dict[str, dict[str, int]]:
+    """PLAY RECAP: {host: {ok, changed, failed, ...}}."""
+    rows = {}
+    for m in re.finditer(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$", stdout, re.M):
+        rows[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
+    return rows
+
+
+def unit(host: str, member: str) -> dict[str, str]:
+    out = host_sh(host, f"systemctl show -p MainPID,NRestarts,ActiveState,SubState 'rlfleet@{JOB}:{member}.service'").stdout
+    return dict(line.split("=", 1) for line in out.split())
+
+
+def job_spec(tmp: Path, max_steps: int) -> Path:
+    """The cluster example with max_steps changed (same file name: job.yml puts it next to the models)."""
+    text = (REPO / "examples" / "cluster-arithmetic.toml").read_text()
+    text, n = re.subn(r"(?m)^max_steps = \d+", f"max_steps = {max_steps}", text)
+    assert n == 1
+    path = tmp / str(max_steps) / "cluster-arithmetic.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def diagnostics() -> None:
+    """What every host's units said: printed when a test failed, so a CI log explains it."""
+    for i in range(1, HOSTS + 1):
+        proc = host_sh(f"h{i}", "systemctl --no-pager list-units 'rlfleet*' 'prometheus*'; "
+                                "journalctl --no-pager -n 60 -u 'rlfleet*' -o cat | cut -c1-300",
+                       check=False, timeout=60)
+        print(f"===== h{i}\n{proc.stdout[-8000:]}{proc.stderr[-1000:]}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, request):
+    tmp = tmp_path_factory.mktemp("cluster")
+    shutil.rmtree(ANSIBLE / "pki", ignore_errors=True)  # from nothing: a new CA too
+    lab_cli("up", "--name", LAB, "--hosts", str(HOSTS), "--subnet", SUBNET, "--timeout", "240", timeout=320)
+    failed_before = request.session.testsfailed
+    try:
+        proc, took = playbook("site.yml")
+        figures["site_yml_first_s"] = round(took, 1)
+        figures["site_yml_first_recap"] = recap(proc.stdout)
+        yield tmp
+    finally:
+        if request.session.testsfailed > failed_before:
+            diagnostics()
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(figures, indent=2))
+        print(json.dumps(figures, indent=2))
+        lab_cli("down", "--name", LAB, check=False)
+
+
+def test_site_yml_a_second_time_changes_nothing(cluster):
+    proc, took = playbook("site.yml")
+    rows = recap(proc.stdout)
+    figures["site_yml_rerun_s"] = round(took, 1)
+    assert set(rows) == {f"h{i}" for i in range(1, HOSTS + 1)}, proc.stdout[-3000:]
+    assert all(r["changed"] == 0 and r["failed"] == 0 for r in rows.values()), rows
+
+
+def test_a_submitted_job_is_placed_and_trains(cluster):
+    t0 = time.monotonic()
+    playbook("job.yml", "-e", f"rlfleet_job_spec={job_spec(cluster, 1_000_000)}")
+    wait_for("the first training step", lambda: version() >= 1, timeout_s=300, every_s=0.5)
+    figures["submit_to_first_step_s"] = round(time.monotonic() - t0, 1)
+    placed = etcd("placement/")
+    assert len(placed) == PLACED_DAEMONS, placed
+    members = etcd("members/")
+    hosts = {(v["role"], v["host"]) for v in members.values()}
+    assert {("relay", "h2"), ("relay", "h3"), ("rollout", "h2"), ("rollout", "h3"), ("trainer", "h1")} <= hosts, hosts
+    assert all(v.get("addresses", {}) == {} or all(f"{SUBNET}." in a for a in v["addresses"].values())
+               for v in members.values()), members  # published on the cluster network, not loopback
+    advances(20, 240, "across five hosts")
+
+
+def test_prometheus_has_every_target_up(cluster):
+    def targets() -> list[dict]:
+        out = host_sh(OBSERVER, "curl -sf http://127.0.0.1:9090/api/v1/targets?state=active").stdout
+        return json.loads(out)["data"]["activeTargets"]
+
+    def all_up() -> list[dict] | None:
+        found = targets()
+        daemons = [t for t in found if t["scrapePool"] == "rlfleet-daemons"]
+        return found if len(daemons) == PLACED_DAEMONS and all(t["health"] == "up" for t in found) else None
+
+    found = wait_for(f"Prometheus scraping {PLACED_DAEMONS} daemons with every target up", all_up, timeout_s=120,
+                     every_s=2)
+    pools = {}
+    for t in found:
+        pools[t["scrapePool"]] = pools.get(t["scrapePool"], 0) + 1
+    figures["prometheus_targets_up"] = pools
+    figures["memory_per_host_while_training_mib"] = {r["host"]: r["pss_mib"] for r in json.loads(
+        lab_cli("status", "--name", LAB, "--output", "json").stdout)["hosts"]}
+    assert pools.get("rlfleet-agents") == HOSTS and pools.get("etcd") == 3, pools
+
+
+def test_kill_9_of_a_daemon_is_restarted_by_systemd(cluster):
+    before = unit("h4", "reward-host-0")
+    host_sh("h4", f"kill -9 {before['MainPID']}")
+    after = wait_for("systemd to restart reward-host-0",
+                     lambda: (u := unit("h4", "reward-host-0"))["MainPID"] not in ("0", before["MainPID"])
+                     and u["ActiveState"] == "active" and u, timeout_s=90)
+    assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1, (before, after)
+    wait_for("the restarted reward-host registered", lambda: any(
+        v.get("pid") == int(after["MainPID"]) for v in etcd("members/reward-host/").values()), timeout_s=90)
+    advances(10, 180, "after the reward-host's restart")
+
+
+def test_training_goes_on_with_one_etcd_member_stopped(cluster):
+    host_sh("h2", "systemctl stop rlfleet-etcd")
+    try:
+        advances(20, 180, "with etcd on h2 stopped")
+    finally:
+        host_sh("h2", "systemctl start rlfleet-etcd")
+
+
+def prom_sum(metric: str) -> float:
+    out = host_sh(OBSERVER, f"curl -sf 'http://127.0.0.1:9090/api/v1/query?query=sum({metric})'").stdout
+    result = json.loads(out)["data"]["result"]
+    return float(result[0]["value"][1]) if result else 0.0
+
+
+def test_a_rollout_host_powered_off_leaves_the_chain_and_its_turns_are_reissued(cluster):
+    relays = {v["host"]: k for k, v in etcd("members/relay/").items()}
+    assert set(relays) == {"h2", "h3"}, relays
+    reissued_before = prom_sum("rlfleet_env_turns_reissued_total")
+    lab_cli("poweroff", "--name", LAB, "h3")
+    t0 = time.monotonic()
+    wait_for("h3's relay and rollout to leave the job", lambda: not any(
+        v.get("host") == "h3" for v in etcd("members/").values() if v.get("role") in ("relay", "rollout")),
+        timeout_s=60)
+    figures["rollout_host_poweroff_noticed_s"] = round(time.monotonic() - t0, 1)
+    advances(20, 240, "with h3 powered off")
+    wait_for("the env-host to have re-issued turns", lambda: prom_sum("rlfleet_env_turns_reissued_total")
+             > reissued_before, timeout_s=60, every_s=3)
+    lab_cli("start", "--name", LAB, "h3", timeout=200)
+    wait_for("h3's relay and rollout back", lambda: {v.get("role") for v in etcd("members/").values()
+                                                     if v.get("host") == "h3"} >= {"relay", "rollout"},
+             timeout_s=240, every_s=2)
+    advances(10, 180, "with h3 back")
+
+
+def test_the_trainer_host_rebooted_resumes_from_its_checkpoint(cluster):
+    checkpoint = wait_for("a checkpoint", lambda: int(trainer().get("checkpoint_version") or 0), timeout_s=240)
+    powered_off_at = time.time()
+    lab_cli("poweroff", "--name", LAB, "h1")
+    t0 = time.monotonic()
+    lab_cli("start", "--name", LAB, "h1", timeout=200)
+    # (a lab host shares the kernel's boot id: a process started after the power-off is the new one)
+    back = wait_for("the trainer registered again after the reboot", lambda: (t := trainer()) and
+                    float(t.get("started", 0)) > powered_off_at and t, timeout_s=300, every_s=1)
+    assert int(back["version"]) >= checkpoint, (checkpoint, back)  # resumed, not from step 0
+    advances(10, 300, "after the trainer host's reboot")
+    figures["trainer_reboot_to_training_s"] = round(time.monotonic() - t0, 1)
+    figures["trainer_resumed_at_version"] = {"checkpoint": checkpoint, "first_seen": int(back["version"])}
+
+
+def test_ended_at_a_step_it_trains_to_it_and_the_accounting_holds(cluster):
+    end = version() + 30
+    playbook("job.yml", "-e", f"rlfleet_job_spec={job_spec(cluster, end)}")
+    host_sh("h1", f"systemctl reload 'rlfleet@{JOB}:trainer-0.service'")  # ExecReload: SIGHUP, the new max_steps
+    wait_for(f"training done at step {end}", lambda: trainer().get("training") == "done", timeout_s=300)
+    assert version() == end
+    playbook("stop.yml")
+    # Every journal of the job, from the hosts' disks, in one run dir on the observer.
+    lab_root = Path(os.environ.get("RLFLEET_LAB_ROOT", "/var/lib/rlfleet-lab")) / LAB / "hosts"
+    gathered = lab_root / OBSERVER / "merged" / "root" / "accounting"
+    shutil.rmtree(gathered, ignore_errors=True)
+    (gathered / "checkpoints").mkdir(parents=True)
+    shutil.copy(lab_root / "h1" / "merged" / RUN_DIR.lstrip("/") / "checkpoints" / "journal.bin",
+                gathered / "checkpoints")
+    shutil.copytree(lab_root / "h4" / "merged" / RUN_DIR.lstrip("/") / "env-host", gathered / "env-host")
+    proc = host_sh(OBSERVER, with_job_env(f"{RLFLEET} accounting /root/accounting --job {JOB}"), check=False)
+    figures["accounting"] = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else proc.stdout
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    evals = [json.loads(line) for line in (lab_root / "h1" / "merged" / RUN_DIR.lstrip("/") / "metrics.jsonl")
+             .read_text().splitlines() if '"eval_success"' in line]
+    figures["eval_success_first_last"] = [evals[0]["eval_success"], evals[-1]["eval_success"]]
+    assert evals[-1]["eval_success"] > evals[0]["eval_success"] + 0.25, figures["eval_success_first_last"]
