@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.common.spec import JobSpec
+from rlfleet.daemons.trainer.metrics_log import EVAL_SUCCESS
 
 log = logging.getLogger("rlfleet.trainer")
 
@@ -86,6 +87,7 @@ class Evaluator:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(line) + "\n")
         self.done_versions.add(version)
+        EVAL_SUCCESS.set(success)
         log.info("eval at version %d: success %.3f on %d held-out prompts", version, success,
                  len(self.prompts), extra={"event": "eval", "eval_success": success})
         return success

@@ -14,6 +14,9 @@ The sim trainer backend (sim_learner.py) has no ratio/KL/entropy/grad_norm/lr; i
 model_step_s (the modeled step, in model seconds), batch_tokens (the prompt + completion
 tokens it was modeled on) and sim_lag_s (wall seconds the step ran over its model).
 Eval lines (daemons/trainer/evaluation.py) share the file: time, step, eval_success.
+
+The main figures of each step line are Prometheus metrics of the trainer too (`export`),
+for the cluster's dashboard (ansible/files/grafana/rlfleet.json); the file stays the record.
 """
 
 from __future__ import annotations
@@ -23,6 +26,22 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Gauge
+
+STEP = Gauge("rlfleet_trainer_step", "Training steps done (= the weight version the last step made)")
+REWARD_MEAN = Gauge("rlfleet_trainer_reward_mean", "Mean reward of the last step's trajectories")
+STEP_TOKENS_PER_S = Gauge("rlfleet_trainer_step_tokens_per_second",
+                          "Generated tokens trained on per second of the last step's compute")
+TOKENS = PromCounter("rlfleet_trainer_tokens_total", "Generated tokens trained on")
+STALENESS_MEAN = Gauge("rlfleet_trainer_staleness_mean",
+                       "Mean versions behind of the last step's trajectories")
+STALENESS_MAX = Gauge("rlfleet_trainer_staleness_max", "Most versions behind in the last step")
+WAIT_SECONDS = Gauge("rlfleet_trainer_wait_seconds", "Time the last step waited for data")
+DROPPED_GROUPS = Gauge("rlfleet_trainer_dropped_groups", "Groups dropped so far in the job, by reason",
+                       ["reason"])
+EVAL_SUCCESS = Gauge("rlfleet_trainer_eval_success", "Held-out success of the last evaluation")
 
 _LEARNER_KEYS = ("ratio_mean", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr",
                  "model_step_s", "batch_tokens", "sim_lag_s")
@@ -91,3 +110,19 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
+        export(line)
+
+
+def export(line: dict[str, Any]) -> None:
+    """Set the trainer's Prometheus metrics from one step line."""
+    STEP.set(line["step"])
+    REWARD_MEAN.set(line["reward_mean"])
+    STEP_TOKENS_PER_S.set(line["tokens_per_s"])
+    TOKENS.inc(line["tokens"])
+    WAIT_SECONDS.set(line["wait_s"])
+    ages = {int(k): n for k, n in line["staleness"].items()}
+    if ages:
+        STALENESS_MEAN.set(sum(k * n for k, n in ages.items()) / max(sum(ages.values()), 1))
+        STALENESS_MAX.set(max(ages))
+    for reason, groups in (line.get("dropped") or {}).items():
+        DROPPED_GROUPS.labels(reason=reason).set(groups)
