@@ -62,6 +62,10 @@ class DaemonOptions:
 
 class Daemon:
     role: ClassVar[str] = ""
+    # READY=1 before the job's spec exists (a node agent: installed and started with the
+    # host, it waits for a job that may be submitted much later, and `systemctl start`
+    # must not time out on that). Job daemons say READY=1 only once registered.
+    ready_without_spec: ClassVar[bool] = False
 
     def __init__(self, options: DaemonOptions, store: Store) -> None:
         self.options = options
@@ -249,6 +253,11 @@ class Daemon:
                     log.warning("waiting for the job spec: %s", exc, extra={"event": "wait_spec"})
                     self.notifier.status(f"waiting for the job spec: {exc}")
                     last_reason = str(exc)
+            if self.ready_without_spec:  # READY once, then the watchdog's pings while we wait
+                if self._told_ready:
+                    self.notifier.watchdog()
+                else:
+                    self._told_ready = self.notifier.ready(f"waiting for the job spec: {last_reason}")
             self._wake.wait(backoff)
             self._wake.clear()
             backoff = min(backoff * 2, 2.0)

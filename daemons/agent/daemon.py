@@ -52,6 +52,7 @@ def unit_env(job: str, etcd: str, host: str, etcd_env: dict[str, str]) -> dict[s
 
 class Agent(Daemon):
     role = AGENT_ROLE
+    ready_without_spec = True
 
     def __init__(self, options: DaemonOptions, store: Store, *, backend: str = "process",
                  labels: dict[str, str] | None = None, etcd: str = "", etcd_env: dict[str, str] | None = None,

@@ -132,3 +132,21 @@ def test_the_daemon_command_takes_its_host_settings_from_the_environment(tmp_pat
         assert member["metrics"] == f"http://127.0.0.3:{port}/metrics"
     finally:
         assert stop(proc) == 0
+
+
+def test_a_node_agent_is_ready_before_any_job_is_submitted(tmp_path, etcd, listener):
+    """`systemctl start rlfleet-agent@<job>` on a fresh host: no spec yet, and the start
+    must not time out waiting for one; the watchdog's pings go on while it waits."""
+    log = tmp_path / "agent.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlfleet.tools.cli", "daemon", "agent", "--job", "nospec", "--etcd", etcd.endpoints_arg],
+        stdout=log.open("ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "NOTIFY_SOCKET": listener.address, "WATCHDOG_USEC": "3000000"})
+    try:
+        ready = listener.wait_for("READY=1", is_("READY"), timeout_s=60)
+        assert "waiting for the job spec" in ready.get("STATUS", ""), ready
+        listener.read_until("a watchdog ping after READY", lambda: pings_since(listener, ready), timeout_s=30)
+        with EtcdStore(etcd.endpoints) as s:
+            assert s.get_prefix(JobKeys("nospec").members_prefix) == []  # ready, yet no job to register in
+    finally:
+        assert stop(proc) == 0, log.read_text()[-2000:]
