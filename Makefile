@@ -3,7 +3,7 @@
 #               about 4 minutes on 2 cores, plus about 90 s of set-up the first time
 #   make test   run the whole test suite (unit + integration with real etcd and real processes), ~9 min
 #   make test-deploy   the cluster path on a lab of systemd-nspawn hosts (root; docs/lab.md)
-# Both create .venv if missing, install the pinned dependencies and etcd.
+# All create .venv if missing, install the pinned dependencies and etcd.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -27,8 +27,8 @@ $(STAMP): pyproject.toml
 	@$(PY) -m pip install --quiet --upgrade pip
 	@echo "[2/3] torch 2.13.0, the CPU build (the largest download)"
 	@$(PY) -m pip install --quiet torch==2.13.0
-	@echo "[3/3] rlfleet (editable) with transformers, TRL, pyzmq, msgspec, etcd client, pytest, ucxx, matplotlib"
-	@$(PY) -m pip install --quiet -e '.[test,ml,bench,ucx]'
+	@echo "[3/3] rlfleet (editable) with transformers, TRL, pyzmq, msgspec, etcd client, pytest, ucxx, matplotlib, ansible-core"
+	@$(PY) -m pip install --quiet -e '.[test,ml,bench,ucx,deploy]'
 	@touch $(STAMP)
 	@echo "setup done: $(VENV)"
 
@@ -50,8 +50,6 @@ test: setup
 # the hosts' base rootfs (a few minutes the first time, then cached in /var/cache/rlfleet-lab) and
 # the wheelhouse the hosts install rlfleet from; then the tests marked `lab` boot real systemd hosts.
 test-deploy: setup
-	@echo "deploy extra (ansible-core) into $(VENV)"
-	@$(PY) -m pip install --quiet -e '.[deploy]'
 	$(PY) -m rlfleet.tools.lab build
 	$(PY) -m rlfleet.tools.lab wheelhouse
 	RLFLEET_LAB=1 $(PY) -m pytest -m lab tests/deploy $(PYTEST_ARGS)

@@ -265,6 +265,7 @@ def test_a_rollout_host_powered_off_leaves_the_chain_and_its_turns_are_reissued(
 
 def test_the_trainer_host_rebooted_resumes_from_its_checkpoint(cluster):
     checkpoint = wait_for("a checkpoint", lambda: int(trainer().get("checkpoint_version") or 0), timeout_s=240)
+    at_poweroff = version()
     powered_off_at = time.time()
     lab_cli("poweroff", "--name", LAB, "h1")
     t0 = time.monotonic()
@@ -275,11 +276,14 @@ def test_the_trainer_host_rebooted_resumes_from_its_checkpoint(cluster):
     assert int(back["version"]) >= checkpoint, (checkpoint, back)  # resumed, not from step 0
     advances(10, 300, "after the trainer host's reboot")
     figures["trainer_reboot_to_training_s"] = round(time.monotonic() - t0, 1)
-    figures["trainer_resumed_at_version"] = {"checkpoint": checkpoint, "first_seen": int(back["version"])}
+    figures["trainer_resumed_at_version"] = {"at_poweroff": at_poweroff, "checkpoint": checkpoint,
+                                             "first_seen_after_reboot": int(back["version"])}
 
 
 def test_ended_at_a_step_it_trains_to_it_and_the_accounting_holds(cluster):
-    end = version() + 30
+    # Far enough ahead that job.yml and the reload land before the trainer gets there
+    # (it makes ~5-10 steps a second here; they take ~10 s).
+    end = version() + 300
     playbook("job.yml", "-e", f"rlfleet_job_spec={job_spec(cluster, end)}")
     host_sh("h1", f"systemctl reload 'rlfleet@{JOB}:trainer-0.service'")  # ExecReload: SIGHUP, the new max_steps
     wait_for(f"training done at step {end}", lambda: trainer().get("training") == "done", timeout_s=300)
