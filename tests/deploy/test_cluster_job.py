@@ -19,10 +19,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +28,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from ..integration.helpers import wait_for as integration_wait_for
 from .conftest import LAB_CMD, lab_cli
 
 # Each step waits on a cluster of five hosts sharing two cores: minutes, not the suite default.
@@ -52,17 +51,8 @@ figures: dict[str, Any] = {}
 
 
 def wait_for(what: str, fn: Callable[[], T], timeout_s: float, every_s: float = 1.0) -> T:
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = fn()
-            if value:
-                return value
-        except Exception as exc:  # noqa: BLE001 — a host rebooting answers nothing for a while
-            last = exc
-        time.sleep(every_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}" + (f" (last error: {last!r})" if last else ""))
+    """The suite's wait_for, polling once a second: each look is a process inside a host."""
+    return integration_wait_for(what, fn, timeout_s, every_s)
 
 
 def host_sh(host: str, script: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -227,6 +217,33 @@ def test_kill_9_of_a_daemon_is_restarted_by_systemd(cluster):
     wait_for("the restarted reward-host registered", lambda: any(
         v.get("pid") == int(after["MainPID"]) for v in etcd("members/reward-host/").values()), timeout_s=90)
     advances(10, 180, "after the reward-host's restart")
+
+
+def test_a_stalled_main_loop_is_killed_by_the_watchdog_and_restarted(cluster):
+    """WATCHDOG=1 comes from the main loop: a loop stuck in its role's work (the test
+    failpoint, given to one unit by a runtime drop-in) stops the pings, and systemd
+    kills the daemon after WatchdogSec and starts it again."""
+    name = f"rlfleet@{JOB}:repack-manager-0.service"
+    stall = "/var/lib/rlfleet/stall-repack-manager"
+    host_sh("h5", f"mkdir -p '/run/systemd/system/{name}.d' && printf '[Service]\\nEnvironment="
+                  f"RLFLEET_DAEMON_FAILPOINT=stall_if_file:repack-manager:{stall}\\n' "
+                  f"> '/run/systemd/system/{name}.d/stall.conf' && systemctl daemon-reload && systemctl restart '{name}'")
+    try:
+        started = wait_for("repack-manager-0 running with the failpoint", lambda: (u := unit("h5", "repack-manager-0"))
+                           ["ActiveState"] == "active" and u, timeout_s=90)
+        host_sh("h5", f"touch {stall}")
+        t0 = time.monotonic()
+        wait_for("the stalled loop to take the stall file", lambda: host_sh("h5", f"test ! -e {stall}", check=False)
+                 .returncode == 0, timeout_s=30)
+        after = wait_for("systemd's watchdog to kill and restart it", lambda: (u := unit("h5", "repack-manager-0"))
+                         ["MainPID"] not in ("0", started["MainPID"]) and u["ActiveState"] == "active" and u,
+                         timeout_s=120, every_s=2)
+        figures["watchdog_stall_to_restart_s"] = round(time.monotonic() - t0, 1)
+        assert int(after["NRestarts"]) == int(started["NRestarts"]) + 1, (started, after)
+        said = host_sh("h5", f"journalctl --no-pager -u '{name}' -o cat | grep -i watchdog", check=False).stdout
+        assert "watchdog timeout" in said.lower(), said
+    finally:
+        host_sh("h5", f"rm -rf '/run/systemd/system/{name}.d' && systemctl daemon-reload", check=False)
 
 
 def test_training_goes_on_with_one_etcd_member_stopped(cluster):
