@@ -25,6 +25,7 @@ The directory::
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -275,6 +276,18 @@ class _ZapHandler(threading.Thread):
 # libzmq's ZMQ_PROTOCOL_ERROR_ZMTP_* codes a refused handshake reports, in words.
 _PROTOCOL_ERRORS = {0x11000001: "not this server's key (cryptographic error)",
                     0x11000002: "the client does not speak CURVE (mechanism mismatch)"}
+
+
+def _handshake_failure(value: int) -> str:
+    """A failed handshake's code in words: a ZMTP protocol error, or (no detail) the errno
+    of a connection the client dropped mid-handshake, as a client without CURVE may."""
+    if value in _PROTOCOL_ERRORS:
+        return _PROTOCOL_ERRORS[value]
+    if 0 < value < 0x10000000 and value in errno.errorcode:
+        return f"the connection ended during the handshake ({errno.errorcode[value]}: {os.strerror(value)})"
+    return f"libzmq code {value:#x}"
+
+
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 
 
@@ -316,7 +329,7 @@ class _HandshakeWatch(threading.Thread):
                         mon.close(linger=0)
                         continue
                     where = event["endpoint"].decode(errors="replace")
-                    why = _PROTOCOL_ERRORS.get(event["value"], f"libzmq code {event['value']:#x}")
+                    why = _handshake_failure(event["value"])
                     _refused_once((where, event["value"]), "handshake",
                                   "refused a connection on %s: handshake failed: %s", where, why)
         finally:
