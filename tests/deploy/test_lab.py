@@ -12,18 +12,9 @@ import pytest
 from rlfleet.tools.lab import cgroups, procs
 from rlfleet.tools.lab.paths import ROOTFS_STAMP, lab_dir
 from tests.deploy.conftest import lab_cli
+from tests.integration.helpers import wait_for
 
 pytestmark = pytest.mark.lab
-
-
-def _wait(what: str, check, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.2)
 
 
 def _assert_gone(name: str, leaders: list[int]) -> None:
@@ -65,8 +56,8 @@ def test_two_hosts_network_power_and_teardown(lab_factory):
     lab.exec("h2", "sh", "-c", "mkdir -p /srv/www && cat /etc/machine-id > /srv/www/id")
     lab.exec("h2", "systemd-run", "--unit=web", "--working-directory=/srv/www",
              "python3", "-m", "http.server", "8000", "--bind", "10.211.0.2")
-    served = _wait("h2's web server from h1", lambda: lab.ssh(
-        "h1", "curl", "-sf", "--max-time", "3", "http://h2:8000/id", check=False).stdout.strip())
+    served = wait_for("h2's web server from h1", lambda: lab.ssh(
+        "h1", "curl", "-sf", "--max-time", "3", "http://h2:8000/id", check=False).stdout.strip(), every_s=0.5)
     assert served == ids["h2"]
 
     # power-off keeps the disk: a file written before is there after `start`

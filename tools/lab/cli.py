@@ -143,10 +143,15 @@ def start(name: str, host: str, timeout: float) -> None:
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def exec_(name: str, host: str, cmd: tuple[str, ...]) -> None:
     """Run CMD inside HOST (nsenter into its namespaces): exec --name lab h2 -- systemctl status."""
+    _become(lambda lab: lab.exec_argv(host, list(cmd)), name)
+
+
+def _become(argv_of, name: str) -> None:
+    """Replace this process with the command argv_of(lab) builds (a LabError: said, exit 1)."""
     _root()
     from rlfleet.tools.lab.hosts import LabError
     try:
-        argv = _lab(name).exec_argv(host, list(cmd))
+        argv = argv_of(_lab(name))
     except LabError as exc:
         _fail(exc)
     os.execvp(argv[0], argv)
@@ -158,13 +163,7 @@ def exec_(name: str, host: str, cmd: tuple[str, ...]) -> None:
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 def ssh(name: str, host: str, cmd: tuple[str, ...]) -> None:
     """SSH to HOST from the lab's namespace (as root, with the lab's key): ssh --name lab h1 -- uptime."""
-    _root()
-    from rlfleet.tools.lab.hosts import LabError
-    try:
-        argv = _lab(name).ssh_argv(host, list(cmd))
-    except LabError as exc:
-        _fail(exc)
-    os.execvp(argv[0], argv)
+    _become(lambda lab: lab.ssh_argv(host, list(cmd)), name)
 
 
 @main.command(context_settings={"ignore_unknown_options": True})

@@ -268,7 +268,8 @@ class Lab:
         exe = str(venv_bin) if venv_bin.exists() else shutil.which(prog)
         if not exe:
             raise LabError(f"{prog} not found beside {sys.executable} nor on PATH (pip install -e '.[deploy]')")
-        extra = ["-i", str(self.dir / "inventory.ini")] if prog in ANSIBLE_PROGRAMS else []
+        # By name, so a path (/venv/bin/ansible-playbook) gets the lab's inventory too.
+        extra = ["-i", str(self.dir / "inventory.ini")] if Path(prog).name in ANSIBLE_PROGRAMS else []
         env = {**os.environ, "ANSIBLE_SSH_CONTROL_PATH_DIR": str(self.dir / "ansible-cp"),
                "ANSIBLE_PRIVATE_KEY_FILE": str(self.dir / "id_ed25519")}
         return ["ip", "netns", "exec", self.name, exe, *extra, *args[1:]], env
