@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.members import Leader, Member, Node, Placement
+from rlfleet.common.operations import Admission, JobState, NodeState, Switchover
 from rlfleet.common.records import (Checkpoint, PromptCursor, RelayChain, RelayLayoutRequest, RelayMaster,
                                     TrainerProgress, WeightsLatest)
 from rlfleet.common.spec import JobSpec, parse_spec
@@ -30,7 +31,11 @@ _NO_LEADERS: Mapping[str, Leader] = MappingProxyType({})
 _NO_NODES: Mapping[str, Node] = MappingProxyType({})
 # Cluster field -> the record kept under one fixed key of the job.
 _SINGLE_RECORDS = {"weights": WeightsLatest, "relay_chain": RelayChain, "relay_master": RelayMaster,
-                   "progress": TrainerProgress, "checkpoint": Checkpoint, "cursor": PromptCursor}
+                   "progress": TrainerProgress, "checkpoint": Checkpoint, "cursor": PromptCursor,
+                   "state": JobState}
+# Cluster field -> the record kept per host or role under a prefix (common/operations.py).
+_KEYED_RECORDS = {"node_states": ("node_states_prefix", NodeState), "admissions": ("admitted_prefix", Admission),
+                  "switchovers": ("switchovers_prefix", Switchover)}
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,10 @@ class Cluster:
     progress: TrainerProgress | None = None
     checkpoint: Checkpoint | None = None
     cursor: PromptCursor | None = None
+    state: JobState | None = None                 # None: never paused (running)
+    node_states: Mapping[str, NodeState] = field(default_factory=lambda: _NO_NODES)  # host -> operator intent
+    admissions: Mapping[str, Admission] = field(default_factory=lambda: _NO_NODES)   # host -> pool admission
+    switchovers: Mapping[str, Switchover] = field(default_factory=lambda: _NO_NODES)  # role -> request
     has_spec: bool = False
     problems: tuple[str, ...] = ()                # malformed values and keys that name nothing
 
@@ -60,6 +69,10 @@ class Cluster:
 
     def leader(self, role: str) -> Leader | None:
         return self.leaders.get(role)
+
+    @property
+    def paused(self) -> bool:
+        return self.state is not None and self.state.paused
 
     def leader_member(self, role: str) -> Member | None:
         """The registration of the elected member of `role`, if both exist."""
@@ -79,6 +92,8 @@ class Cluster:
         leaders: dict[str, Leader] = {}
         nodes: dict[str, Node] = {}
         single: dict[str, Any] = {}
+        keyed: dict[str, dict[str, Any]] = {name: {} for name in _KEYED_RECORDS}
+        keyed_prefixes = [(getattr(keys, prefix), name, kind) for name, (prefix, kind) in _KEYED_RECORDS.items()]
         has_spec = False
         single_keys = {getattr(keys, record.KEY): (name, record) for name, record in _SINGLE_RECORDS.items()}
         for kv in kvs:
@@ -101,6 +116,10 @@ class Cluster:
                 elif kv.key.startswith(keys.relay_layouts_prefix):
                     record = RelayLayoutRequest.from_kv(keys, kv)
                     layouts.append(record)
+                elif (hit := next((k for k in keyed_prefixes if kv.key.startswith(k[0])), None)) is not None:
+                    _, name, kind = hit
+                    record = kind.from_kv(keys, kv)
+                    keyed[name][kv.key.removeprefix(hit[0])] = record
                 elif kv.key in single_keys:
                     name, kind = single_keys[kv.key]
                     record = kind.from_kv(kv)
@@ -116,7 +135,8 @@ class Cluster:
                    all_members=tuple(sorted(members, key=lambda m: (m.role, m.id))),
                    leaders=MappingProxyType(leaders), nodes=MappingProxyType(nodes),
                    placement=tuple(sorted(placement)), relay_layouts=tuple(layouts),
-                   has_spec=has_spec, problems=tuple(problems), **single)
+                   has_spec=has_spec, problems=tuple(problems),
+                   **{name: MappingProxyType(records) for name, records in keyed.items()}, **single)
 
 
 def read_spec(store: Store, keys: JobKeys) -> JobSpec | None:

@@ -18,6 +18,10 @@ interface: change them only with a migration note in docs/etcd-keys.md.
     /rlfleet/<job>/prompts/cursor                  claimed prompt ranges
     /rlfleet/<job>/trainer/checkpoint              last checkpoint: version, path
     /rlfleet/<job>/trainer/progress                groups trained or dropped (paces claims)
+    /rlfleet/<job>/state                           running | paused (maintenance): `rlfleet pause/resume`
+    /rlfleet/<job>/node_state/<host>               cordoned | draining | drained | removed: `rlfleet node ...`
+    /rlfleet/<job>/admitted/<host>                 the resource-manager's admission of a host into a pool
+    /rlfleet/<job>/switchover/<role>               a requested leadership handover: {to, from, by, at} (lease)
 
 The values are parsed in one place too: `common/records.py` (one typed,
 immutable record per key) and `common/cluster.py` (the whole job at once).
@@ -47,6 +51,10 @@ PROMPTS_CURSOR = "prompts/cursor"
 TRAINER_CHECKPOINT = "trainer/checkpoint"
 TRAINER_PROGRESS = "trainer/progress"
 REPACK_PLAN = "repack/plan"
+STATE = "state"
+NODE_STATE = "node_state"
+ADMITTED = "admitted"
+SWITCHOVER = "switchover"
 
 _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -74,6 +82,36 @@ class JobKeys:
     def owner(self) -> str:
         """The one `rlfleet run` that runs this job (created only if absent, lease-bound)."""
         return f"{self.prefix}{OWNER}"
+
+    @property
+    def state(self) -> str:
+        """The job's operating state: running, or paused for maintenance (`rlfleet pause`)."""
+        return f"{self.prefix}{STATE}"
+
+    # -- the live fleet: operator intent and admission (docs/operations.md) ----
+    @property
+    def node_states_prefix(self) -> str:
+        return f"{self.prefix}{NODE_STATE}/"
+
+    def node_state(self, host: str) -> str:
+        """What the operator asked of a host (cordon, drain, remove); absent: schedulable."""
+        return f"{self.node_states_prefix}{_check(host, 'host')}"
+
+    @property
+    def admitted_prefix(self) -> str:
+        return f"{self.prefix}{ADMITTED}/"
+
+    def admitted(self, host: str) -> str:
+        """The resource-manager's admission of a host that the spec does not name into a pool."""
+        return f"{self.admitted_prefix}{_check(host, 'host')}"
+
+    @property
+    def switchovers_prefix(self) -> str:
+        return f"{self.prefix}{SWITCHOVER}/"
+
+    def switchover(self, role: str) -> str:
+        """A requested handover of a singleton's leadership to a named standby (lease-bound)."""
+        return f"{self.switchovers_prefix}{_check(role, 'role')}"
 
     # -- liveness (lease-bound) -----------------------------------------
     @property
@@ -181,6 +219,18 @@ class JobKeys:
         if rest == key or not rest or "/" in rest:
             raise ValueError(f"not a {what} key of job {self.job!r}: {key!r}")
         return rest
+
+    def parse_node_state(self, key: str) -> str:
+        """'/rlfleet/j/node_state/<host>' -> host."""
+        return self._last_component(key, self.node_states_prefix, "node state")
+
+    def parse_admitted(self, key: str) -> str:
+        """'/rlfleet/j/admitted/<host>' -> host."""
+        return self._last_component(key, self.admitted_prefix, "admission")
+
+    def parse_switchover(self, key: str) -> str:
+        """'/rlfleet/j/switchover/<role>' -> role."""
+        return self._last_component(key, self.switchovers_prefix, "switchover")
 
     def parse_placement(self, key: str) -> tuple[str, str, str]:
         """'/rlfleet/j/placement/<host>/<role>/<id>' -> (host, role, id)."""

@@ -48,6 +48,8 @@ from .seams import (ENV_ROUTERS, POLICY_LOSSES, REPACK_PLANNERS, REWARD_BACKENDS
                     ROLLOUT_ENGINES, TASKS, TRAINER_BACKENDS)
 from .spec_errors import describe, dotted, suggest, toml_error
 from .spec_fields import Host, NonNegInt, PosFloat, PosInt, Section, fail, show
+from .spec_placement import (DEFAULT_PLACEMENT, ROLES, SINGLETON_ROLES, PlacementSection, Pool,  # noqa: F401
+                             Role)
 from .weights_size import published_bytes
 
 __all__ = [
@@ -59,23 +61,6 @@ __all__ = [
     "load_spec",
     "parse_spec",
 ]
-
-Role = Literal[
-    "resource-manager", "trainer", "relay", "rollout", "env-host", "reward-host", "repack-manager"
-]
-ROLES: tuple[str, ...] = typing.get_args(Role)
-# Leader-elected: one instance works, extra instances wait as standbys.
-SINGLETON_ROLES: tuple[str, ...] = ("resource-manager", "repack-manager", "trainer")
-
-DEFAULT_PLACEMENT: dict[str, int] = {
-    "resource-manager": 2,  # a standby, so the single-machine run exercises failover
-    "repack-manager": 1,
-    "trainer": 1,
-    "relay": 1,
-    "rollout": 1,
-    "env-host": 1,
-    "reward-host": 1,
-}
 
 # Keys of earlier specs -> where they went. Refused with this text rather than as an
 # "unknown key", so whoever upgrades a spec is told what to write instead.
@@ -131,13 +116,6 @@ def _check_job_name(name: str) -> str:
             "must be 1-63 lowercase letters, digits or '-', starting with a letter or digit "
             f"(it is an etcd key component), got {show(name)}"
         )
-    return name
-
-
-def _check_host_name(name: str) -> str:
-    # Host names become etcd key components (/rlfleet/<job>/nodes/<host>).
-    if "/" in name or any(c.isspace() for c in name):
-        raise fail(f"must not contain '/' or whitespace, got {show(name)}")
     return name
 
 
@@ -327,34 +305,6 @@ class SecuritySection(Section):
         if self.job_secret_file is not None and not self.relay_auth:
             raise fail("job_secret_file is set but relay_auth = false: set relay_auth = true, "
                        "or remove job_secret_file")
-        return self
-
-
-class HostPlacement(Section):
-    name: Annotated[StrictStr, Field(min_length=1), AfterValidator(_check_host_name)]
-    roles: dict[Role, NonNegInt]
-
-
-def _default_hosts() -> tuple[HostPlacement, ...]:
-    return (HostPlacement(name="localhost", roles=DEFAULT_PLACEMENT),)
-
-
-class PlacementSection(Section):
-    hosts: tuple[HostPlacement, ...] = Field(default_factory=_default_hosts)
-
-    @model_validator(mode="after")
-    def _complete(self) -> PlacementSection:
-        names = [h.name for h in self.hosts]
-        dups = sorted({n for n in names if names.count(n) > 1})
-        if dups:
-            raise fail(f"duplicate host name(s): {', '.join(map(repr, dups))}")
-        totals = {role: sum(h.roles.get(role, 0) for h in self.hosts) for role in ROLES}
-        missing = [role for role, n in totals.items() if n < 1]
-        if missing:
-            raise fail(
-                "every role needs at least one instance; none placed for "
-                + ", ".join(map(repr, missing))
-            )
         return self
 
 

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import click
 
-from rlfleet.common.keys import ROOT_PREFIX, job_of
+from rlfleet.common.keys import ROOT_PREFIX
 from rlfleet.common.spec import ROLES, SpecError, load_spec
 from rlfleet.daemons import NODE_DAEMON_CLASSES
+from rlfleet.tools.cli_etcd import (_etcd_credentials, _fail_unreachable, _pick_job,
+                                    _store, etcd_credential_options, etcd_option)
 from rlfleet.tools.exit_codes import RUN_CODES, Exit
 
 EXIT_SPEC = Exit.BAD_SPEC
@@ -29,60 +31,6 @@ EXIT_ETCD = Exit.ETCD_UNREACHABLE
 # "stall_if_file:ROLE:PATH": the first cycle that finds PATH deletes it and blocks for good
 # (a main loop stalled in the role's work, with its threads still running).
 DAEMON_FAILPOINT_ENV = "RLFLEET_DAEMON_FAILPOINT"
-DEFAULT_ETCD = os.environ.get("RLFLEET_ETCD", "127.0.0.1:2379")
-
-# etcd credentials (docs/security.md): flags, else the environment. Kept in the click
-# context rather than passed to every command, so every command that talks to etcd
-# takes them and `_store` is the one place that builds the store.
-ETCD_CREDENTIAL_FLAGS = (
-    ("cacert", "RLFLEET_ETCD_CACERT", "FILE", "CA certificate of etcd's server certificate (turns TLS on)."),
-    ("cert", "RLFLEET_ETCD_CERT", "FILE", "Client certificate, for an etcd with --client-cert-auth."),
-    ("key", "RLFLEET_ETCD_KEY", "FILE", "Key of the client certificate (mode 0600)."),
-    ("user", "RLFLEET_ETCD_USER", "NAME", "etcd user, for an etcd with auth enabled."),
-    ("password-file", "RLFLEET_ETCD_PASSWORD_FILE", "FILE", "That user's password, in a file of mode 0600."),
-)
-
-
-def _remember_credential(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    ctx.meta.setdefault("etcd_creds", {})[param.name.removeprefix("etcd_")] = value
-
-
-def etcd_credential_options(fn):
-    for name, var, metavar, text in reversed(ETCD_CREDENTIAL_FLAGS):
-        fn = click.option(f"--etcd-{name}", envvar=var, default=None, metavar=metavar, expose_value=False,
-                          callback=_remember_credential, help=f"{text} (also ${var})")(fn)
-    return fn
-
-
-def etcd_option(fn):
-    fn = etcd_credential_options(fn)
-    return click.option("--etcd", "etcd", default=DEFAULT_ETCD, show_default=True, metavar="HOST:PORT[,...]",
-                        help="etcd endpoints (also $RLFLEET_ETCD).")(fn)
-
-
-def _etcd_credentials():
-    """The etcd credentials of this command's flags and environment."""
-    from rlfleet.common.etcd_auth import EtcdCredentials
-    try:
-        return EtcdCredentials.from_env(**click.get_current_context().meta.get("etcd_creds", {}))
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--etcd-*") from None
-
-
-def _store(endpoints: str, timeout_s: float = 1.0):
-    from rlfleet.common.etcd_auth import open_store
-    creds = _etcd_credentials()
-    try:
-        return open_store(endpoints, timeout_s=timeout_s, creds=creds)
-    except ValueError as exc:  # a bad endpoint, or a credential file refused (mode, missing)
-        raise click.BadParameter(str(exc), param_hint="--etcd / --etcd-*") from None
-
-
-def _fail_unreachable(exc: Exception, endpoints: str) -> None:
-    click.echo(f"error: etcd at {endpoints} is unreachable: {exc}", err=True)
-    sys.exit(EXIT_ETCD)
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """rlfleet: asynchronous RL post-training on a fleet of machines."""
@@ -242,15 +190,6 @@ def run(spec_file: str, etcd: str | None, insecure: bool, duration: float | None
 
 
 # -- operator views ----------------------------------------------------------------------
-def _pick_job(store, job: str | None) -> str:
-    if job:
-        return job
-    jobs = sorted({job for job in (job_of(kv.key) for kv in store.get_prefix(ROOT_PREFIX)) if job})
-    if len(jobs) != 1:
-        raise click.UsageError(f"--job is required: etcd holds {len(jobs)} jobs ({', '.join(jobs) or 'none'})")
-    return jobs[0]
-
-
 @main.command()
 @click.option("--job", default=None, help="Job name; optional when etcd holds only one.")
 @etcd_option

@@ -21,6 +21,8 @@ class Exit(IntEnum):
     NO_PROGRESS = 6        # run: no training step within --max-idle-s
     STOPPED = 7            # run: stopped before the end at the operator's request (--duration, Ctrl-C, SIGTERM)
     JOB_OWNED = 8          # run: another live `rlfleet run` owns the job (refused), or took it over (--take-over)
+    REFUSED = 9            # an operator command (node, switchover, pause, etcd) refused: its target cannot take it
+    TIMED_OUT = 10         # an operator command's request was written but not done within --timeout (it stays in effect)
 
 
 # What `rlfleet run --help` and the README say about each code of `rlfleet run`.
@@ -34,6 +36,18 @@ RUN_CODES: dict[Exit, str] = {
     Exit.NO_PROGRESS: "no training step within --max-idle-s",
     Exit.STOPPED: "stopped early by --duration, Ctrl-C or SIGTERM",
     Exit.JOB_OWNED: "another live run owns the job (refused; --take-over replaces it), or took this one over",
+}
+
+
+# What the operator commands (`rlfleet node`, `switchover`, `pause`, `resume`, `etcd`) exit
+# with; the README's operator section lists the same codes.
+OPERATOR_CODES: dict[Exit, str] = {
+    Exit.OK: "done: the request took effect and what it waits for was seen",
+    Exit.FAILURE: "an unexpected error (its message says what)",
+    Exit.BAD_SPEC: "bad usage: an unknown option, host or role",
+    Exit.ETCD_UNREACHABLE: "etcd unreachable",
+    Exit.REFUSED: "refused: the target is not in a state that allows it (the message says which and why)",
+    Exit.TIMED_OUT: "written, but not done within --timeout; the request stays in effect",
 }
 
 

@@ -229,7 +229,7 @@ def test_job_of():
 # -- keys spelled and values parsed only in common/ ------------------------------------
 SOURCE_DIRS = ("common", "daemons", "relay", "tools")
 PARSERS = {"common/keys.py", "common/records.py", "common/members.py", "common/cluster.py",
-           "common/store.py", "common/etcd_store.py"}
+           "common/operations.py", "common/store.py", "common/etcd_store.py"}
 
 
 def _sources():
