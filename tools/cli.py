@@ -347,5 +347,11 @@ def submit(spec_file: str, etcd: str) -> None:
     click.echo(f"submitted {spec_file} to {key}")
 
 
+# -- operating a live job (docs/operations.md): each group is its own module ----------------
+from rlfleet.tools.node_cmd import node  # noqa: E402
+
+main.add_command(node)
+
+
 if __name__ == "__main__":
     main()

@@ -123,6 +123,8 @@ class RolloutCore:
         self.policy = WeightUpdatePolicy(check_every_s=check_every_s, hold_max_s=hold_max_s)
         self.events: deque[str] = deque()  # one sentence per version change, read by the daemon
         self.draining = False
+        # When the first generation was answered (wall time): `rlfleet node add` waits on it.
+        self.first_result_at: float | None = None
         self.clients: dict[str, Client] = {}  # engine request id -> who to answer
         self.held: deque[tuple[float, Client, GenerateRequest]] = deque()
         self._carried: dict[str, _Carried] = {}  # partial mode: request id -> earlier segments
@@ -389,6 +391,8 @@ class RolloutCore:
 
     def reply(self, client: Client, result: GenerateResult) -> None:
         self.server.reply(client.identity, client.rid, result)
+        if self.first_result_at is None and len(result.token_ids):
+            self.first_result_at = time.time()
 
     # -- draining ----------------------------------------------------------------------
     def refuse_held(self) -> None:

@@ -167,7 +167,11 @@ class Rollout(Daemon):
     def member_info(self) -> dict[str, Any]:
         if self.sim is not None:
             return {"simulated_rollouts": len(self.sim.cores)}
-        return {"weight_version": self.loop.engine.weight_version if self.loop else 0}
+        if self.loop is None:
+            return {"weight_version": 0}
+        first = self.loop.core.first_result_at
+        return {"weight_version": self.loop.engine.weight_version,
+                **({"first_result_at": round(first, 3)} if first is not None else {})}
 
     def drain(self) -> str | None:
         if self.sim is not None:

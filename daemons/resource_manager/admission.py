@@ -1,0 +1,108 @@
+"""The resource-manager's placement policy for a live fleet, apart from its I/O
+(STYLE: policy apart from I/O): pure code over plain records.
+
+What runs where is decided from three sources (docs/operations.md):
+
+- the spec's named hosts (`[[placement.hosts]]`): their daemons, as before;
+- the spec's pools (`[[placement.pools]]`): a host the spec does not name whose
+  agent registers (`nodes/<host>`) is admitted into the first pool, in spec
+  order, whose labels it carries and which has room (`capacity`, 0: no limit);
+  a pool with no labels matches every host (the fallback, last). The admission
+  is recorded (`admitted/<host>`) and outlives the agent: a host that reboots
+  comes back into the same pool with the same member ids;
+- the operator's intent per host (`node_state/<host>`): `cordoned` keeps what
+  runs and admits nothing new; `draining` places nothing there, and becomes
+  `drained` once no daemon of the job is left on it; `removed` also forgets the
+  host's admission, and it is not admitted again until `rlfleet node add`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from rlfleet.common.operations import DRAINING, REMOVED, Admission, NodeState
+from rlfleet.common.placement import Placed, placement_from_spec
+from rlfleet.common.spec import JobSpec
+from rlfleet.common.spec_placement import Pool
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """What the resource-manager reads before deciding (one snapshot of the job)."""
+    nodes: Mapping[str, Mapping[str, str]]           # registered host -> its labels
+    admissions: Mapping[str, Admission] = field(default_factory=dict)
+    node_states: Mapping[str, NodeState] = field(default_factory=dict)
+    busy_hosts: frozenset[str] = frozenset()        # hosts where a daemon of the job still runs
+
+
+@dataclass(frozen=True)
+class Decision:
+    placed: tuple[Placed, ...]                      # what should run, all hosts
+    admit: tuple[Admission, ...] = ()               # new admissions to record
+    forget: tuple[str, ...] = ()                    # admissions to delete (removed hosts, vanished pools)
+    drained: tuple[str, ...] = ()                   # draining hosts with nothing left: now drained
+    waiting: Mapping[str, str] = field(default_factory=dict)  # registered host -> why it is not admitted
+
+
+def pool_placement(pool: Pool, host: str) -> list[Placed]:
+    """The daemons a pool puts on one admitted host. Ids name the host, so they are
+    stable across the host's reboots and unique however many hosts join."""
+    return [Placed(host, role, f"{role}-{host}-{i}")
+            for role, n in pool.roles.items() for i in range(n)]
+
+
+def describe_labels(labels: Mapping[str, str]) -> str:
+    return "{" + ", ".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
+
+
+def choose_pool(pools: Iterable[Pool], labels: Mapping[str, str], members: Mapping[str, int]) -> tuple[Pool | None, str]:
+    """The first pool whose labels the host carries and which has room; else None and why."""
+    matching = [p for p in pools if p.matches(dict(labels))]
+    for pool in matching:
+        if not pool.capacity or members.get(pool.name, 0) < pool.capacity:
+            return pool, ""
+    if not matching:
+        return None, f"no pool matches its labels {describe_labels(labels)}"
+    return None, "every matching pool is full: " + ", ".join(
+        f"{p.name} ({members.get(p.name, 0)}/{p.capacity})" for p in matching)
+
+
+def decide(spec: JobSpec, fleet: Fleet, now: float) -> Decision:
+    named = {h.name for h in spec.placement.hosts}
+    pools = {p.name: p for p in spec.placement.pools}
+    states = fleet.node_states
+
+    def unplaced(host: str) -> bool:
+        return host in states and not states[host].placeable
+
+    # Admissions kept: their pool still exists and the host was not removed.
+    kept = {h: a for h, a in fleet.admissions.items()
+            if a.pool in pools and h not in named and states.get(h, NodeState(h, "")).state != REMOVED}
+    forget = tuple(sorted(set(fleet.admissions) - set(kept)))
+    members = {name: sum(1 for a in kept.values() if a.pool == name) for name in pools}
+    admit, waiting = [], {}
+    for host in sorted(set(fleet.nodes) - named - set(kept)):
+        state = states.get(host)
+        if state is not None:
+            waiting[host] = f"{state.state}: not admitted" + (" (rlfleet node add admits it)"
+                                                              if state.state == REMOVED else "")
+            continue
+        if not pools:
+            waiting[host] = "the spec has no [[placement.pools]]: only its named hosts run the job"
+            continue
+        pool, why = choose_pool(pools.values(), fleet.nodes[host], members)
+        if pool is None:
+            waiting[host] = why
+            continue
+        members[pool.name] += 1
+        admission = Admission(host, pool.name, now, dict(fleet.nodes[host]))
+        admit.append(admission)
+        kept[host] = admission
+
+    placed = [p for p in placement_from_spec(spec) if not unplaced(p.host)]
+    for host, admission in sorted(kept.items()):
+        if not unplaced(host):
+            placed += pool_placement(pools[admission.pool], host)
+    drained = tuple(sorted(h for h, s in states.items() if s.state == DRAINING and h not in fleet.busy_hosts))
+    return Decision(tuple(placed), tuple(admit), forget, drained, waiting)
