@@ -347,5 +347,9 @@ def submit(spec_file: str, etcd: str) -> None:
     click.echo(f"submitted {spec_file} to {key}")
 
 
+
+from rlfleet.tools.etcd_cmd import etcd_group  # noqa: E402  (rlfleet etcd: docs/etcd-maintenance.md)
+main.add_command(etcd_group)
+
 if __name__ == "__main__":
     main()
