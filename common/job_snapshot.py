@@ -176,7 +176,7 @@ class RestorePlan:
     refusals: list[str]
     unchanged: list[str]
     extra: list[str]                           # durable keys in etcd that the file lacks (left alone)
-    clamped: list[str]                         # fencing terms lowered to etcd's revision
+    clamped: list[str]                         # fencing terms from a later etcd revision, set to 0
     revision: int = 0
 
     def batches(self) -> list[list[str]]:
@@ -239,12 +239,14 @@ def apply(store: Store, restore: RestorePlan) -> int:
 def _clamp_terms(rel: str, value: Any, revision: int) -> tuple[Any, str]:
     """A fencing term is an etcd revision of the cluster that issued it (docs/failsafe.md).
     In a fresh etcd the revisions start again at 1, and a term above the revision would
-    fence every trainer elected there until etcd's revision passed it. Lowered to the
-    revision now, it stays older than any leader elected after the restore."""
+    fence every trainer elected there until etcd's revision passed it. Such a term is set
+    to 0, "no fence": older than any leader elected from now on, and the same on every
+    restore of the file (a term lowered to the revision of the restore would be raised by
+    the next one, above a leader elected in between)."""
     if not isinstance(value, dict) or not (rel == names.WEIGHTS_LATEST or rel.startswith(names.TERM + "/")):
         return value, ""
     fields = [f for f in ("term", "reign") if type(value.get(f)) is int and value[f] > revision]
     if not fields:
         return value, ""
-    note = f"{rel}: " + ", ".join(f"{f} {value[f]} -> {revision}" for f in fields)
-    return {**value, **{f: revision for f in fields}}, note
+    note = f"{rel}: " + ", ".join(f"{f} {value[f]} -> 0" for f in fields)
+    return {**value, **{f: 0 for f in fields}}, note

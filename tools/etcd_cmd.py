@@ -82,8 +82,8 @@ def restore(file: str, job: str | None, force: bool, dry_run: bool, etcd: str) -
                 click.echo(f"refused: {reason}", err=True)
             sys.exit(Exit.REFUSED)
         if plan.clamped:
-            click.echo("fencing terms lowered to this etcd's revision (a snapshot from another etcd; "
-                       f"any trainer elected from now on has a newer term): {'; '.join(plan.clamped)}")
+            click.echo("fencing terms newer than this etcd's revision (a snapshot of another etcd) set to 0, "
+                       f"no fence: any trainer elected from now on is newer: {'; '.join(plan.clamped)}")
         if plan.extra:
             click.echo(f"left as they are: {len(plan.extra)} durable keys in etcd that {file} lacks "
                        f"({', '.join(plan.extra[:6])}{', ...' if len(plan.extra) > 6 else ''})")
@@ -126,13 +126,13 @@ class MemberView:
         return "leader" if self.leader else ("learner" if self.learner else "follower")
 
 
-def etcdctl_base(endpoints: list[str]) -> tuple[list[str], dict[str, str]]:
-    """etcdctl's command line and environment for these endpoints and this command's
-    credentials; the password goes in ETCDCTL_USER (the environment), never in argv."""
+def etcdctl_base(endpoints: list[str], creds=None) -> tuple[list[str], dict[str, str]]:
+    """etcdctl's command line and environment for these endpoints and credentials (default:
+    this command's); the password goes in ETCDCTL_USER (the environment), never in argv."""
     exe = shutil.which("etcdctl")
     if exe is None:
         raise click.ClickException("etcdctl is not on PATH (Debian: apt-get install etcd-client)")
-    creds = _etcd_credentials()
+    creds = _etcd_credentials() if creds is None else creds
     scheme = "https" if creds.tls else "http"
     urls = [e if "://" in e else f"{scheme}://{e}" for e in endpoints]
     argv = [exe, f"--endpoints={','.join(urls)}", "--dial-timeout=1s", "--command-timeout=3s"]
@@ -146,10 +146,10 @@ def etcdctl_base(endpoints: list[str]) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
-def read_members(endpoints: list[str]) -> list[MemberView]:
+def read_members(endpoints: list[str], creds=None) -> list[MemberView]:
     """The members etcd lists, each asked for its own status. RuntimeError when no
     endpoint answers the member list."""
-    argv, env = etcdctl_base(endpoints)
+    argv, env = etcdctl_base(endpoints, creds)
     listed = subprocess.run([*argv, "member", "list", "-w", "json"], capture_output=True, text=True,
                             env=env, timeout=30)
     if listed.returncode != 0:
@@ -159,7 +159,7 @@ def read_members(endpoints: list[str]) -> list[MemberView]:
     urls = [u for m in members for u in m.get("clientURLs", [])]
     statuses: dict[int, dict] = {}
     if urls:
-        argv, env = etcdctl_base(urls)
+        argv, env = etcdctl_base(urls, creds)
         # Exits 1 when a member does not answer, yet prints those that do.
         asked = subprocess.run([*argv, "endpoint", "status", "-w", "json"], capture_output=True,
                                text=True, env=env, timeout=60)
@@ -205,9 +205,9 @@ def members(output: str, etcd: str) -> None:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        argv, _ = etcdctl_base(endpoints)
-        click.echo(f"# same data: ETCDCTL_API=3 {' '.join(argv[1:2])} member list -w table; "
-                   "... endpoint status --cluster -w table", err=True)
+        flags = " ".join([etcdctl_base(endpoints)[0][1], _etcd_credentials().etcdctl_flags()]).strip()
+        click.echo(f"# same data: ETCDCTL_API=3 etcdctl {flags} member list -w table; "
+                   f"ETCDCTL_API=3 etcdctl {flags} endpoint status --cluster -w table", err=True)
     voters = sum(not v.learner for v in views)
     if any(not v.answers for v in views):
         click.echo(f"{sum(not v.answers for v in views)} of {len(views)} members do not answer "
