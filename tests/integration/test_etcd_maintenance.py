@@ -151,3 +151,132 @@ def test_snapshot_of_an_unreachable_etcd_exits_3(tmp_path):
     result = cli("etcd", "snapshot", str(tmp_path / "s.json"), "--job", JOB, "--etcd", f"127.0.0.1:{free_port()}")
     assert result.returncode == Exit.ETCD_UNREACHABLE, result.stderr
     assert not (tmp_path / "s.json").exists()
+
+
+# -- member replacement under running daemons ----------------------------------------------
+def etcdctl(endpoints: list[str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["etcdctl", f"--endpoints={','.join(endpoints)}", "--dial-timeout=1s",
+                           "--command-timeout=5s", *args], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "ETCDCTL_API": "3"})
+
+
+def members_by_name(cluster: EtcdCluster) -> dict:
+    return {v.name: v for v in read_members([m.endpoint for m in cluster.members if m.alive()], EtcdCredentials())}
+
+
+def outages(log: Path) -> list[float]:
+    """Seconds between each 'etcd unreachable' and the next 'etcd reachable again' in a
+    daemon's JSON log (an outage still open counts up to now)."""
+    spans, since = [], None
+    for line in log.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        msg = str(entry.get("msg", ""))
+        if msg.startswith("etcd unreachable") and since is None:
+            since = entry["ts"]
+        elif msg.startswith("etcd reachable again") and since is not None:
+            spans.append(entry["ts"] - since)
+            since = None
+    return spans + ([time.time() - since] if since is not None else [])
+
+
+def test_replacing_a_dead_member_learner_first_keeps_the_daemons_on_etcd(tmp_path, etcd3, capsys):
+    store = EtcdStore(etcd3.endpoints)
+    store.put(KEYS.spec, load_spec(write_spec(tmp_path, job=JOB)).to_dict())
+    managers = [start_manager(tmp_path, etcd3, f"rm-{i}") for i in (1, 2)]
+    try:
+        def registered():
+            recs = {kv.key.rsplit("/", 1)[1]: kv for kv in store.get_prefix(KEYS.role_members_prefix("resource-manager"))}
+            return len(recs) == 2 and store.get(KEYS.leader("resource-manager")) and recs
+        before = wait_for("a leader and a standby resource-manager", registered, timeout_s=90)
+        leader_before = store.get(KEYS.leader("resource-manager"))
+
+        # The worst case for the daemons: the member every one of them asks first (their
+        # first endpoint) is also etcd's raft leader, so its death costs a raft election too.
+        victim = etcd3.members[0]
+        views = members_by_name(etcd3)
+        raft_leader = next(v for v in views.values() if v.leader)
+        if raft_leader.name != victim.name:
+            moved = etcdctl([m.endpoint for m in etcd3.members], "move-leader", views[victim.name].id)
+            assert moved.returncode == 0, moved.stderr
+            wait_for("the raft leader moved to the victim", lambda: members_by_name(etcd3)[victim.name].leader)
+        survivors = [m.endpoint for m in etcd3.members if m is not victim]
+        phases: dict[str, float] = {}
+
+        probe = EtcdStore(survivors, timeout_s=0.5)
+        started = time.monotonic()
+        etcd3.kill_member(victim)
+        # A write needs a raft leader: the first one accepted ends the election.
+        wait_for("a write accepted by the survivors", lambda: probe.put("/scratch/probe", 1), timeout_s=30, every_s=0.01)
+        phases["kill -> writes accepted"] = time.monotonic() - started
+        probe.close()
+        shown = cli("etcd", "members", "--etcd", etcd3.endpoints_arg)
+        assert shown.returncode == Exit.FAILURE and "unreachable" in shown.stdout, shown.stdout + shown.stderr
+        assert "1 of 3 members do not answer (3 voters: quorum 2)" in shown.stderr
+
+        t = time.monotonic()
+        removed = etcdctl(survivors, "member", "remove", views[victim.name].id)
+        assert removed.returncode == 0, removed.stderr
+        phases["member remove"] = time.monotonic() - t
+        etcd3.forget_member(victim)
+        # The replacement takes the dead member's name and address: the daemons' endpoint
+        # lists stay right, and they meet the learner there (it refuses their requests).
+        new = etcd3.new_member(victim.name, victim.client_port, victim.peer_port)
+        t = time.monotonic()
+        # etcd accepts a member only when every voter has been connected to the one asked
+        # for 5 s (--strict-reconfig-check): retried until it does.
+        added = wait_for("member add --learner accepted", lambda: (r := etcdctl(
+            survivors, "member", "add", new.name, f"--peer-urls={new.peer_url}", "--learner")).returncode == 0 and r,
+            timeout_s=30, every_s=0.2)
+        assert 'ETCD_INITIAL_CLUSTER_STATE="existing"' in added.stdout
+        phases["member add --learner"] = time.monotonic() - t
+        t = time.monotonic()
+        etcd3.start_member(new, wait=False)
+        learner = wait_for("the learner started and caught up", lambda: (v := members_by_name(etcd3).get(new.name))
+                           and v.learner and v.answers and v.behind == 0 and v, timeout_s=60)
+        phases["start learner -> caught up"] = time.monotonic() - t
+        shown = cli("etcd", "members", "--etcd", etcd3.endpoints_arg)
+        assert shown.returncode == Exit.OK, shown.stdout + shown.stderr
+        assert any(line.split()[1:3] == [new.name, "learner"] for line in shown.stdout.splitlines()[1:]), shown.stdout
+        t = time.monotonic()
+        wait_for("member promote accepted (etcd refuses a learner not in sync)",
+                 lambda: etcdctl(survivors, "member", "promote", learner.id).returncode == 0, timeout_s=30, every_s=0.2)
+        phases["member promote"] = time.monotonic() - t
+        wait_for("three voters, every one answering", lambda: (vs := members_by_name(etcd3)) and len(vs) == 3
+                 and all(v.answers and not v.learner for v in vs.values()), timeout_s=30)
+        window = time.monotonic() - started  # the daemons' 2 s leases lived through all of it
+        phases["sum of the phases"] = sum(phases.values())
+
+        final = cli("etcd", "members", "--output", "json", "--etcd", etcd3.endpoints_arg)
+        assert final.returncode == Exit.OK, final.stderr
+        assert sorted((v["name"], v["learner"], v["answers"]) for v in json.loads(final.stdout)) == \
+               [(m.name, False, True) for m in sorted(etcd3.members, key=lambda m: m.name)]
+        for m in etcd3.members:  # each answers a linearizable read on its own
+            with EtcdStore([m.endpoint]) as one:
+                assert one.get(KEYS.spec) is not None
+
+        # The daemons: alive, still registered under the same lease, the same leader.
+        for proc, _ in managers:
+            assert proc.poll() is None, "a resource-manager died during the replacement"
+        after = registered()
+        assert after, "a resource-manager lost its registration"
+        for member_id, kv in before.items():
+            assert after[member_id].lease_id == kv.lease_id, f"{member_id} registered again (its lease expired)"
+        leader_after = store.get(KEYS.leader("resource-manager"))
+        assert (leader_after.value["id"], leader_after.create_revision) == \
+               (leader_before.value["id"], leader_before.create_revision), "leadership changed hands"
+        without = {proc.args[proc.args.index("--id") + 1]: outages(log) for proc, log in managers}
+        with capsys.disabled():
+            print("\netcd member replacement (3 members, heartbeat 10 ms, election 100 ms; "
+                  "victim: the daemons' first endpoint and the raft leader):")
+            for name, seconds in phases.items():
+                print(f"  {name:28s} {seconds:6.2f} s")
+            print(f"  kill -> 3 voters, with the checks  {window:6.2f} s")
+            print(f"  daemons without etcd: {without}")
+        assert all(not spans for spans in without.values()), f"daemons lost etcd: {without}"
+    finally:
+        for proc, _ in managers:
+            stop(proc)
+        store.close()
