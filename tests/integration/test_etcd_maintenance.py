@@ -146,11 +146,34 @@ def test_snapshot_restores_durable_keys_into_a_fresh_etcd_and_refuses_what_would
     store.close()
 
 
-def test_snapshot_of_an_unreachable_etcd_exits_3(tmp_path):
+def test_an_unreachable_etcd_exits_3(tmp_path):
     from rlfleet.tools.etcd_local import free_port
-    result = cli("etcd", "snapshot", str(tmp_path / "s.json"), "--job", JOB, "--etcd", f"127.0.0.1:{free_port()}")
+    nobody = f"127.0.0.1:{free_port()}"
+    result = cli("etcd", "snapshot", str(tmp_path / "s.json"), "--job", JOB, "--etcd", nobody)
     assert result.returncode == Exit.ETCD_UNREACHABLE, result.stderr
     assert not (tmp_path / "s.json").exists()
+    shown = cli("etcd", "members", "--etcd", nobody)
+    assert shown.returncode == Exit.ETCD_UNREACHABLE and "unreachable" in shown.stderr, shown.stderr
+
+
+def test_a_job_larger_than_one_transaction_is_restored_pacing_keys_first(tmp_path, etcd):
+    from rlfleet.common import job_snapshot
+    with EtcdStore(etcd.endpoints) as store:
+        for i in range(200):
+            store.put(KEYS.placement(f"h{i % 5}", "rollout", f"rollout-{i}"),
+                      {"host": f"h{i % 5}", "role": "rollout", "id": f"rollout-{i}"})
+        store.put(KEYS.prompts_cursor, {"next": 64, "claims": {}})
+        store.put(KEYS.trainer_progress, {"version": 1, "consumed_groups": 60, "trained_groups": 60,
+                                          "dropped_groups": 0, "received_groups": 60, "time": 1.0})
+        expected = durable(store)
+    snap_file = tmp_path / "big.json"
+    assert cli("etcd", "snapshot", str(snap_file), "--etcd", etcd.endpoints_arg).returncode == Exit.OK
+    with EtcdCluster(1) as fresh, EtcdStore(fresh.endpoints) as target:
+        batches = job_snapshot.plan(target, job_snapshot.load(str(snap_file))).batches()
+        assert [len(b) for b in batches] == [128, 74] and batches[0][:2] == ["prompts/cursor", "trainer/progress"]
+        restored = cli("etcd", "restore", str(snap_file), "--etcd", fresh.endpoints_arg)
+        assert restored.returncode == Exit.OK and "in 2 transaction(s)" in restored.stdout, restored.stderr
+        assert durable(target) == expected
 
 
 # -- member replacement under running daemons ----------------------------------------------
