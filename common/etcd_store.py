@@ -251,6 +251,16 @@ class EtcdStore(Store):
             return False, KeyValue(key, _decode(kv.value), kv.create_revision, kv.mod_revision, kv.lease)
         return self._call("put_owned", txn)
 
+    def put_all(self, values: dict[str, Any], expected_mod_revisions: dict[str, int]) -> bool:
+        """Every put in one transaction, done only if each key still has the mod revision
+        given (0: absent); etcd takes up to --max-txn-ops (128) of each."""
+        def txn(c: pyetcd.MultiEndpointEtcd3Client) -> bool:
+            t = c.transactions
+            ok, _ = c.transaction(compare=[t.mod(k) == r for k, r in expected_mod_revisions.items()],
+                                  success=[t.put(k, _encode(v)) for k, v in values.items()], failure=[])
+            return ok
+        return self._call("put_all", txn)
+
     def compare_and_swap_delete(self, key: str, expected_mod_revision: int) -> bool:
         def txn(c: pyetcd.MultiEndpointEtcd3Client) -> bool:
             t = c.transactions

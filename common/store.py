@@ -140,6 +140,11 @@ class Store(abc.ABC):
         it is now, None if absent). Never creates the key: claim an absent key with
         `swap(key, 0, value, lease)`, so a writer never takes over someone else's key."""
 
+    def put_all(self, values: dict[str, Any], expected_mod_revisions: dict[str, int]) -> bool:
+        """Put every value (no lease) in one transaction, only if each key of
+        `expected_mod_revisions` still has that mod revision (0: absent); False: none written."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def revision(self) -> int:
         """The store's current revision."""

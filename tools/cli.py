@@ -348,10 +348,11 @@ def submit(spec_file: str, etcd: str) -> None:
 
 
 # -- operating a live job (docs/operations.md): each group is its own module ----------------
+from rlfleet.tools.etcd_cmd import etcd_group  # noqa: E402  (docs/etcd-maintenance.md)
 from rlfleet.tools.node_cmd import node  # noqa: E402
 
 main.add_command(node)
-
+main.add_command(etcd_group)
 
 if __name__ == "__main__":
     main()

@@ -48,6 +48,8 @@ class EtcdMember:
     data_dir: Path
     log_path: Path
     proc: subprocess.Popen | None = None
+    # Joins a running cluster (after `etcdctl member add`): --initial-cluster-state existing.
+    joining: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -118,7 +120,7 @@ class EtcdCluster:
         return self
 
     def start_member(self, m: EtcdMember, wait: bool = True, timeout_s: float = 20.0) -> None:
-        state = "existing" if m.data_dir.exists() else "new"
+        state = "existing" if m.data_dir.exists() or m.joining else "new"
         log = open(m.log_path, "ab")
         m.proc = subprocess.Popen(self._cmd(m, state), stdout=log, stderr=log,
                                   stdin=subprocess.DEVNULL, start_new_session=True,
@@ -150,6 +152,24 @@ class EtcdCluster:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"etcd member {m.name} not healthy after {timeout_s}s; log: {m.log_path}")
                 time.sleep(0.05)
+
+    def forget_member(self, m: EtcdMember) -> None:
+        """Drop a member (killed, and removed from etcd with `etcdctl member remove`) from
+        this object: it leaves the --initial-cluster of members added later; its data goes."""
+        self.kill_member(m)
+        self.members.remove(m)
+        shutil.rmtree(m.data_dir, ignore_errors=True)
+
+    def new_member(self, name: str, client_port: int | None = None, peer_port: int | None = None) -> EtcdMember:
+        """A member that will join the running cluster, not started: first tell etcd with
+        `etcdctl member add NAME --peer-urls=<its peer_url> [--learner]`, then
+        `start_member` (the --initial-cluster is every member here, as member add prints it).
+        Ports default to free ones; a replacement may take over the ports of the member it replaces."""
+        m = EtcdMember(name, client_port or free_port(), peer_port or free_port(),
+                       self.base_dir / f"{name}-{len(self.members)}.etcd", self.base_dir / f"{name}.log",
+                       joining=True)
+        self.members.append(m)
+        return m
 
     def kill_member(self, m: EtcdMember) -> None:
         if m.alive():
