@@ -18,125 +18,32 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
-from ..integration.helpers import wait_for as integration_wait_for
-from .conftest import LAB_CMD, lab_cli
+from .conftest import lab_cli
+from .labjob import JOB, RLFLEET, RUN_DIR, LabJob, job_spec, recap, wait_for, with_job_env
 
 # Each step waits on a cluster of five hosts sharing two cores: minutes, not the suite default.
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1500)]
 
-T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE = REPO / "ansible"
 LAB = "e2e"
 SUBNET = "10.213.0"
 HOSTS = 5
-JOB = "arith"
-ENV_FILE = f"/etc/rlfleet/jobs/{JOB}.env"
-RLFLEET = "/opt/rlfleet/venv/bin/rlfleet"
-RUN_DIR = f"/var/lib/rlfleet/{JOB}"
 OBSERVER = "h5"  # never faulted: the test reads etcd and Prometheus from it
 PLACED_DAEMONS = 10  # examples/cluster-arithmetic.toml: trainer, 2 relays, 2 rollouts, env, reward, 2 RMs, repack
 RESULTS = REPO / "runs" / "deploy" / "cluster.json"
 figures: dict[str, Any] = {}
-
-
-def wait_for(what: str, fn: Callable[[], T], timeout_s: float, every_s: float = 1.0) -> T:
-    """The suite's wait_for, polling once a second: each look is a process inside a host."""
-    return integration_wait_for(what, fn, timeout_s, every_s)
-
-
-def host_sh(host: str, script: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-    """A shell script inside a lab host (nsenter: works whatever the network does)."""
-    proc = subprocess.run([*LAB_CMD, "exec", "--name", LAB, host, "--", "bash", "-c", script],
-                          capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert proc.returncode == 0, f"{host}$ {script}\n-> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
-
-
-def with_job_env(command: str) -> str:
-    return f"set -a; . {ENV_FILE}; set +a; {command}"
-
-
-def etcd(prefix: str) -> dict[str, Any]:
-    """{key: value} under /rlfleet/<job>/PREFIX, read from the observer host with the job's credentials."""
-    out = host_sh(OBSERVER, with_job_env(f"{RLFLEET} keys /rlfleet/{JOB}/{prefix}")).stdout
-    found = {}
-    for line in out.splitlines():
-        key, _, value = line.partition("\t")
-        found[key] = json.loads(value)
-    return found
-
-
-def trainer() -> dict[str, Any]:
-    members = [v for v in etcd("members/trainer/").values() if v.get("version") is not None]
-    return members[0] if members else {}
-
-
-def version() -> int:
-    return int(trainer().get("version") or 0)
-
-
-def advances(by: int, timeout_s: float, what: str) -> int:
-    start = version()
-    return wait_for(f"training to advance {by} steps from {start} ({what})",
-                    lambda: (v := version()) >= start + by and v, timeout_s)
-
-
-def playbook(name: str, *extra: str, timeout: float = 1200) -> tuple[subprocess.CompletedProcess, float]:
-    t0 = time.monotonic()
-    proc = subprocess.run([*LAB_CMD, "ansible", "--name", LAB, "--", "ansible-playbook", "-i",
-                           str(ANSIBLE / "inventory.lab.ini"), str(ANSIBLE / name), *extra],
-                          capture_output=True, text=True, timeout=timeout, cwd=ANSIBLE,
-                          env={**os.environ, "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
-                               "ANSIBLE_FORCE_COLOR": "0"})
-    took = time.monotonic() - t0
-    print(f"$ ansible-playbook {name} {' '.join(extra)} -> {proc.returncode} in {took:.0f} s\n{proc.stdout[-6000:]}")
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-3000:]}"
-    return proc, took
-
-
-def recap(stdout: str) -> dict[str, dict[str, int]]:
-    """PLAY RECAP: {host: {ok, changed, failed, ...}}."""
-    rows = {}
-    for m in re.finditer(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$", stdout, re.M):
-        rows[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
-    return rows
-
-
-def unit(host: str, member: str) -> dict[str, str]:
-    out = host_sh(host, f"systemctl show -p MainPID,NRestarts,ActiveState,SubState 'rlfleet@{JOB}:{member}.service'").stdout
-    return dict(line.split("=", 1) for line in out.split())
-
-
-def job_spec(tmp: Path, max_steps: int) -> Path:
-    """The cluster example with max_steps changed (same file name: job.yml puts it next to the models)."""
-    text = (REPO / "examples" / "cluster-arithmetic.toml").read_text()
-    text, n = re.subn(r"(?m)^max_steps = \d+", f"max_steps = {max_steps}", text)
-    assert n == 1
-    path = tmp / str(max_steps) / "cluster-arithmetic.toml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
-
-
-def diagnostics() -> None:
-    """What every host's units said: printed when a test failed, so a CI log explains it."""
-    for i in range(1, HOSTS + 1):
-        proc = host_sh(f"h{i}", "systemctl --no-pager list-units 'rlfleet*' 'prometheus*'; "
-                                "journalctl --no-pager -n 60 -u 'rlfleet*' -o cat | cut -c1-300",
-                       check=False, timeout=60)
-        print(f"===== h{i}\n{proc.stdout[-8000:]}{proc.stderr[-1000:]}")
+J = LabJob(LAB, HOSTS, OBSERVER)
+host_sh, etcd, trainer, version, advances, playbook, unit = (J.host_sh, J.etcd, J.trainer, J.version, J.advances,
+                                                             J.playbook, J.unit)
+diagnostics = J.diagnostics
 
 
 @pytest.fixture(scope="module")
@@ -255,9 +162,7 @@ def test_training_goes_on_with_one_etcd_member_stopped(cluster):
 
 
 def prom_sum(metric: str) -> float:
-    out = host_sh(OBSERVER, f"curl -sf 'http://127.0.0.1:9090/api/v1/query?query=sum({metric})'").stdout
-    result = json.loads(out)["data"]["result"]
-    return float(result[0]["value"][1]) if result else 0.0
+    return J.prom(f"sum({metric})")
 
 
 def test_a_rollout_host_powered_off_leaves_the_chain_and_its_turns_are_reissued(cluster):
