@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from .conftest import lab_cli
-from .labjob import JOB, RLFLEET, RUN_DIR, LabJob, job_spec, recap, wait_for, with_job_env
+from rlfleet.tools.lab.job import JOB, RLFLEET, RUN_DIR, LabJob, job_spec, recap, wait_for, with_job_env
 
 # Each step waits on a cluster of five hosts sharing two cores: minutes, not the suite default.
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1500)]

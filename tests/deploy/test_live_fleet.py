@@ -18,24 +18,24 @@ Run by `make test-deploy` (root, RLFLEET_LAB=1).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from rlfleet.tools.bench.node_add import NEW, OBSERVER, add_host, lost_after_end
+from rlfleet.tools.lab.job import ANSIBLE, JOB, REPO, LabJob, job_spec, wait_for
+
 from .conftest import lab_cli
-from .labjob import ANSIBLE, JOB, REPO, RLFLEET, RUN_DIR, LabJob, job_spec, wait_for, with_job_env
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1500)]
 
 LAB = "live"
 SUBNET = "10.214.0"
 HOSTS = 6
-NEW = "h6"           # not named by the spec: joins through [[placement.pools]]
-OBSERVER = "h5"      # never faulted: the test reads etcd and Prometheus and runs rlfleet from it
+# NEW (h6) is not named by the spec: it joins through [[placement.pools]]; OBSERVER (h5) is
+# never faulted: the test reads etcd and Prometheus and runs rlfleet from it.
 RESULTS = REPO / "runs" / "deploy" / "live_fleet.json"
 NODE_ADD_TARGET_S = 60.0
 figures: dict[str, Any] = {}
@@ -79,17 +79,9 @@ def on_host(host: str) -> set[str]:
 
 
 def test_a_provisioned_host_joins_the_live_job_within_a_minute(fleet):
-    # `node add` waits from before the agent exists, so its phases start at the registration.
-    J.host_sh(OBSERVER, f"rm -f /root/add.json; setsid nohup bash -c '{with_job_env(RLFLEET)} node add {NEW} --timeout 600 --json /root/add.json > /root/add.log 2>&1' "
-                        "> /dev/null 2>&1 < /dev/null &")
-    t0 = time.monotonic()
-    _, provision_s = J.playbook("site.yml", "-l", f"{NEW}:prometheus", inventories=(str(fleet / "h6.ini"),))
-    record = wait_for("rlfleet node add to finish", lambda: J.host_sh(
-        OBSERVER, "cat /root/add.json", check=False).stdout.strip() or None, timeout_s=300, every_s=2)
-    added = json.loads(record)
-    print(J.host_sh(OBSERVER, "cat /root/add.log").stdout)
-    figures["node_add"] = {**added, "provision_s": round(provision_s, 1),
-                           "provision_to_first_trajectory_s": round(time.monotonic() - t0, 1)}
+    # `node add` runs from before h6's agent exists, so its phases start at the registration.
+    added = add_host(J, fleet / "h6.ini")
+    figures["node_add"] = added
     assert added["ok"], added
     assert added["total_s"] < NODE_ADD_TARGET_S, added
     assert on_host(NEW) == {f"relay-{NEW}-0", f"rollout-{NEW}-0"}
@@ -212,18 +204,5 @@ def test_runbook_etcd_quorum_lost(fleet):
 
 
 def test_ended_at_a_step_nothing_was_lost(fleet):
-    end = J.version() + 200
-    J.playbook("job.yml", "-e", f"rlfleet_job_spec={job_spec(fleet, end)}")
-    J.host_sh("h1", f"systemctl reload 'rlfleet@{JOB}:trainer-0.service'")
-    wait_for(f"training done at step {end}", lambda: J.trainer().get("training") == "done", timeout_s=300)
-    J.playbook("stop.yml", inventories=(str(fleet / "h6.ini"),))
-    lab_root = Path(os.environ.get("RLFLEET_LAB_ROOT", "/var/lib/rlfleet-lab")) / LAB / "hosts"
-    gathered = lab_root / OBSERVER / "merged" / "root" / "accounting"
-    shutil.rmtree(gathered, ignore_errors=True)
-    (gathered / "checkpoints").mkdir(parents=True)
-    shutil.copy(lab_root / "h1" / "merged" / RUN_DIR.lstrip("/") / "checkpoints" / "journal.bin",
-                gathered / "checkpoints")
-    shutil.copytree(lab_root / "h4" / "merged" / RUN_DIR.lstrip("/") / "env-host", gathered / "env-host")
-    proc = J.rlfleet(f"accounting /root/accounting --job {JOB}", check=False)
-    figures["accounting"] = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else proc.stdout
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    figures["lost_trajectories"] = lost = lost_after_end(J, fleet, inventories=(str(fleet / "h6.ini"),))
+    assert lost == 0

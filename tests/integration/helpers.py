@@ -6,11 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
 from rlfleet.common.etcd_store import EtcdStore
+from rlfleet.tools.lab.job import wait_for as poll_until
 
 T = TypeVar("T")
 
@@ -48,17 +48,7 @@ def write_spec(tmp_path: Path, job: str = "itest", extra: str = "", *,
 
 def wait_for(what: str, fn: Callable[[], T], timeout_s: float = 30.0, every_s: float = 0.05) -> T:
     """Poll fn until it returns something truthy; fail with `what` on timeout."""
-    deadline = time.monotonic() + timeout_s
-    last_exc: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = fn()
-            if value:
-                return value
-        except Exception as exc:  # noqa: BLE001 — keep polling through transient errors
-            last_exc = exc
-        time.sleep(every_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}" + (f" (last error {last_exc!r})" if last_exc else ""))
+    return poll_until(what, fn, timeout_s, every_s)
 
 
 def rlfleet(*args: str, log: Path | None = None) -> subprocess.Popen:

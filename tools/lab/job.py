@@ -1,7 +1,7 @@
-"""One rlfleet job on a lab of systemd hosts, as the lab tests drive it: shell inside a
-host, etcd and Prometheus read from an observer host with the job's credentials, the
-playbooks run from the controller, and the trainer's progress (tools/lab, docs/lab.md).
-Shared by test_cluster_job.py and test_live_fleet.py.
+"""One rlfleet job on a lab of systemd hosts, as the lab tests and the lab benchmarks
+drive it: shell inside a host, etcd and Prometheus read from an observer host with the
+job's credentials, the playbooks run from the controller, and the trainer's progress
+(docs/lab.md). Used by tests/deploy/ and tools/bench/node_add.py.
 """
 
 from __future__ import annotations
@@ -10,15 +10,14 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..integration.helpers import wait_for as integration_wait_for
-from .conftest import LAB_CMD
-
 T = TypeVar("T")
+LAB_CMD = [sys.executable, "-m", "rlfleet.tools.lab"]
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE = REPO / "ansible"
 JOB = "arith"  # examples/cluster-arithmetic.toml
@@ -28,8 +27,20 @@ RUN_DIR = f"/var/lib/rlfleet/{JOB}"
 
 
 def wait_for(what: str, fn: Callable[[], T], timeout_s: float, every_s: float = 1.0) -> T:
-    """The suite's wait_for, polling once a second: each look is a process inside a host."""
-    return integration_wait_for(what, fn, timeout_s, every_s)
+    """Poll fn (once a second: each look is a process inside a host) until it returns
+    something truthy; AssertionError naming `what` on timeout."""
+    deadline = time.monotonic() + timeout_s
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = fn()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 — keep polling through transient errors
+            last_exc = exc
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}"
+                         + (f" (last error {last_exc!r})" if last_exc else ""))
 
 
 def with_job_env(command: str) -> str:
