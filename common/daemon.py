@@ -46,6 +46,9 @@ log = logging.getLogger("rlfleet.daemon")
 # the member record so an operator sees which run a registration belongs to.
 INCARNATION_ENV = "RLFLEET_INCARNATION"
 EXIT_SECURITY = 2  # like a bad spec: restarting does not help until someone provides the keys
+# Cycle period of a standby its leader marked as successor (`rlfleet switchover`): the
+# leader key is vacant from the leader's resignation to this standby's next cycle.
+HANDOVER_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,14 @@ class Daemon:
         """Extra role-specific fields for the member registration (keep them slow-changing)."""
         return {}
 
+    def prepare_handover(self, to: str) -> bool:
+        """A switchover to `to` is requested (docs/switchover.md): save what the successor
+        must resume from. Asked once a cycle while leading, until it returns True; then
+        the leader resigns. Keep it short (start the work, report when it is done): the
+        lease is refreshed by the same loop. While ``session.handover_to`` is set, start
+        no new leader's work; when it is cleared again (the request withdrawn), resume."""
+        return True
+
     # -- the loop -------------------------------------------------------------
     def request_stop(self, *_: object) -> None:
         self._stop.set()
@@ -139,6 +150,7 @@ class Daemon:
             log.info(said, extra={"event": "security"})
         self.session = Session(self.store, self.keys, self.role, self.options.member_id,
                                ttl_s=self.spec.etcd.lease_ttl_s, elect=self.role in SINGLETON_ROLES)
+        self.session.prepare_handover = self.prepare_handover
         self.metrics_url = self.serve_metrics()
         self.setup()
         self.state = "running"
@@ -152,6 +164,8 @@ class Daemon:
             self._tell_systemd(said)
             metrics.CYCLE_SECONDS.labels(**self._labels).observe(time.monotonic() - started)
             wait_s = min(interval, self.cycle_interval_s() or interval)
+            if self.session.handover_poll:  # our leader resigns to us any moment now
+                wait_s = min(wait_s, HANDOVER_POLL_S)
             if self.notifier.watchdog_s:
                 # A third of the watchdog timeout (sd_watchdog_enabled(3) asks for less
                 # than half) leaves room for a slow cycle before systemd gives up on us.
