@@ -347,5 +347,8 @@ def submit(spec_file: str, etcd: str) -> None:
     click.echo(f"submitted {spec_file} to {key}")
 
 
+from rlfleet.tools.switchover_cmd import switchover as _switchover  # noqa: E402
+main.add_command(_switchover)
+
 if __name__ == "__main__":
     main()
