@@ -46,9 +46,6 @@ log = logging.getLogger("rlfleet.daemon")
 # the member record so an operator sees which run a registration belongs to.
 INCARNATION_ENV = "RLFLEET_INCARNATION"
 EXIT_SECURITY = 2  # like a bad spec: restarting does not help until someone provides the keys
-# Cycle period of a standby its leader marked as successor (`rlfleet switchover`): the
-# leader key is vacant from the leader's resignation to this standby's next cycle.
-HANDOVER_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -164,8 +161,9 @@ class Daemon:
             self._tell_systemd(said)
             metrics.CYCLE_SECONDS.labels(**self._labels).observe(time.monotonic() - started)
             wait_s = min(interval, self.cycle_interval_s() or interval)
-            if self.session.handover_poll:  # our leader resigns to us any moment now
-                wait_s = min(wait_s, HANDOVER_POLL_S)
+            handover_s = self.session.handover_wait_s()  # a switchover's next step is due sooner
+            if handover_s is not None:
+                wait_s = min(wait_s, handover_s)
             if self.notifier.watchdog_s:
                 # A third of the watchdog timeout (sd_watchdog_enabled(3) asks for less
                 # than half) leaves room for a slow cycle before systemd gives up on us.

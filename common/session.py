@@ -56,6 +56,10 @@ from rlfleet.common.switchover import DONE, HAND_OVER, leader_action, vacancy_ta
 
 log = logging.getLogger("rlfleet.session")
 
+# Cycle period of a standby its leader marked as successor (`rlfleet switchover`): the
+# leader key is vacant from the leader's resignation to this standby's next cycle.
+HANDOVER_POLL_S = 0.02
+
 
 @dataclass
 class Session:
@@ -299,6 +303,14 @@ class Session:
             if key == self.member_key:
                 self._published = None
         return [f"{key} vanished while lease {self.lease.id:x} lives; writing it again" for key in sorted(gone)]
+
+    def handover_wait_s(self) -> float | None:
+        """Seconds to the cycle a switchover needs next, if sooner than the usual one: the
+        leader's resignation a refresh interval after its mark; a marked successor's next
+        look at the leader key (HANDOVER_POLL_S: the vacancy lasts until then)."""
+        if self._marked_at is not None:
+            return max(0.0, self._marked_at + self.ttl_s / 3 - time.monotonic())
+        return HANDOVER_POLL_S if self.handover_poll else None
 
     @property
     def switchover_key(self) -> str:
