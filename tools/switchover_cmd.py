@@ -171,9 +171,10 @@ def _request_and_wait(store, job: str, role: str, target: str, leader: str, ttl_
             if event.kind == "delete":
                 vacant_at = vacant_at or time.monotonic()
                 continue
-            holder = Leader.parse(role, event.value).id
+            done = time.monotonic()  # when the put arrived; who made it is read now (values are parsed in common/)
+            kv = store.get(keys.leader(role))
+            holder = Leader.from_kv(keys, kv).id if kv is not None else leader
             if holder == target:
-                done = time.monotonic()
                 vacant_s = done - vacant_at if vacant_at is not None else 0.0
                 store.revoke_lease(lease)  # the target deleted the request already
                 return Outcome(Exit.OK, f"{role} leadership: {leader} -> {target} in {done - start:.2f} s "
