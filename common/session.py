@@ -349,7 +349,7 @@ class Session:
             return said + self._hand_over()
         if self.failsafe_since is not None:
             # Another daemon holds the key: it took over while we could not renew.
-            self.failsafe_since, self.term = None, 0
+            self.failsafe_since, self.term, self.handover_to, self._marked_at = None, 0, "", None
             return said + [f"superseded as {self.role} leader during the outage: fenced, "
                            "discarding in-memory state"]
         if self.is_leader:
