@@ -144,9 +144,10 @@ def test_refusals_say_why(pair, store, etcd):
     finally:
         sleeper.kill()
         sleeper.wait()
-    # A request pending already (written by hand, naming a member no leader acts on).
-    store.put(KEYS.switchover(role), Switchover(role, to="rm-new", by="someone", at=time.time()).to_value(),
-              lease=lease)
+    # A request pending already (written by hand, addressed to a leader that is gone: the
+    # one in office leaves it to expire).
+    store.put(KEYS.switchover(role), Switchover(role, to="rm-new", from_="rm-gone", by="someone",
+                                                at=time.time()).to_value(), lease=lease)
     message = refused(second, "--output", "json")
     assert message.startswith(f"rlfleet switchover: refused: a switchover of {role} to rm-new is already "
                               "pending (requested by someone "), message
