@@ -108,6 +108,14 @@ class Daemon:
         """Extra role-specific fields for the member registration (keep them slow-changing)."""
         return {}
 
+    def prepare_handover(self, to: str) -> bool:
+        """A switchover to `to` is requested (docs/switchover.md): save what the successor
+        must resume from. Asked once a cycle while leading, until it returns True; then
+        the leader resigns. Keep it short (start the work, report when it is done): the
+        lease is refreshed by the same loop. While ``session.handover_to`` is set, start
+        no new leader's work; when it is cleared again (the request withdrawn), resume."""
+        return True
+
     # -- the loop -------------------------------------------------------------
     def request_stop(self, *_: object) -> None:
         self._stop.set()
@@ -139,6 +147,7 @@ class Daemon:
             log.info(said, extra={"event": "security"})
         self.session = Session(self.store, self.keys, self.role, self.options.member_id,
                                ttl_s=self.spec.etcd.lease_ttl_s, elect=self.role in SINGLETON_ROLES)
+        self.session.prepare_handover = self.prepare_handover
         self.metrics_url = self.serve_metrics()
         self.setup()
         self.state = "running"
@@ -152,6 +161,9 @@ class Daemon:
             self._tell_systemd(said)
             metrics.CYCLE_SECONDS.labels(**self._labels).observe(time.monotonic() - started)
             wait_s = min(interval, self.cycle_interval_s() or interval)
+            handover_s = self.session.handover_wait_s()  # a switchover's next step is due sooner
+            if handover_s is not None:
+                wait_s = min(wait_s, handover_s)
             if self.notifier.watchdog_s:
                 # A third of the watchdog timeout (sd_watchdog_enabled(3) asks for less
                 # than half) leaves room for a slow cycle before systemd gives up on us.

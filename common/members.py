@@ -149,11 +149,12 @@ class Leader:
     since: float = 0.0
     lease_id: int = 0
     problem: str = ""
+    handover_to: str = ""  # the standby this leader resigns to next (`rlfleet switchover`)
 
     @classmethod
     def parse(cls, role: str, value: Any, lease_id: int = 0) -> Leader:
         f = _Fields(value, f"{names.LEADER}/{role}")
-        return cls(role, f.str("id", required=True), f.float("since"), lease_id, f.problem)
+        return cls(role, f.str("id", required=True), f.float("since"), lease_id, f.problem, f.str("handover_to"))
 
     @classmethod
     def from_kv(cls, keys: JobKeys, kv: KeyValue) -> Leader:

@@ -30,6 +30,14 @@ reign continues (``reign`` unchanged, in-memory state kept); if so, it was
 superseded, and its in-memory state must be discarded. ``term`` (the leader key's
 create revision, strictly increasing over takeovers) is the fencing token that a
 leader's writes carry.
+
+A switchover (`rlfleet switchover`, docs/switchover.md) hands leadership to a named
+standby: the leader reads `switchover/<role>` each cycle; when it names another live
+member, the leader prepares (``prepare_handover``, the daemon's hook), marks the leader
+key with ``handover_to`` (the target, reading that key each cycle anyway, then cycles
+fast), and one refresh interval later resigns. While the request stands only its target
+campaigns on the vacant key (a candidate reads the request only then), and the target
+deletes it once it leads.
 """
 
 from __future__ import annotations
@@ -37,13 +45,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from rlfleet.common.keys import JobKeys
+from rlfleet.common.members import Leader
+from rlfleet.common.operations import Switchover
 from rlfleet.common.procs import ProcessId
 from rlfleet.common.store import KeyValue, Lease, LeaseExpired, Store, StoreUnavailable
+from rlfleet.common.switchover import DONE, HAND_OVER, leader_action, vacancy_target
 
 log = logging.getLogger("rlfleet.session")
+
+# Cycle period of a standby its leader marked as successor (`rlfleet switchover`): the
+# leader key is vacant from the leader's resignation to this standby's next cycle.
+HANDOVER_POLL_S = 0.02
 
 
 @dataclass
@@ -75,6 +90,14 @@ class Session:
     # were already waiting take over from a dead leader first, and a leader in a
     # crash loop cannot grab leadership back on every restart.
     campaign_after: float = field(default_factory=time.monotonic)
+    # Switchover: the daemon's hook, asked each cycle until it says the leader's work is
+    # saved for the successor (`to`); the target we are handing over to; whether a leader
+    # marked us as its successor (then the daemon cycles fast, to take over at once).
+    prepare_handover: Callable[[str], bool] = lambda to: True
+    handover_to: str = ""
+    handover_poll: bool = False
+    _marked_at: float | None = None
+    _said_switchover: str = ""
 
     def __post_init__(self) -> None:
         self.campaign_after = time.monotonic() + self.ttl_s
@@ -112,10 +135,10 @@ class Session:
             elif time.monotonic() - self._keys_checked_at >= self.ttl_s:
                 said += self._check_keys()
             # Campaign only as the owner of our member key: a daemon whose key another
-            # live process holds is a duplicate and must not lead either.
-            if self.elect and not self.blocked and self._published is not None \
-                    and time.monotonic() >= self.campaign_after:
-                said += self._campaign()
+            # live process holds is a duplicate and must not lead either. A newcomer only
+            # looks (a switchover may name it) until its wait is over.
+            if self.elect and not self.blocked and self._published is not None:
+                said += self._campaign(newcomer=time.monotonic() < self.campaign_after)
             value = {**member_value, "leader": self.is_leader, "lease": f"{self.lease.id:x}"}
             if value != self._published:
                 said += self._publish(self.member_key, value)
@@ -281,21 +304,109 @@ class Session:
                 self._published = None
         return [f"{key} vanished while lease {self.lease.id:x} lives; writing it again" for key in sorted(gone)]
 
-    def _campaign(self) -> list[str]:
+    def handover_wait_s(self) -> float | None:
+        """Seconds to the cycle a switchover needs next, if sooner than the usual one: the
+        leader's resignation a refresh interval after its mark; a marked successor's next
+        look at the leader key (HANDOVER_POLL_S: the vacancy lasts until then)."""
+        if self._marked_at is not None:
+            return max(0.0, self._marked_at + self.ttl_s / 3 - time.monotonic())
+        return HANDOVER_POLL_S if self.handover_poll else None
+
+    @property
+    def switchover_key(self) -> str:
+        return self.keys.switchover(self.role)
+
+    def _campaign(self, newcomer: bool = False) -> list[str]:
+        """Store.campaign (a read; a create-only put only on a vacancy), with a standing
+        switchover request honoured on a vacancy: only its target may campaign then, as
+        long as it is registered (a dead target's request is ignored)."""
         assert self.lease is not None
-        value = {"id": self.member_id, "since": self._leader_since or time.time()}
-        holds = self.store.campaign(self.leader_key, value, self.lease)
+        said: list[str] = []
+        current, request, target = self.store.get(self.leader_key), None, ""
+        if current is None:
+            request = self.store.get(self.switchover_key)
+            target = vacancy_target(Switchover.from_kv(self.keys, request) if request else None)
+            if target and target != self.member_id \
+                    and self.store.get(self.keys.member(self.role, target)) is not None:
+                said += self._say(f"leaving {self.role} leadership to {target} (switchover requested)")
+            elif newcomer and not target:
+                return []
+            elif not newcomer or target == self.member_id:
+                _, current = self.store.swap(self.leader_key, 0, self._leader_value(), lease=self.lease)
+        holds = current is not None and current.lease_id == self.lease.id
+        self.handover_poll = (not holds and current is not None
+                              and Leader.from_kv(self.keys, current).handover_to == self.member_id)
+        if current is not None and not holds:
+            self._said_switchover = ""  # a leader is in place: say the next vacancy's news again
         if holds and not self.is_leader:
-            return self._take_office()
-        if not holds and self.failsafe_since is not None:
+            said += self._take_office()
+            if self.is_leader and request is not None and target == self.member_id:
+                # We took over on a vacancy the request reserved for us: it is done.
+                self.store.compare_and_swap_delete(self.switchover_key, request.mod_revision)
+                said.append(f"switchover of {self.role} to {self.member_id} done")
+            return said
+        if holds:
+            return said + self._hand_over()
+        if self.failsafe_since is not None:
             # Another daemon holds the key: it took over while we could not renew.
-            self.failsafe_since, self.term = None, 0
-            return [f"superseded as {self.role} leader during the outage: fenced, "
-                    "discarding in-memory state"]
-        if not holds and self.is_leader:
+            self.failsafe_since, self.term, self.handover_to, self._marked_at = None, 0, "", None
+            return said + [f"superseded as {self.role} leader during the outage: fenced, "
+                           "discarding in-memory state"]
+        if self.is_leader:
             self.is_leader, self.term = False, 0
-            return [f"lost leadership of {self.role}"]
+            self.handover_to, self._marked_at = "", None
+            return said + [f"lost leadership of {self.role}"]
+        return said
+
+    def _hand_over(self) -> list[str]:
+        """The leader's look at `switchover/<role>` (one read a cycle): hand over to the
+        member it names once the daemon's work is saved, the leader key marked for the
+        target, and a refresh interval passed (the target has read the mark by then)."""
+        assert self.lease is not None
+        kv = self.store.get(self.switchover_key)
+        request = Switchover.from_kv(self.keys, kv) if kv is not None else None
+        action = leader_action(request, self.member_id)
+        if action == DONE and kv is not None:
+            self.store.compare_and_swap_delete(self.switchover_key, kv.mod_revision)
+        if action != HAND_OVER or request is None:
+            said = [f"switchover of {self.role} to {self.handover_to} withdrawn, staying leader"] \
+                if self.handover_to else []
+            self._said_switchover = ""
+            return said + self._unmark()
+        to = request.to
+        if self.store.get(self.keys.member(self.role, to)) is None:
+            return self._say(f"switchover of {self.role} to {to} not done: no registered {self.role} {to}, "
+                             "staying leader") + self._unmark()
+        self.handover_to = to
+        if not self.prepare_handover(to):
+            return self._say(f"switchover of {self.role} to {to}: preparing the handover")
+        if self._marked_at is None:
+            self.store.put_owned(self.leader_key, {**self._leader_value(), "handover_to": to}, self.lease)
+            self._marked_at = time.monotonic()
+            return [f"switchover of {self.role} to {to}: ready, resigning in {self.ttl_s / 3:.2g} s"]
+        if time.monotonic() - self._marked_at < self.ttl_s / 3:
+            return []
+        self.store.resign(self.leader_key, self.lease)
+        self.is_leader, self.term, self.handover_to, self._marked_at = False, 0, "", None
+        return [f"resigned {self.role} leadership to {to} (switchover)"]
+
+    def _unmark(self) -> list[str]:
+        """No handover (any more): the leader key loses its mark, and the daemon (seeing
+        ``handover_to`` empty) takes up the leader's work again."""
+        if self._marked_at is not None and self.lease is not None:
+            self.store.put_owned(self.leader_key, self._leader_value(), self.lease)
+        self.handover_to, self._marked_at = "", None
         return []
+
+    def _leader_value(self) -> dict[str, Any]:
+        return {"id": self.member_id, "since": self._leader_since or time.time()}
+
+    def _say(self, sentence: str) -> list[str]:
+        """A switchover sentence once, not every cycle it stays true."""
+        if sentence == self._said_switchover:
+            return []
+        self._said_switchover = sentence
+        return [sentence]
 
     @property
     def registered(self) -> bool:

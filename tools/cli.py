@@ -350,8 +350,10 @@ def submit(spec_file: str, etcd: str) -> None:
 # -- operating a live job (docs/operations.md): each group is its own module ----------------
 from rlfleet.tools.etcd_cmd import etcd_group  # noqa: E402  (docs/etcd-maintenance.md)
 from rlfleet.tools.node_cmd import node  # noqa: E402
+from rlfleet.tools.switchover_cmd import switchover  # noqa: E402  (docs/switchover.md)
 
 main.add_command(node)
+main.add_command(switchover)
 main.add_command(etcd_group)
 
 if __name__ == "__main__":

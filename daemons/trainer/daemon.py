@@ -114,6 +114,8 @@ class Trainer(Daemon):
             self._set_address(None)
             said.append("another trainer led meanwhile: restarting from the checkpoint and journal")
             return "; ".join(said)
+        if s.handover_to:
+            return "; ".join(said) or None  # handing over (prepare_handover): train no more
         if w is None and self._stopping is None and time.monotonic() >= self._retry_at:
             self._worker = TrainingWorker(self.spec, self.store, self.keys,
                                           is_leader=lambda: self.is_leader, on_bound=self.wake,
@@ -137,6 +139,19 @@ class Trainer(Daemon):
         if w is not None and self._announced != w.endpoint:
             return ADDRESS_POLL_S
         return None
+
+    def prepare_handover(self, to: str) -> bool:
+        """Switchover to `to`: finish the step in progress and checkpoint it (still the
+        leader, so the checkpoint is written), close the socket; ready once the worker is
+        gone, journal lock included, so `to` resumes from that checkpoint at once."""
+        w = self._worker
+        if w is not None:
+            w.stop(checkpoint=True)
+            self._stopping, self._worker = w, None
+            self._set_address(None)
+            log.info("switchover to %s: finishing the step and writing a checkpoint at version %d", to, w.version,
+                     extra={"event": "handover"})
+        return self._stopping is None or not self._stopping.alive
 
     def _set_address(self, endpoint: str | None) -> None:
         # A new dict, never an in-place change: the session compares the member value
