@@ -18,14 +18,16 @@ Run by `make test-deploy` (root, RLFLEET_LAB=1).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rlfleet.tools.bench.node_add import NEW, OBSERVER, add_host, lost_after_end
-from rlfleet.tools.lab.job import ANSIBLE, JOB, REPO, LabJob, job_spec, wait_for
+from rlfleet.tools.lab.job import ANSIBLE, JOB, REPO, LabJob, job_spec, wait_for, with_job_env
 
 from .conftest import lab_cli
 
@@ -117,6 +119,25 @@ def test_operator_refusals_say_why_with_their_exit_codes(fleet):
     assert unknown.returncode == 2 and "unknown host 'h9'" in unknown.stderr, unknown.stderr
 
 
+def leader(role: str) -> str:
+    return J.etcd(f"leader/{role}").get(f"/rlfleet/{JOB}/leader/{role}", {}).get("id", "")
+
+
+def test_switchover_moves_the_resource_managers_leadership_to_the_standby(fleet):
+    """Before maintenance of h4: the resource-manager's leadership goes to the standby on
+    h5 with no gap longer than a TTL; a target that is no standby is refused."""
+    before = leader("resource-manager")
+    standby = next(k.rsplit("/", 1)[1] for k in J.etcd("members/resource-manager/") if not k.endswith(before))
+    refused = J.rlfleet("switchover resource-manager --to trainer-0", check=False)
+    assert refused.returncode == 9 and "trainer-0" in refused.stderr, refused.stdout + refused.stderr
+    t0 = time.monotonic()
+    moved = J.rlfleet(f"switchover resource-manager --to {standby} --output json", timeout=120)
+    figures["switchover_resource_manager"] = {**json.loads(moved.stdout), "wall_s": round(time.monotonic() - t0, 1)}
+    assert leader("resource-manager") == standby
+    # The new leader places as the old one did: a drain still works through it.
+    J.advances(5, 120, "after the switchover")
+
+
 def master_relay() -> tuple[str, str]:
     master = J.etcd("relay/master")[f"/rlfleet/{JOB}/relay/master"]["id"]
     host = J.etcd(f"members/relay/{master}")[f"/rlfleet/{JOB}/members/relay/{master}"]["host"]
@@ -159,6 +180,21 @@ def test_runbook_a_daemon_crash_loops(fleet):
     wait_for("reward-host-0 registered again", lambda: "reward-host-0" in on_host("h4"), timeout_s=120, every_s=2)
     figures["crash_loop_fixed_to_running_s"] = round(time.monotonic() - t0, 1)
     J.advances(10, 180, "after the crash loop")
+
+
+def test_runbook_poisoned_input(fleet):
+    """Incident: a hostile but decodable message (a seed past int64) reaches the
+    reward-host. It is refused alone with a reason, counted, and the job goes on."""
+    lab_root = Path(os.environ.get("RLFLEET_LAB_ROOT", "/var/lib/rlfleet-lab")) / LAB / "hosts"
+    shutil.copy(Path(__file__).parent / "poison_reward_host.py", lab_root / "h4" / "merged" / "root" / "poison.py")
+    query = 'sum(rlfleet_rejected_messages_total{role="reward-host"})'
+    before = J.prom(query)
+    out = J.host_sh("h4", with_job_env(f"/opt/rlfleet/venv/bin/python /root/poison.py {JOB}"), check=False)
+    answer = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 0 and answer["error"].startswith("rejected: "), (out.stdout, out.stderr[-2000:])
+    figures["poisoned_input_answer"] = answer["error"][:200]
+    wait_for("Prometheus to count the refusal", lambda: J.prom(query) > before, timeout_s=90, every_s=3)
+    J.advances(10, 180, "after the poisoned input")
 
 
 def test_runbook_staleness_drops_spike(fleet):

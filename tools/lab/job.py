@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rlfleet.common.keys import MEMBERS, JobKeys
+
 T = TypeVar("T")
 LAB_CMD = [sys.executable, "-m", "rlfleet.tools.lab"]
 REPO = Path(__file__).resolve().parents[2]
@@ -84,15 +86,15 @@ class LabJob:
         return self.host_sh(host or self.observer, with_job_env(f"{RLFLEET} {args}"), check=check, timeout=timeout)
 
     def etcd(self, prefix: str) -> dict[str, Any]:
-        """{key: value} under /rlfleet/<job>/PREFIX."""
+        """{key: value} under the job's PREFIX (e.g. "members/")."""
         found = {}
-        for line in self.rlfleet(f"keys /rlfleet/{JOB}/{prefix}").stdout.splitlines():
+        for line in self.rlfleet(f"keys {JobKeys(JOB).prefix}{prefix}").stdout.splitlines():
             key, _, value = line.partition("\t")
             found[key] = json.loads(value)
         return found
 
     def trainer(self) -> dict[str, Any]:
-        members = [v for v in self.etcd("members/trainer/").values() if v.get("version") is not None]
+        members = [v for v in self.etcd(f"{MEMBERS}/trainer/").values() if v.get("version") is not None]
         return members[0] if members else {}
 
     def version(self) -> int:
