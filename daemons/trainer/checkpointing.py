@@ -59,19 +59,29 @@ class CheckpointWriteError(Exception):
 # Below this many free bytes when a checkpoint failed, the failure is taken for a full
 # disk whatever was raised: torch.save reports ENOSPC as a RuntimeError without an errno.
 FULL_BELOW_BYTES = 1 << 20
+# What the serialisers' own exceptions say (safetensors: "I/O error: No space left on
+# device (os error 28)"; torch.save: "PytorchStreamWriter failed writing file ...").
+_NO_SPACE_TEXT = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
+_IO_TEXT = ("i/o error", "file write failed", "failed writing file")
 
 
 def failure_reason(exc: BaseException, free_at_failure: int) -> str | None:
     """Why a checkpoint write failed: no_space, io_error, or None for an error that is
     neither (a bug in the backend's ``fill``: raised as it is)."""
+    if not isinstance(exc, Exception):
+        return None
+    text = str(exc).lower()
     if isinstance(exc, OSError):
         reason = io_reason(exc)
-        if reason == "io_error" and 0 <= free_at_failure < FULL_BELOW_BYTES:
-            return "no_space"
-        return reason
-    if isinstance(exc, Exception) and 0 <= free_at_failure < FULL_BELOW_BYTES:
+    elif any(t in text for t in _NO_SPACE_TEXT):
         return "no_space"
-    return None
+    elif any(t in text for t in _IO_TEXT):
+        reason = "io_error"
+    else:
+        reason = None
+    if 0 <= free_at_failure < FULL_BELOW_BYTES:
+        return "no_space"
+    return reason
 
 
 def free_bytes(folder: Path) -> int:
