@@ -58,7 +58,7 @@ class CheckpointWriteError(Exception):
 
 # Below this many free bytes when a checkpoint failed, the failure is taken for a full
 # disk whatever was raised: torch.save reports ENOSPC as a RuntimeError without an errno.
-FULL_BELOW_BYTES = 1 << 20
+FULL_BELOW_BYTES = 64 << 10
 # What the serialisers' own exceptions say (safetensors: "I/O error: No space left on
 # device (os error 28)"; torch.save: "PytorchStreamWriter failed writing file ...").
 _NO_SPACE_TEXT = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
