@@ -193,8 +193,8 @@ class Trainer(Daemon):
             return {"training": status}
         errors = {"checkpoint_error": w.state.checkpoint_error,  # a full disk: docs/disk-full.md
                   "journal_error": w.state.journal_error}
-        return {"training": w.status, "version": w.version,
-                "checkpoint_version": w.checkpoint_version, **{k: v for k, v in errors.items() if v}}
+        return {"training": w.status, "version": w.version, "checkpoint_version": w.checkpoint_version,
+                **{k: v for k, v in errors.items() if v}}
 
 
 def _prewarm(spec: JobSpec) -> None:
