@@ -24,7 +24,8 @@ MEMBER_FIELDS = frozenset({"id", "role", "host", "pid", "state", "leader", "leas
 ROLE_FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = MappingProxyType({
     "relay": {"shm_dir": (str,), "transport": (str,), "newest": (int,), "newest_at": (int, float),
               "versions": (list,), "successor": (str,), "master": (bool,)},
-    "trainer": {"training": (str,), "version": (int,), "checkpoint_version": (int,)},
+    "trainer": {"training": (str,), "version": (int,), "checkpoint_version": (int,),
+                "checkpoint_error": (str,), "journal_error": (str,)},  # the last two: docs/disk-full.md
     "rollout": {"weight_version": (int,), "first_result_at": (int, float)},
     "resource-manager": {"waiting_hosts": (dict,)},
     "env-host": {"in_flight": (int,), "claimed": (int,), "done": (int,), "claim_limit": (int,), "error": (str,)},

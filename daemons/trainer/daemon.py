@@ -43,6 +43,7 @@ from typing import Any
 from rlfleet.common.daemon import Daemon
 from rlfleet.common.spec import JobSpec
 
+from .metrics_log import set_member_id
 from .worker import TrainingWorker
 
 log = logging.getLogger("rlfleet.trainer")
@@ -67,6 +68,7 @@ class Trainer(Daemon):
         self._failures = 0
         self._last_error = ""
         self._reign = 0  # the session's reign the running worker was started in
+        set_member_id(self.options.member_id)  # the id label of the disk-failure counters
         # The session keeps the leader's work through an etcd outage (docs/failsafe.md).
         assert self.session is not None
         self.session.failsafe = True
@@ -189,8 +191,10 @@ class Trainer(Daemon):
             status = "standby" if not self.is_leader else (
                 f"error: {self._last_error}"[:200] if self._last_error else "starting")
             return {"training": status}
-        return {"training": w.status, "version": w.version,
-                "checkpoint_version": w.checkpoint_version}
+        errors = {"checkpoint_error": w.state.checkpoint_error,  # a full disk: docs/disk-full.md
+                  "journal_error": w.state.journal_error}
+        return {"training": w.status, "version": w.version, "checkpoint_version": w.checkpoint_version,
+                **{k: v for k, v in errors.items() if v}}
 
 
 def _prewarm(spec: JobSpec) -> None:

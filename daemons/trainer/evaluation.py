@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.common.spec import JobSpec
-from rlfleet.daemons.trainer.metrics_log import EVAL_SUCCESS
+from rlfleet.daemons.trainer.metrics_log import EVAL_SUCCESS, MetricsLog, append_json_line
 
 log = logging.getLogger("rlfleet.trainer")
 
@@ -83,9 +83,10 @@ class Evaluator:
         line = {"time": round(time.time(), 3), "step": version, "version": version,
                 "eval_success": success, "eval_n": len(self.prompts),
                 "eval_s": round(time.monotonic() - started, 3)}
-        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        try:
+            append_json_line(self.metrics_path, line)
+        except OSError as exc:  # a full disk (docs/disk-full.md): the metric still tells
+            MetricsLog(self.metrics_path).failed(line, exc)
         self.done_versions.add(version)
         EVAL_SUCCESS.set(success)
         log.info("eval at version %d: success %.3f on %d held-out prompts", version, success,

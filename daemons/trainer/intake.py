@@ -24,7 +24,7 @@ from rlfleet.common.validation import confined
 from rlfleet.common.wire import ScoredTrajectory, count_rejection
 
 from .batching import INVALID, check_trajectory, drop_reason
-from .journal import Journal
+from .journal import Journal, until_written
 
 log = logging.getLogger("rlfleet.trainer")
 
@@ -115,7 +115,10 @@ class Intake:
                     # trajectory). Acks wait at most LINGER_S more.
                     got += receiver.drain(timeout=LINGER_S, max_n=MAX_BATCH - len(got))
                 if got:
-                    self.ingest_confined(receiver, got)
+                    # A journal that cannot be written (a full disk, docs/disk-full.md) holds
+                    # this batch, unacked, until it can: the senders wait or resend; acking
+                    # first would lose it, ending the intake would crash-loop the trainer.
+                    until_written(lambda: self.ingest_confined(receiver, got), stop)
         finally:
             self.endpoint = None
             receiver.close()
@@ -125,8 +128,8 @@ class Intake:
         raises is taken again one by one, and an arrival that still raises alone is
         refused for good (counted and logged by ``confined``), so neither the intake
         thread nor the rest of its batch goes down with it. A journal that cannot be
-        written (OSError) is no arrival's fault: it still ends the intake, unacked (the
-        senders resend to whoever trains next)."""
+        written (OSError) is no arrival's fault: it is raised, nothing acked, for ``run``
+        to try the batch again (a retry finds what was journaled already a duplicate)."""
         try:
             self.ingest(receiver, got)
             return

@@ -26,6 +26,13 @@ short payload, or a CRC mismatch on the final record), logged and truncated.
 A bad record followed by more data is not a torn write but corruption:
 ``JournalCorrupt`` names the offset, and nothing is truncated.
 
+A full disk (docs/disk-full.md): a write that fails (ENOSPC or any OSError) is cut back
+out of the file and leaves the state unchanged; ``write_error`` says why until a write
+succeeds again (one error line per outage, JOURNAL_BLOCKED 1 meanwhile). The callers
+retry with ``until_written`` rather than going on without the record: the intake acks
+nothing it could not journal (the senders resend), and the training loop neither
+publishes nor checkpoints a step whose TRAINED record is not written.
+
 One process owns a journal at a time (an exclusive ``flock``), so a standby
 that becomes leader on the same machine cannot write while the old leader
 still has it open.
@@ -36,10 +43,12 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
 import struct
 import threading
+import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +57,8 @@ import msgspec
 
 from rlfleet.common.durable import fsync_path
 from rlfleet.common.wire import ScoredTrajectory, WireError, decode, encode
+
+from .metrics_log import JOURNAL_BLOCKED, JOURNAL_WRITE_FAILURES, io_reason, member_id
 
 log = logging.getLogger("rlfleet.trainer")
 
@@ -68,6 +79,31 @@ class JournalCorrupt(Exception):
 
 class JournalLocked(Exception):
     """Another process holds this journal open."""
+
+
+class JournalUnwritable(Exception):
+    """Stopped while waiting for the journal to take a record the work depends on."""
+
+
+RETRY_S = (0.5, 5.0)  # until_written's wait between tries: first, most (doubling)
+
+
+def until_written(write: Callable[[], object], stop: threading.Event,
+                  on_blocked: Callable[[str], None] = lambda why: None) -> bool:
+    """Call ``write`` (a journal write) until it does not raise OSError; False when
+    ``stop`` is set first. Waiting, not failing: a full disk is fixed by an operator
+    freeing space, and a trainer that crashed and restarted instead would re-train
+    from its checkpoint only to fail again. ``on_blocked(why)`` runs at each failure."""
+    delay = RETRY_S[0]
+    while True:
+        try:
+            write()
+            return True
+        except OSError as exc:
+            on_blocked(f"{io_reason(exc)}: {exc}")
+        if stop.wait(delay):
+            return False
+        delay = min(RETRY_S[1], delay * 2)
 
 
 @dataclass
@@ -106,6 +142,8 @@ class Journal:
         self.fsync = fsync
         self.state = JournalState()
         self.truncated_bytes = 0  # torn tail removed on open
+        self.write_error = ""  # why the last write failed; "" once one succeeds again
+        self._failing_since = 0.0
         self._lock = threading.RLock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         created = not self.path.exists()
@@ -267,11 +305,29 @@ class Journal:
             while view:
                 view = view[self._file.write(view):]
             self._sync()
-        except OSError:
+        except OSError as exc:
             self._file.truncate(start)
+            self._write_failed(exc, len(blob))
             raise
         for rec, _ in recs:
             self._apply(rec)
+        if self.write_error:
+            log.info("journal %s written again after %.1f s", self.path,
+                     time.monotonic() - self._failing_since, extra={"event": "journal_ok"})
+            self.write_error = ""
+            JOURNAL_BLOCKED.labels(id=member_id()).set(0)
+
+    def _write_failed(self, exc: OSError, size: int) -> None:
+        reason = io_reason(exc)
+        JOURNAL_WRITE_FAILURES.labels(id=member_id(), reason=reason).inc()
+        if not self.write_error:  # one line per outage; the callers retry every few seconds
+            self._failing_since = time.monotonic()
+            JOURNAL_BLOCKED.labels(id=member_id()).set(1)
+            log.error("journal %s: a %d-byte write failed (%s: %s), %d bytes free: nothing is "
+                      "acked or trained until it can be written (docs/disk-full.md)", self.path,
+                      size, reason, exc, _free_bytes(self.path.parent),
+                      extra={"event": "journal_error", "reason": reason})
+        self.write_error = f"journal: {reason}: {exc}"[:300]
 
     def compact(self, version: int) -> int:
         """Rewrite the file without the trajectories of groups trained at or before
@@ -286,20 +342,11 @@ class Journal:
             by_version: dict[int, list[str]] = {}
             for g, v in s.trained.items():
                 by_version.setdefault(v, []).append(g)
-            with open(tmp, "wb") as out:
-                for g, (reason, detail) in s.dropped.items():
-                    out.write(_frame(msgspec.msgpack.encode([DROPPED, g, reason, detail])))
-                for v in sorted(by_version):
-                    keep = [g for g in by_version[v] if v > version and g in s.trained_data]
-                    for g in keep:  # still needed if we resume from an older checkpoint
-                        for st in s.trained_data[g].values():
-                            out.write(_frame(_trajectory_payload(st)))
-                    out.write(_frame(msgspec.msgpack.encode([TRAINED, v, by_version[v]])))
-                for g in sorted(s.pending, key=lambda g: s.last_arrival[g]):
-                    for st in s.pending[g].values():
-                        out.write(_frame(_trajectory_payload(st)))
-                out.flush()
-                os.fsync(out.fileno())
+            try:
+                self._write_compacted(tmp, version, by_version)
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a full disk: the space it took is needed
+                raise
             os.replace(tmp, self.path)
             fsync_path(self.path.parent)
             # The lock was on the old inode: take it on the new file before letting go.
@@ -313,6 +360,23 @@ class Journal:
                     s.last_arrival.pop(g, None)
             after = self._file.seek(0, os.SEEK_END)
             return before - after
+
+    def _write_compacted(self, tmp: Path, version: int, by_version: dict[int, list[str]]) -> None:
+        s = self.state
+        with open(tmp, "wb") as out:
+            for g, (reason, detail) in s.dropped.items():
+                out.write(_frame(msgspec.msgpack.encode([DROPPED, g, reason, detail])))
+            for v in sorted(by_version):
+                keep = [g for g in by_version[v] if v > version and g in s.trained_data]
+                for g in keep:  # still needed if we resume from an older checkpoint
+                    for st in s.trained_data[g].values():
+                        out.write(_frame(_trajectory_payload(st)))
+                out.write(_frame(msgspec.msgpack.encode([TRAINED, v, by_version[v]])))
+            for g in sorted(s.pending, key=lambda g: s.last_arrival[g]):
+                for st in s.pending[g].values():
+                    out.write(_frame(_trajectory_payload(st)))
+            out.flush()
+            os.fsync(out.fileno())
 
     def _sync(self) -> None:
         if self.fsync:
@@ -367,6 +431,13 @@ class Journal:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _free_bytes(folder: Path) -> int:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return -1
 
 
 def _frame(payload: bytes) -> bytes:

@@ -17,11 +17,20 @@ Eval lines (daemons/trainer/evaluation.py) share the file: time, step, eval_succ
 
 The main figures of each step line are Prometheus metrics of the trainer too (`export`),
 for the cluster's dashboard (ansible/files/grafana/rlfleet.json); the file stays the record.
+
+A full disk (docs/disk-full.md) does not stop training for this file's sake: a line that
+cannot be appended is cut back out (no torn line for readers), counted in
+METRICS_LOG_FAILURES and logged once until a line is written again; the Prometheus
+metrics are set all the same. The counters of the trainer's other disk failures
+(checkpoints, journal) are here too, labelled with the member id (``set_member_id``).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -43,8 +52,42 @@ DROPPED_GROUPS = Gauge("rlfleet_trainer_dropped_groups", "Groups dropped so far 
                        ["reason"])
 EVAL_SUCCESS = Gauge("rlfleet_trainer_eval_success", "Held-out success of the last evaluation")
 
+# Disk failures (docs/disk-full.md); reason: no_space (ENOSPC, EDQUOT) or io_error.
+CHECKPOINT_FAILURES = PromCounter("rlfleet_trainer_checkpoint_failures_total",
+                                  "Checkpoints not written (the previous one kept), by reason",
+                                  ["id", "reason"])
+JOURNAL_WRITE_FAILURES = PromCounter("rlfleet_trainer_journal_write_failures_total",
+                                     "Journal writes that failed (retried; nothing acked or trained "
+                                     "meanwhile), by reason", ["id", "reason"])
+JOURNAL_BLOCKED = Gauge("rlfleet_trainer_journal_blocked",
+                        "1 while the journal cannot be written: intake and training wait", ["id"])
+METRICS_LOG_FAILURES = PromCounter("rlfleet_trainer_metrics_log_failures_total",
+                                   "metrics.jsonl lines not written, by reason", ["id", "reason"])
+
+_member = {"id": ""}  # the trainer daemon's member id, the `id` label of the counters above
+
+log = logging.getLogger("rlfleet.trainer")
+
 _LEARNER_KEYS = ("ratio_mean", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr",
                  "model_step_s", "batch_tokens", "sim_lag_s")
+
+
+def set_member_id(member_id: str) -> None:
+    """Called once by the trainer daemon: the ``id`` label of the disk-failure metrics."""
+    _member["id"] = member_id
+
+
+def member_id() -> str:
+    return _member["id"]
+
+
+def io_reason(exc: BaseException) -> str:
+    """no_space when the filesystem (or the quota) is full, io_error for any other I/O error."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return "no_space"
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return "io_error"
 
 
 def batch_versions(batch: list[Any]) -> dict[str, Any]:
@@ -102,15 +145,45 @@ def step_line(*, version: int, stats: dict[str, Any], ages: Counter[int], wait_s
     }
 
 
+def append_json_line(path: Path, line: dict[str, Any]) -> None:
+    """Append one JSON line; on an OSError (a full disk) the file is cut back to where it
+    was before raising: a torn line would break every reader of the file."""
+    data = (json.dumps(line) + "\n").encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab", buffering=0) as f:
+        start = f.seek(0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[f.write(view):]
+        except OSError:
+            f.truncate(start)
+            raise
+
+
 class MetricsLog:
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.error = ""  # why the last line was not written; "" once one is again
 
     def append(self, line: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
         export(line)
+        try:
+            append_json_line(self.path, line)
+        except OSError as exc:
+            self.failed(line, exc)
+            return
+        if self.error:
+            log.info("metrics lines written to %s again", self.path, extra={"event": "metrics_log_ok"})
+            self.error = ""
+
+    def failed(self, line: dict[str, Any], exc: OSError) -> None:
+        reason = io_reason(exc)
+        METRICS_LOG_FAILURES.labels(id=member_id(), reason=reason).inc()
+        if not self.error:  # once per outage: a full disk fails every step
+            log.error("metrics line of step %s not written to %s (%s: %s); training goes on",
+                      line.get("step"), self.path, reason, exc, extra={"event": "metrics_log_error"})
+        self.error = f"{reason}: {exc}"
 
 
 def export(line: dict[str, Any]) -> None:

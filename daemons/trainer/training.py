@@ -5,6 +5,12 @@
         -> hand the version to the publisher -> metrics line -> checkpoint every N steps
         -> held-out evaluation when due
 
+A full disk (docs/disk-full.md): a journal record that cannot be written is retried
+(``until_written``) with the loop's status ``stalled: journal ...``; a step whose TRAINED
+record is not written yet is neither published nor checkpointed, nor is another batch
+taken, so a trainer stopped meanwhile resumes as if the step never ran. A checkpoint that
+fails is skipped (``checkpoint_error``) and tried again ``checkpoint_every`` versions later.
+
 A version is journaled (TRAINED) before it is published, so a restarted trainer's
 versions start above every version the relays have seen. When everything arriving
 is too stale to train, the current version is published again (``republish_if_starved``).
@@ -25,7 +31,7 @@ from rlfleet.common.spec import JobSpec
 
 from .batching import INVALID, NO_SIGNAL, STALENESS, select_groups
 from .checkpointing import Checkpointer
-from .journal import Journal
+from .journal import Journal, JournalUnwritable, until_written
 from .metrics_log import MetricsLog, batch_versions, step_line
 
 log = logging.getLogger("rlfleet.trainer")
@@ -46,6 +52,13 @@ class TrainerState:
     version: int = 0
     checkpoint_version: int = 0
     counts: Counter[str] = field(default_factory=Counter)  # intake outcomes, republishes
+    checkpoint_error: str = ""  # the last failed checkpoint's sentence; "" after one succeeds
+    journal: Journal | None = field(default=None, repr=False)  # for journal_error
+
+    @property
+    def journal_error(self) -> str:
+        """Why the journal's last write failed ("" when it succeeded): intake and training wait."""
+        return self.journal.write_error if self.journal is not None else ""
 
     def failed(self, error: str) -> None:
         self.error = error
@@ -63,12 +76,15 @@ class TrainingLoop:
         self.publisher, self.checkpointer, self.evaluator = publisher, checkpointer, evaluator
         self.metrics, self.state, self.wake = metrics, state, wake
         self._republished_at = 0.0
+        self._stop = threading.Event()  # run()'s: ends a wait for the journal
+        state.journal = journal
 
     def run(self, stop: threading.Event) -> None:
         journal, learner = self.journal, self.learner
         waited_from = time.monotonic()
         stale_since: float | None = None  # waiting, and what arrives is too stale to train
         no_signal_dropped = 0  # for the batch being gathered
+        self._stop = stop
         while not stop.is_set():
             t, g = self.spec().trainer, self.spec().task.group_size
             if learner.version >= t.max_steps:
@@ -85,14 +101,16 @@ class TrainingLoop:
                                 no_signal_budget=max(0, budget))
             no_signal_dropped += sum(1 for _, reason, _ in sel.drops if reason == NO_SIGNAL)
             if sel.drops:
-                journal.record_dropped(sel.drops)
+                if not self.journaled(lambda: journal.record_dropped(sel.drops)):
+                    return  # stopped; nothing was trained
                 for gid, reason, detail in sel.drops:
                     # no_signal drops are routine (counted in the metrics line), not news
                     log.log(logging.DEBUG if reason == NO_SIGNAL else logging.INFO,
                             "dropped group %s: %s (%s)", gid, reason, detail,
                             extra={"event": "drop", "reason": reason})
             if len(sel.groups) < t.batch_size // g:
-                self.state.status = "waiting"
+                self.state.status = f"stalled: {journal.write_error}"[:200] if journal.write_error \
+                    else "waiting"
                 if any(reason == STALENESS for _, reason, _ in sel.drops):
                     stale_since = stale_since or time.monotonic()
                     self.republish_if_starved(stale_since)
@@ -108,17 +126,25 @@ class TrainingLoop:
         try:
             stats = self.learner.train_step(batch)
         except ValueError as exc:  # the data, not the trainer: account and go on
-            self.journal.record_dropped([(gid, INVALID, str(exc)[:500]) for gid in groups])
+            if not self.journaled(lambda: self.journal.record_dropped(
+                    [(gid, INVALID, str(exc)[:500]) for gid in groups])):
+                return
             log.warning("dropped %d groups, batch refused: %s", len(groups), exc,
                         extra={"event": "drop", "reason": INVALID})
             return
-        self.journal.record_trained(self.learner.version, groups)
+        if not self.journaled(lambda: self.journal.record_trained(self.learner.version, groups)):
+            # The learner's weights hold a step the journal does not: no checkpoint on the
+            # way out (the worker's drain would write one), the next leader re-trains it.
+            raise JournalUnwritable(f"stopped before the journal could record step "
+                                    f"{self.learner.version}: {self.journal.write_error}")
         version = self.state.version = self.learner.version
         snapshot_s = self.publish()
         every = self.spec().trainer.checkpoint_every
         # Also once a checkpoint is overdue: one skipped while leadership was unconfirmed
-        # (an etcd outage, docs/failsafe.md) is written at the first step after.
-        due = version % every == 0 or version - self.state.checkpoint_version >= every
+        # (an etcd outage, docs/failsafe.md) is written at the first step after; one that
+        # failed (a full disk) is tried again `every` versions later.
+        due = version % every == 0 or (version - self.state.checkpoint_version >= every
+                                       and self.checkpointer.retry_due(version, every))
         ckpt = self.checkpoint() if due else None
         self.metrics.append(step_line(version=version, stats=stats, ages=ages, wait_s=wait_s,
                                       snapshot_s=snapshot_s, publisher=self.publisher,
@@ -150,10 +176,18 @@ class TrainingLoop:
                     "lack it", now - stale_since, self.state.version, extra={"event": "republish"})
         self.publish()
 
+    def journaled(self, write: Callable[[], object]) -> bool:
+        """``write`` a journal record, waiting while the journal cannot take it (a full
+        disk) with the status saying so; False if stopped meanwhile."""
+        def blocked(why: str) -> None:
+            self.state.status = f"stalled: {self.journal.write_error or why}"[:200]
+        return until_written(write, self._stop, on_blocked=blocked)
+
     def checkpoint(self) -> Path | None:
         path = self.checkpointer.save(self.state.version)
         if path is not None:
             self.state.checkpoint_version = self.state.version
+        self.state.checkpoint_error = self.checkpointer.error
         return path
 
     def maybe_evaluate(self) -> None:
