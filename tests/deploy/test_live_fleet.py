@@ -217,6 +217,29 @@ def test_runbook_staleness_drops_spike(fleet):
     figures["staleness_fix_to_20_steps_s"] = round(time.monotonic() - t0, 1)
 
 
+def test_runbook_trainer_disk_full(fleet):
+    """Incident: the trainer's checkpoint folder is full (a tiny tmpfs mounted over it, so
+    nothing on the real disk is touched: the open journal stays where it was). Checkpoints
+    fail with a reason in the trainer's record and a metric; training goes on; once space
+    is back (the mount gone) the next checkpoint succeeds and the error clears."""
+    folder = f"{RUN_DIR}/checkpoints"
+    J.host_sh("h1", f"mount -t tmpfs -o size=64k,mode=0777 rlfleet-full {folder}")
+    try:
+        error = wait_for("a failed checkpoint in the trainer's record", lambda: J.trainer().get("checkpoint_error"),
+                         timeout_s=240, every_s=2)
+        figures["disk_full_checkpoint_error"] = error[:200]
+        wait_for("Prometheus to count it", lambda: J.prom("sum(rlfleet_trainer_checkpoint_failures_total)") > 0,
+                 timeout_s=90, every_s=3)
+        J.advances(10, 180, "with the checkpoint folder full")
+    finally:
+        J.host_sh("h1", f"umount {folder}", check=False)
+    t0 = time.monotonic()
+    last = int(J.trainer().get("checkpoint_version") or 0)
+    wait_for("a new checkpoint and the error cleared", lambda: not (t := J.trainer()).get("checkpoint_error")
+             and int(t.get("checkpoint_version") or 0) > last and t, timeout_s=240, every_s=2)
+    figures["disk_freed_to_checkpoint_s"] = round(time.monotonic() - t0, 1)
+
+
 def test_runbook_etcd_quorum_lost(fleet):
     """Incident: two of three etcd members down. Daemons keep their local work (degraded);
     the trainer keeps training in failsafe without publishing. Starting the members
