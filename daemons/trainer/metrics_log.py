@@ -42,6 +42,8 @@ WAIT_SECONDS = Gauge("rlfleet_trainer_wait_seconds", "Time the last step waited 
 DROPPED_GROUPS = Gauge("rlfleet_trainer_dropped_groups", "Groups dropped so far in the job, by reason",
                        ["reason"])
 EVAL_SUCCESS = Gauge("rlfleet_trainer_eval_success", "Held-out success of the last evaluation")
+PAUSED = Gauge("rlfleet_trainer_paused",
+               "1 while the trainer holds at a step boundary, checkpointed (`rlfleet pause`)")
 
 _LEARNER_KEYS = ("ratio_mean", "clip_frac", "approx_kl", "entropy", "grad_norm", "lr",
                  "model_step_s", "batch_tokens", "sim_lag_s")

@@ -5,6 +5,11 @@
         -> hand the version to the publisher -> metrics line -> checkpoint every N steps
         -> held-out evaluation when due
 
+Paused (`rlfleet pause`, docs/maintenance-mode.md): checked at the top of each pass,
+i.e. at a step boundary: the step in progress has finished; the last version is
+checkpointed, and no batch is taken until resumed. The intake goes on journaling and
+acknowledging what arrives (nothing is lost); it waits, pending, for the resume.
+
 A version is journaled (TRAINED) before it is published, so a restarted trainer's
 versions start above every version the relays have seen. When everything arriving
 is too stale to train, the current version is published again (``republish_if_starved``).
@@ -26,7 +31,7 @@ from rlfleet.common.spec import JobSpec
 from .batching import INVALID, NO_SIGNAL, STALENESS, select_groups
 from .checkpointing import Checkpointer
 from .journal import Journal
-from .metrics_log import MetricsLog, batch_versions, step_line
+from .metrics_log import PAUSED, MetricsLog, batch_versions, step_line
 
 log = logging.getLogger("rlfleet.trainer")
 
@@ -38,13 +43,16 @@ class TrainerState:
     """What the member record shows (``training`` status, versions) and the logs count.
 
     ``status``: starting, resuming, waiting (for complete groups), training, done
-    (max_steps reached: still receiving and journaling, not training), stopped, or
-    error: <why>. Written by the trainer's threads, read by the daemon's cycle."""
+    (max_steps reached: still receiving and journaling, not training), pausing
+    (paused, its checkpoint not written yet), paused, stopped, or error: <why>.
+    ``paused``: held at a step boundary with the current version checkpointed.
+    Written by the trainer's threads, read by the daemon's cycle."""
 
     status: str = "starting"
     error: str = ""
     version: int = 0
     checkpoint_version: int = 0
+    paused: bool = False
     counts: Counter[str] = field(default_factory=Counter)  # intake outcomes, republishes
 
     def failed(self, error: str) -> None:
@@ -55,13 +63,16 @@ class TrainerState:
 class TrainingLoop:
     def __init__(self, *, spec: Callable[[], JobSpec], journal: Journal, learner: Any,
                  publisher: Any, checkpointer: Checkpointer, evaluator: Any,
-                 metrics: MetricsLog, state: TrainerState, wake: threading.Event) -> None:
+                 metrics: MetricsLog, state: TrainerState, wake: threading.Event,
+                 pause: threading.Event | None = None) -> None:
         """``spec`` is asked each pass (a SIGHUP reload applies at the next step);
         ``publisher``: an AsyncPublisher or None; ``evaluator``: an Evaluator or None;
-        ``wake`` is set by the intake when new trajectories were journaled."""
+        ``wake`` is set by the intake when new trajectories were journaled (and when the
+        pause is lifted); ``pause``: set while the job is paused."""
         self.spec, self.journal, self.learner = spec, journal, learner
         self.publisher, self.checkpointer, self.evaluator = publisher, checkpointer, evaluator
         self.metrics, self.state, self.wake = metrics, state, wake
+        self.pause = pause if pause is not None else threading.Event()
         self._republished_at = 0.0
 
     def run(self, stop: threading.Event) -> None:
@@ -70,6 +81,12 @@ class TrainingLoop:
         stale_since: float | None = None  # waiting, and what arrives is too stale to train
         no_signal_dropped = 0  # for the batch being gathered
         while not stop.is_set():
+            if self.pause.is_set():
+                self.hold()
+                continue
+            if self.state.paused:
+                self.resume()
+                waited_from, stale_since = time.monotonic(), None  # the pause is no wait for data
             t, g = self.spec().trainer, self.spec().task.group_size
             if learner.version >= t.max_steps:
                 if self.state.status != "done":
@@ -127,6 +144,27 @@ class TrainingLoop:
         log.info("step %d: loss %.4f reward %.3f, %d tokens in %.2f s", version, stats["loss"],
                  stats["reward_mean"], stats["tokens"], stats["step_s"], extra={"event": "step"})
         self.maybe_evaluate()
+
+    def hold(self) -> None:
+        """One pass while paused, at a step boundary: checkpoint the current version if the
+        last checkpoint is older (retried each pass while leadership is unconfirmed), then
+        report paused; take no batch. What arrives meanwhile stays pending in the journal."""
+        if self.state.version > self.state.checkpoint_version:
+            self.state.status = "pausing"
+            self.checkpoint()
+        if not self.state.paused and self.state.version <= self.state.checkpoint_version:
+            self.state.paused, self.state.status = True, "paused"
+            PAUSED.set(1)
+            log.info("paused at version %d (checkpoint version %d); %d groups pending", self.state.version,
+                     self.state.checkpoint_version, len(self.journal.state.pending), extra={"event": "paused"})
+        self.wake.wait(0.5)
+        self.wake.clear()
+
+    def resume(self) -> None:
+        self.state.paused = False
+        PAUSED.set(0)
+        log.info("resumed at version %d; %d groups pending", self.state.version,
+                 len(self.journal.state.pending), extra={"event": "resumed"})
 
     def publish(self) -> float:
         """Hand a snapshot to the publisher thread; returns the trainer's stall (the copy)."""
