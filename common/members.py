@@ -24,7 +24,7 @@ MEMBER_FIELDS = frozenset({"id", "role", "host", "pid", "state", "leader", "leas
 ROLE_FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = MappingProxyType({
     "relay": {"shm_dir": (str,), "transport": (str,), "newest": (int,), "newest_at": (int, float),
               "versions": (list,), "successor": (str,), "master": (bool,)},
-    "trainer": {"training": (str,), "version": (int,), "checkpoint_version": (int,)},
+    "trainer": {"training": (str,), "version": (int,), "checkpoint_version": (int,), "paused": (bool,)},
     "rollout": {"weight_version": (int,)},
     "env-host": {"in_flight": (int,), "claimed": (int,), "done": (int,), "claim_limit": (int,), "error": (str,)},
     "reward-host": {"in_flight": (int,), "scored": (int,), "reward_errors": (int,)},

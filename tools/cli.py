@@ -206,8 +206,8 @@ def status(job: str | None, etcd: str, output: str) -> None:
     as wide as their contents, so ids, addresses and problems are never cut."""
     from rlfleet.common.keys import JobKeys
     from rlfleet.common.store import StoreUnavailable
-    from rlfleet.tools.fleet_view import (etcdctl_equivalent, members_table, nodes_table, report_console,
-                                          take_snapshot)
+    from rlfleet.tools.fleet_view import (etcdctl_equivalent, members_table, nodes_table, paused_banner,
+                                          report_console, take_snapshot)
 
     store = _store(etcd)
     try:
@@ -225,6 +225,8 @@ def status(job: str | None, etcd: str, output: str) -> None:
         click.echo(json.dumps({**snap.to_json(), "relay": relay, "problems": problems}, indent=2, default=str))
         sys.exit(1 if problems else 0)
     console = report_console()
+    if banner := paused_banner(snap.cluster.state if snap.cluster is not None else None):
+        console.print(banner)
     console.print(members_table(snap))
     console.print(nodes_table(snap))
     console.print(chain_table(relay))
@@ -346,6 +348,10 @@ def submit(spec_file: str, etcd: str) -> None:
         _fail_unreachable(exc, etcd)
     click.echo(f"submitted {spec_file} to {key}")
 
+
+from rlfleet.tools.pause_cmd import pause, resume  # noqa: E402 — `rlfleet pause` / `resume`
+main.add_command(pause)
+main.add_command(resume)
 
 if __name__ == "__main__":
     main()
