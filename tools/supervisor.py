@@ -17,8 +17,9 @@ that dies is restarted with backoff; one whose registration expired while its
 process still exists (stopped, or its loop stalled) is killed and restarted.
 While the job is paused (`rlfleet pause`, docs/maintenance-mode.md) it observes only,
 like any agent: nothing is started, restarted, stopped or replaced, and the paused
-time does not count toward max_idle_s. The run owns the job through `/rlfleet/<job>/owner` (tools/job_owner.py): a
-second run of a live job is refused (exit 8) unless `--take-over`.
+time does not count toward max_idle_s. The run owns the job through
+`/rlfleet/<job>/owner` (tools/job_owner.py): a second run of a live job is refused
+(exit 8) unless `--take-over`.
 Ctrl-C stops the daemons (SIGTERM, then SIGKILL after a grace period) and etcd
 last. The run ends with the accounting check, the plots, the end summary and
 an `Outcome`: the exit code (tools/exit_codes.py) and its one-line reason.
