@@ -36,6 +36,7 @@ from .metrics_log import PAUSED, MetricsLog, batch_versions, step_line
 log = logging.getLogger("rlfleet.trainer")
 
 REPUBLISH_AFTER_S = 5.0  # of only-stale arrivals before the current version is pushed again
+PAUSE_CHECKPOINT_RETRY_S = 5.0  # paused, its checkpoint refused (leadership unconfirmed): try again after
 
 
 @dataclass
@@ -74,6 +75,7 @@ class TrainingLoop:
         self.metrics, self.state, self.wake = metrics, state, wake
         self.pause = pause if pause is not None else threading.Event()
         self._republished_at = 0.0
+        self._pause_checkpoint_at = 0.0  # the last checkpoint attempt while paused
 
     def run(self, stop: threading.Event) -> None:
         journal, learner = self.journal, self.learner
@@ -87,6 +89,7 @@ class TrainingLoop:
             if self.state.paused:
                 self.resume()
                 waited_from, stale_since = time.monotonic(), None  # the pause is no wait for data
+            self._pause_checkpoint_at = 0.0  # (lifted before it held: the next pause checkpoints at once)
             t, g = self.spec().trainer, self.spec().task.group_size
             if learner.version >= t.max_steps:
                 if self.state.status != "done":
@@ -147,9 +150,13 @@ class TrainingLoop:
 
     def hold(self) -> None:
         """One pass while paused, at a step boundary: checkpoint the current version if the
-        last checkpoint is older (retried each pass while leadership is unconfirmed), then
+        last checkpoint is older (retried every PAUSE_CHECKPOINT_RETRY_S while leadership is
+        unconfirmed: an etcd outage, docs/failsafe.md), then
         report paused; take no batch. What arrives meanwhile stays pending in the journal."""
-        if self.state.version > self.state.checkpoint_version:
+        now = time.monotonic()
+        if (self.state.version > self.state.checkpoint_version
+                and now - self._pause_checkpoint_at >= PAUSE_CHECKPOINT_RETRY_S):
+            self._pause_checkpoint_at = now
             self.state.status = "pausing"
             self.checkpoint()
         if not self.state.paused and self.state.version <= self.state.checkpoint_version:
