@@ -24,7 +24,7 @@ MEMBER_FIELDS = frozenset({"id", "role", "host", "pid", "state", "leader", "leas
 ROLE_FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = MappingProxyType({
     "relay": {"shm_dir": (str,), "transport": (str,), "newest": (int,), "newest_at": (int, float),
               "versions": (list,), "successor": (str,), "master": (bool,)},
-    "trainer": {"training": (str,), "version": (int,), "checkpoint_version": (int,),
+    "trainer": {"training": (str,), "version": (int,), "checkpoint_version": (int,), "paused": (bool,),
                 "checkpoint_error": (str,), "journal_error": (str,)},  # the last two: docs/disk-full.md
     "rollout": {"weight_version": (int,), "first_result_at": (int, float)},
     "resource-manager": {"waiting_hosts": (dict,)},
@@ -208,7 +208,7 @@ class NodeDaemon:
 
     id: str
     role: str = ""
-    state: str = ""        # running | waiting (to be restarted) | stopping
+    state: str = ""        # running | waiting (to be restarted) | held (down while paused) | stopping
     restarts: int = 0
     last_exit: str = ""
     failing: bool = False  # it keeps dying: N deaths within the agent's window
@@ -236,6 +236,7 @@ class Node:
     labels: Mapping[str, str] = _no_fields()
     agent: Mapping[str, Any] = _no_fields()  # pid, boot_id, pid_start, backend, metrics
     daemons: tuple[NodeDaemon, ...] = ()
+    paused: bool = False  # its agent saw the job paused: it observes only
 
     @classmethod
     def parse(cls, host: str, value: Any) -> Node:
@@ -252,11 +253,11 @@ class Node:
             daemons.append(NodeDaemon(str(member_id), df.str("role"), df.str("state"), df.int("restarts"),
                                       df.str("last_exit"), df.bool("failing")))
             f.problems += df.problems
-        agent, labels = f.value.get("agent"), f.str_map("labels")
+        agent, labels, paused = f.value.get("agent"), f.str_map("labels"), f.bool("paused")
         inventory = (f.int("cpus_logical"), f.int("cpus_physical"), f.int("memory_bytes"),
                      f.int("memory_available_bytes"), tuple(gpus), f.float("boot_time"), f.float("seen"))
         return cls(host, *inventory, f.problem, labels,  # the problem once every field was read
-                   MappingProxyType(dict(agent) if isinstance(agent, Mapping) else {}), tuple(daemons))
+                   MappingProxyType(dict(agent) if isinstance(agent, Mapping) else {}), tuple(daemons), paused)
 
     @classmethod
     def from_kv(cls, keys: JobKeys, kv: KeyValue) -> Node:
@@ -272,7 +273,8 @@ class Node:
                 "memory_bytes": self.memory_bytes, "memory_available_bytes": self.memory_available_bytes,
                 "gpus": [{"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes} for g in self.gpus],
                 "boot_time": self.boot_time, "seen": self.seen, "labels": dict(self.labels),
-                "agent": thaw(self.agent), "daemons": {d.id: d.to_value() for d in self.daemons}}
+                "agent": thaw(self.agent), "daemons": {d.id: d.to_value() for d in self.daemons},
+                **({"paused": True} if self.paused else {})}
 
 
 @dataclass(frozen=True, order=True)

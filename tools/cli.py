@@ -206,8 +206,8 @@ def status(job: str | None, etcd: str, output: str) -> None:
     as wide as their contents, so ids, addresses and problems are never cut."""
     from rlfleet.common.keys import JobKeys
     from rlfleet.common.store import StoreUnavailable
-    from rlfleet.tools.fleet_view import (etcdctl_equivalent, members_table, nodes_table, report_console,
-                                          take_snapshot)
+    from rlfleet.tools.fleet_view import (etcdctl_equivalent, members_table, nodes_table, paused_banner,
+                                          report_console, take_snapshot)
 
     store = _store(etcd)
     try:
@@ -225,6 +225,8 @@ def status(job: str | None, etcd: str, output: str) -> None:
         click.echo(json.dumps({**snap.to_json(), "relay": relay, "problems": problems}, indent=2, default=str))
         sys.exit(1 if problems else 0)
     console = report_console()
+    if banner := paused_banner(snap.cluster.state if snap.cluster is not None else None):
+        console.print(banner)
     console.print(members_table(snap))
     console.print(nodes_table(snap))
     console.print(chain_table(relay))
@@ -350,10 +352,13 @@ def submit(spec_file: str, etcd: str) -> None:
 # -- operating a live job (docs/operations.md): each group is its own module ----------------
 from rlfleet.tools.etcd_cmd import etcd_group  # noqa: E402  (docs/etcd-maintenance.md)
 from rlfleet.tools.node_cmd import node  # noqa: E402
+from rlfleet.tools.pause_cmd import pause, resume  # noqa: E402  (docs/maintenance-mode.md)
 from rlfleet.tools.switchover_cmd import switchover  # noqa: E402  (docs/switchover.md)
 
 main.add_command(node)
 main.add_command(switchover)
+main.add_command(pause)
+main.add_command(resume)
 main.add_command(etcd_group)
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ each lease is read too (one request per lease, not per member), and a lease not
 refreshed for over half its TTL means a main loop that stalled. Members bound
 to the lease of a dead one (a sim host's rollouts) are dead with it.
 
+A paused job (`rlfleet pause`) is said first, in one banner line (`paused_banner`).
+
 Nodes are the hosts' agents' records (docs/agent.md): a placed daemon its agent
 reports `failing` (it keeps dying) is a problem, and so is an agent whose
 process on this machine is gone.
@@ -24,10 +26,13 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from rlfleet.common import members as registrations
 from rlfleet.common.cluster import Cluster
 from rlfleet.common.keys import NODES
+from rlfleet.common.operations import JobState
+from rlfleet.common.pause import describe
 from rlfleet.common.procs import ProcessId
 from rlfleet.common.spec import ROLES, SINGLETON_ROLES
 from rlfleet.common.store import Store
@@ -79,6 +84,7 @@ class FleetSnapshot:
             "nodes": self.nodes,
             "placement": [{"host": h, "role": r, "id": i} for h, r, i in self.placed],
             "problems": self.problems,
+            "state": _state_json(self.cluster.state if self.cluster is not None else None),
         }
 
 
@@ -214,6 +220,18 @@ def nodes_table(snap: FleetSnapshot) -> Table:
             daemons = f"{len(node.daemons)} daemons" + (f", [red]failing: {' '.join(failing)}[/red]" if failing else "")
         table.add_row(host, str(inv.get("cpus_logical", "?")), f"{mem:.1f} GiB", gpus, labels, agent, daemons)
     return table
+
+
+def _state_json(state: JobState | None) -> dict[str, Any]:
+    return state.to_value() if state is not None else {"state": "running"}
+
+
+def paused_banner(state: JobState | None) -> Text | None:
+    """The first line of `rlfleet status` and of `rlfleet run`'s live view while paused."""
+    if state is None or not state.paused:
+        return None
+    return Text(f"{describe(state).replace('job paused', 'PAUSED', 1)} — `rlfleet resume` to continue",
+                style="bold yellow")
 
 
 def report_console() -> Console:

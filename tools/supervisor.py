@@ -15,8 +15,11 @@ a daemon that keeps dying (`give_up`: N deaths within a window), no new
 training step for `max_idle_s`, and another run taking the job over. A daemon
 that dies is restarted with backoff; one whose registration expired while its
 process still exists (stopped, or its loop stalled) is killed and restarted.
-The run owns the job through `/rlfleet/<job>/owner` (tools/job_owner.py): a
-second run of a live job is refused (exit 8) unless `--take-over`.
+While the job is paused (`rlfleet pause`, docs/maintenance-mode.md) it observes only,
+like any agent: nothing is started, restarted, stopped or replaced, and the paused
+time does not count toward max_idle_s. The run owns the job through
+`/rlfleet/<job>/owner` (tools/job_owner.py): a second run of a live job is refused
+(exit 8) unless `--take-over`.
 Ctrl-C stops the daemons (SIGTERM, then SIGKILL after a grace period) and etcd
 last. The run ends with the accounting check, the plots, the end summary and
 an `Outcome`: the exit code (tools/exit_codes.py) and its one-line reason.
@@ -47,6 +50,7 @@ from rlfleet.common.etcd_auth import EtcdCredentials
 from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.members import members_from, placements_from
+from rlfleet.common.pause import PauseWatch
 from rlfleet.common.placement import Placed, placement_from_spec
 from rlfleet.common.procs import ProcessId
 from rlfleet.common.security import JOB_SECRET_ENV
@@ -61,9 +65,10 @@ from rlfleet.daemons.agent.reconciler import Event, Reconciler
 from rlfleet.tools.credentials import RunCredentials
 from rlfleet.tools.etcd_local import EtcdCluster
 from rlfleet.tools.exit_codes import Exit, Outcome
-from rlfleet.tools.fleet_view import members_table, nodes_table, take_snapshot
+from rlfleet.tools.fleet_view import members_table, nodes_table, paused_banner, take_snapshot
 from rlfleet.tools.job_owner import JobOwned, JobOwner, RegistrationCheck
 from rlfleet.tools.report import MetricsTail, RunMetrics, plot, summary
+from rlfleet.tools.run_layout import new_run_dir, torch_threads
 from rlfleet.tools.run_summary import end_summary, eval_line, progress_line
 
 log = logging.getLogger("rlfleet.supervisor")
@@ -71,30 +76,8 @@ log = logging.getLogger("rlfleet.supervisor")
 MAX_IDLE_S = 300.0          # no training step for this long ends the run (--max-idle-s; 0: never)
 PROGRESS_EVERY_S = 5.0      # plain mode: a progress line this often while steps advance
 STOP_GRACE_S = 10.0
-TORCH_ROLES = ("trainer", "rollout")  # the processes that compute; they share the cores
 CPU_SAMPLE_S = 1.0          # how often each daemon's CPU time is read (what a kill -9 loses)
 PLACEMENT_READ_S = 0.5      # how often placement/ is read (and nodes/<host> rewritten if changed)
-
-
-def torch_threads(placed: list[Placed], host: str) -> int:
-    """Threads per torch process so the processes on one machine do not oversubscribe its cores."""
-    n = sum(1 for p in placed if p.host == host and p.role in TORCH_ROLES)
-    return max(1, (os.cpu_count() or 1) // max(1, n))
-
-
-def new_run_dir(base: Path) -> Path:
-    """base/<YYYYmmdd-HHMMSS>, created here and by no one else: mkdir without exist_ok
-    is atomic, so two runs started in the same second get <stamp> and <stamp>-2."""
-    base.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for n in range(1, 1000):
-        path = base / (stamp if n == 1 else f"{stamp}-{n}")
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"{base}: 999 runs started in second {stamp}")
 
 
 class Supervisor:
@@ -137,6 +120,7 @@ class Supervisor:
         self.owner: JobOwner | None = None  # this run's hold on /rlfleet/<job>/owner
         self.registrations: RegistrationCheck | None = None
         self._claimed = ""  # how this run came to own the job, as a sentence
+        self.job_state: PauseWatch | None = None  # `state`, read with placement/ (kept through an outage)
 
     # -- set-up ------------------------------------------------------------------
     def start_etcd(self) -> str:
@@ -205,6 +189,7 @@ class Supervisor:
             store.close()
             raise
         self.registrations = RegistrationCheck(store, keys, self.spec.etcd.lease_ttl_s)
+        self.job_state = PauseWatch(store, keys)
         self._claimed = claimed  # noted once the run's event log exists
         return store
 
@@ -240,6 +225,8 @@ class Supervisor:
                                    if p.host in self.hosts]
             except StoreUnavailable:
                 pass
+            if said := self.job_state.read():
+                self.note(said + (": starting and stopping nothing" if self.paused else ""))
             self.publish_nodes(store)
         return sorted(set(policy.bootstrap(self.placed, self.hosts)) | set(self._placement))
 
@@ -261,7 +248,7 @@ class Supervisor:
         keys = JobKeys(self.spec.job.name)
         for host in sorted(self.hosts):
             value = policy.node_value({**self._inventory, "host": host}, labels, agent,
-                                      self.agent.report(time.monotonic(), host))
+                                      self.agent.report(time.monotonic(), host), self.paused)
             if self._nodes.get(host) == (lease.id, value):
                 continue
             try:
@@ -282,7 +269,7 @@ class Supervisor:
         """One reconcile step: start what is placed and due, reap what died, stop what is
         no longer placed; an Outcome when a daemon keeps dying (and --give-up-after)."""
         outcome = None
-        for event in self.agent.step(self.desired(store), time.monotonic()):
+        for event in self.agent.step(self.desired(store), time.monotonic(), self.paused):
             if event.kind == "started" and not event.restarts:
                 continue  # the first start of each daemon is no news
             if event.kind != "crash_loop":
@@ -302,6 +289,10 @@ class Supervisor:
                        f"gave up: {event.name} died {event.deaths} times in {event.span_s:.0f} s "
                        f"(last: {event.exit}); see {log_path}")
 
+    @property
+    def paused(self) -> bool:
+        return self.job_state is not None and self.job_state.paused
+
     def restarts(self) -> dict[str, int]:
         return {t.name: t.restarts for t in self.agent.tracked.values()} if self.agent is not None else {}
 
@@ -312,7 +303,7 @@ class Supervisor:
         new_steps, new_evals = self.metrics.poll()
         now = time.monotonic()
         m = self.metrics.metrics
-        if new_steps:
+        if new_steps or self.paused:  # a paused job makes no progress on purpose
             last_step_at = now
         for index in range(len(m.evals) - new_evals, len(m.evals)):
             self.note(eval_line(m, index))
@@ -336,7 +327,8 @@ class Supervisor:
             snap = take_snapshot(store, self.spec.job.name)
         except StoreUnavailable as exc:
             return Group(Text(f"etcd {endpoints} unreachable: {exc}", style="red"), *self._events_text())
-        parts = [self._progress_text(), members_table(snap, restarts), nodes_table(snap)]
+        banner = paused_banner(snap.cluster.state if snap.cluster is not None else None)
+        parts = [*([banner] if banner else []), self._progress_text(), members_table(snap, restarts), nodes_table(snap)]
         if snap.problems:
             parts.append(Text("problems: " + "; ".join(snap.problems), style="yellow"))
         parts.append(Text(f"etcd {endpoints}   run dir {self.run_dir}   Ctrl-C stops everything", style="dim"))
@@ -500,7 +492,10 @@ class Supervisor:
 
     def replace_stalled(self) -> None:
         """SIGKILL a child whose registration expired while its process still exists (stopped,
-        or its main loop stalled past the TTL): reaped and restarted like any dead child."""
+        or its main loop stalled past the TTL): reaped and restarted like any dead child.
+        Not while paused: an operator may have stopped it for maintenance."""
+        if self.paused:
+            return
         running = [(p.role, p.member_id, pid) for p in self.agent.running()
                    if (pid := self.backend.pid(p.member_id)) is not None]
         try:

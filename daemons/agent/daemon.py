@@ -6,8 +6,10 @@ out) with the machine's inventory, its labels and a report of every daemon it
 runs; starts the spec's resource-managers of its host itself (the bootstrap:
 everything else is placed through them); and each cycle reads
 `placement/<host>/` and reconciles it with what runs through its backend
-(reconciler.py). It serves `/metrics` and `/targets` (http.py) on
---metrics-port. Its member key is `members/agent/<host>`; "agent" is no job
+(reconciler.py). While the job is paused (`state`, read once per cycle: one Range)
+it observes only: deaths are recorded and reported in `nodes/<host>` (with
+`paused: true`), nothing is started or stopped (docs/maintenance-mode.md). It
+serves `/metrics` and `/targets` (http.py) on --metrics-port. Its member key is `members/agent/<host>`; "agent" is no job
 role, so no spec places one.
 """
 
@@ -21,6 +23,7 @@ from typing import Any
 
 from rlfleet.common.daemon import Daemon, DaemonOptions
 from rlfleet.common.members import members_from, placements_from
+from rlfleet.common.pause import PauseWatch
 from rlfleet.common.placement import Placed, placement_from_spec
 from rlfleet.common.procs import ProcessId
 from rlfleet.common.store import Store, StoreUnavailable
@@ -67,6 +70,7 @@ class Agent(Daemon):
         self._placed: list[Placed] = []  # the last placement read (kept through an etcd outage)
         self._targets: list[dict] = []
         self._node: dict[str, Any] | None = None
+        self._job_state = PauseWatch(store, self.keys)  # an etcd outage keeps the last state read
 
     @property
     def host(self) -> str:
@@ -90,14 +94,17 @@ class Agent(Daemon):
 
     def cycle(self) -> str | None:
         assert self.reconciler is not None
-        events = self.reconciler.step(self.desired(), time.monotonic())
+        changed = self._job_state.read()
+        if changed:
+            changed += ": observing only" if self._job_state.paused else ": acting on placement again"
+        events = self.reconciler.step(self.desired(), time.monotonic(), self._job_state.paused)
         for event in events:
             if event.kind == "crash_loop":
                 log.warning(event.sentence(), extra={"event": "failing"})
         self.publish_node()
         if self.cycles % TARGETS_EVERY_CYCLES == 0:
             self.read_targets()
-        return "; ".join(e.sentence() for e in events) or None
+        return "; ".join([*([changed] if changed else []), *(e.sentence() for e in events)]) or None
 
     def drain(self) -> str | None:
         return self.backend.release(STOP_GRACE_S, log.warning) if self.backend is not None else None
@@ -121,7 +128,7 @@ class Agent(Daemon):
         assert self.session is not None and self.reconciler is not None
         agent = {**ProcessId.current().to_fields(), "backend": self.backend_kind, "metrics": self.metrics_url}
         value = policy.node_value(self.inventory, self.labels, agent,
-                                  self.reconciler.report(time.monotonic(), self.host))
+                                  self.reconciler.report(time.monotonic(), self.host), self._job_state.paused)
         if value != self._node:
             self._node = value
             self.session.put_lease_bound(self.keys.node(self.host), value)

@@ -2,7 +2,8 @@
 
 Pure code over plain values and a clock the caller passes in: which placed daemons
 to start and which to stop, the backoff after a death, and when a daemon counts as
-crash-looping (`failing`). The backends (process.py, systemd.py) and the
+crash-looping (`failing`), and that a paused job (`rlfleet pause`) is observed only:
+nothing is started or stopped until it is resumed (docs/maintenance-mode.md). The backends (process.py, systemd.py) and the
 reconciler (reconciler.py) do the I/O.
 """
 
@@ -53,10 +54,14 @@ class Plan:
     stop: tuple[Placed, ...] = ()
 
 
-def plan(desired: Iterable[Placed], tracked: dict[str, Tracked], now: float) -> Plan:
+def plan(desired: Iterable[Placed], tracked: dict[str, Tracked], now: float, paused: bool = False) -> Plan:
     """Start what is placed and not running (once its backoff has passed), stop what
     runs and is no longer placed. A member id placed under another role or host than
-    the one running is stopped first and started once the old one is gone."""
+    the one running is stopped first and started once the old one is gone.
+    Paused: nothing either way. A daemon that died, or that an operator stopped for
+    maintenance, stays down until the resume; one no longer placed keeps running."""
+    if paused:
+        return Plan()
     want = {p.member_id: p for p in desired}
     start = [p for mid, p in sorted(want.items())
              if (t := tracked.get(mid)) is None
@@ -104,9 +109,10 @@ def exit_description(code: int) -> str:
     return f"signal {-code}" if code < 0 else f"exit code {code}"
 
 
-def daemon_report(t: Tracked, crash_loop: CrashLoop, now: float) -> dict[str, Any]:
-    """The `daemons.<id>` entry of the node record (docs/agent.md)."""
-    state = "stopping" if t.stopping else "running" if t.active else "waiting"
+def daemon_report(t: Tracked, crash_loop: CrashLoop, now: float, paused: bool = False) -> dict[str, Any]:
+    """The `daemons.<id>` entry of the node record (docs/agent.md); `held`: down, and not
+    started again while the job is paused."""
+    state = "stopping" if t.stopping else "running" if t.active else "held" if paused else "waiting"
     return {"role": t.placed.role, "state": state, "restarts": t.restarts, "last_exit": t.last_exit,
             "failing": crash_loop_span(t, crash_loop, now) is not None}
 
@@ -138,7 +144,9 @@ def parse_labels(text: str) -> dict[str, str]:
 
 
 def node_value(inventory: dict[str, Any], labels: dict[str, str], agent: dict[str, Any],
-               daemons: dict[str, dict[str, Any]]) -> dict[str, Any]:
+               daemons: dict[str, dict[str, Any]], paused: bool = False) -> dict[str, Any]:
     """`nodes/<host>`: the machine's inventory, its labels, who acts for it (the agent's
-    process identity, backend and endpoint) and what it runs there (docs/agent.md)."""
-    return {**inventory, "labels": dict(labels), "agent": dict(agent), "daemons": daemons}
+    process identity, backend and endpoint) and what it runs there (docs/agent.md);
+    `paused: true` while its agent observes only (`rlfleet pause` waits for it)."""
+    return {**inventory, "labels": dict(labels), "agent": dict(agent), "daemons": daemons,
+            **({"paused": True} if paused else {})}

@@ -4,7 +4,9 @@ Shared by the agent daemon (daemon.py) and the single-machine supervisor
 (tools/supervisor.py), so `rlfleet run` and a cluster host act on placement the
 same way. Decisions come from policy.py; this module only observes, starts and
 stops through the backend and says what happened as `Event`s, which each caller
-words its own way (the supervisor's event lines, the agent's log).
+words its own way (the supervisor's event lines, the agent's log). While the job is
+paused it observes only: deaths are recorded and reported, nothing is started or
+stopped (docs/maintenance-mode.md).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Event:
     backoff_s: float = 0.0
     deaths: int = 0    # crash_loop: how many deaths ...
     span_s: float = 0.0  # ... within this many seconds
+    held: bool = False   # died while the job is paused: not restarted until the resume
 
     @property
     def name(self) -> str:
@@ -38,6 +41,8 @@ class Event:
             return (f"restarted {self.name} (restart #{self.restarts}, {self.how})" if self.restarts
                     else f"started {self.name} ({self.how})")
         if self.kind == "died":
+            if self.held:
+                return f"{self.name} died ({self.exit}); paused: the agent starts nothing until `rlfleet resume`"
             return f"{self.name} died ({self.exit}); restarting in {self.backoff_s:.1f}s"
         if self.kind == "crash_loop":
             return f"{self.name} keeps dying: {self.deaths} deaths in {self.span_s:.0f}s (failing)"
@@ -52,6 +57,7 @@ class Reconciler:
     def __init__(self, backend: Backend, crash_loop: CrashLoop = CrashLoop()) -> None:
         self.backend, self.crash_loop = backend, crash_loop
         self.tracked: dict[str, Tracked] = {}
+        self.paused = False  # as of the last step
 
     def adopt(self, hosts: Iterable[str], now: float) -> list[Event]:
         """Take over what the backend runs already (units that outlived an agent restart):
@@ -60,10 +66,12 @@ class Reconciler:
             self.tracked.setdefault(placed.member_id, Tracked(placed, active=True, started_at=now))
         return []
 
-    def step(self, desired: Iterable[Placed], now: float) -> list[Event]:
+    def step(self, desired: Iterable[Placed], now: float, paused: bool = False) -> list[Event]:
+        """``paused``: the job is paused; observe only."""
+        self.paused = paused
         want = {p.member_id: p for p in desired if policy.placeable(p.role)}
         events = self._observe(want, now)
-        decided = policy.plan(want.values(), self.tracked, now)
+        decided = policy.plan(want.values(), self.tracked, now, paused)
         for placed in decided.stop:
             try:
                 self.backend.stop(placed)
@@ -116,7 +124,7 @@ class Reconciler:
 
     def _died(self, t: Tracked, exit: str, now: float) -> list[Event]:
         wait = policy.died(t, exit, now, self.crash_loop)
-        events = [Event("died", t.placed, t.restarts, exit=exit, backoff_s=wait)]
+        events = [Event("died", t.placed, t.restarts, exit=exit, backoff_s=wait, held=self.paused)]
         span = policy.crash_loop_span(t, self.crash_loop, now)
         if span is not None:
             events.append(Event("crash_loop", t.placed, t.restarts, exit=exit,
@@ -125,7 +133,8 @@ class Reconciler:
 
     def report(self, now: float, host: str | None = None) -> dict[str, dict[str, Any]]:
         """The node record's `daemons` field (of one host, or all)."""
-        return {mid: policy.daemon_report(t, self.crash_loop, now) for mid, t in sorted(self.tracked.items())
+        return {mid: policy.daemon_report(t, self.crash_loop, now, self.paused)
+                for mid, t in sorted(self.tracked.items())
                 if host is None or t.placed.host == host}
 
     def running(self) -> list[Placed]:

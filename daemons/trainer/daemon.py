@@ -22,8 +22,12 @@ journal. The journal's lock fences the files: a new leader cannot open the journ
 while a failsafe leader still holds it, so the failsafe ends after FAILSAFE_MAX_S.
 
 Member record fields: ``training`` (standby, starting, resuming, waiting,
-training, done, stopped, error: <why>), and while leading ``version`` and
-``checkpoint_version``. A failed start (bad model folder, journal held by
+training, done, pausing, paused, stopped, error: <why>), and while leading ``version``,
+``checkpoint_version`` and ``paused`` (held at a step boundary, checkpointed).
+
+Maintenance mode (docs/maintenance-mode.md): the leader reads the job's `state` once
+per cycle (one Range) and hands it to its worker, which holds at the next step
+boundary; an etcd outage keeps the last state read. A failed start (bad model folder, journal held by
 another process) is retried with back-off; the daemon itself stays up.
 
 The work itself is in worker.py (the threads, composing intake.py, training.py,
@@ -41,6 +45,7 @@ import time
 from typing import Any
 
 from rlfleet.common.daemon import Daemon
+from rlfleet.common.pause import PauseWatch
 from rlfleet.common.spec import JobSpec
 
 from .metrics_log import set_member_id
@@ -69,6 +74,7 @@ class Trainer(Daemon):
         self._last_error = ""
         self._reign = 0  # the session's reign the running worker was started in
         set_member_id(self.options.member_id)  # the id label of the disk-failure counters
+        self._job_state = PauseWatch(self.store, self.keys)  # read by the leader each cycle
         # The session keeps the leader's work through an etcd outage (docs/failsafe.md).
         assert self.session is not None
         self.session.failsafe = True
@@ -116,12 +122,18 @@ class Trainer(Daemon):
             self._set_address(None)
             said.append("another trainer led meanwhile: restarting from the checkpoint and journal")
             return "; ".join(said)
+        changed = self._job_state.read()
+        if changed:
+            said.append(changed)
+        if w is not None:
+            w.set_paused(self._job_state.paused)
         if s.handover_to:
             return "; ".join(said) or None  # handing over (prepare_handover): train no more
         if w is None and self._stopping is None and time.monotonic() >= self._retry_at:
             self._worker = TrainingWorker(self.spec, self.store, self.keys,
                                           is_leader=lambda: self.is_leader, on_bound=self.wake,
-                                          term=lambda: s.term if s.is_leader else 0)
+                                          term=lambda: s.term if s.is_leader else 0,
+                                          paused=self._job_state.paused)
             self._reign = s.reign
             self._worker.start()
             said.append("leader: resuming training from the last checkpoint and journal")
@@ -194,7 +206,7 @@ class Trainer(Daemon):
         errors = {"checkpoint_error": w.state.checkpoint_error,  # a full disk: docs/disk-full.md
                   "journal_error": w.state.journal_error}
         return {"training": w.status, "version": w.version, "checkpoint_version": w.checkpoint_version,
-                **{k: v for k, v in errors.items() if v}}
+                "paused": w.paused, **{k: v for k, v in errors.items() if v}}
 
 
 def _prewarm(spec: JobSpec) -> None:

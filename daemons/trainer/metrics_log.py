@@ -51,6 +51,8 @@ WAIT_SECONDS = Gauge("rlfleet_trainer_wait_seconds", "Time the last step waited 
 DROPPED_GROUPS = Gauge("rlfleet_trainer_dropped_groups", "Groups dropped so far in the job, by reason",
                        ["reason"])
 EVAL_SUCCESS = Gauge("rlfleet_trainer_eval_success", "Held-out success of the last evaluation")
+PAUSED = Gauge("rlfleet_trainer_paused",
+               "1 while the trainer holds at a step boundary, checkpointed (`rlfleet pause`)")
 
 # Disk failures (docs/disk-full.md); reason: no_space (ENOSPC, EDQUOT) or io_error.
 CHECKPOINT_FAILURES = PromCounter("rlfleet_trainer_checkpoint_failures_total",

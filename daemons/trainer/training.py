@@ -11,6 +11,11 @@ record is not written yet is neither published nor checkpointed, nor is another 
 taken, so a trainer stopped meanwhile resumes as if the step never ran. A checkpoint that
 fails is skipped (``checkpoint_error``) and tried again ``checkpoint_every`` versions later.
 
+Paused (`rlfleet pause`, docs/maintenance-mode.md): checked at the top of each pass,
+i.e. at a step boundary: the step in progress has finished; the last version is
+checkpointed, and no batch is taken until resumed. The intake goes on journaling and
+acknowledging what arrives (nothing is lost); it waits, pending, for the resume.
+
 A version is journaled (TRAINED) before it is published, so a restarted trainer's
 versions start above every version the relays have seen. When everything arriving
 is too stale to train, the current version is published again (``republish_if_starved``).
@@ -32,11 +37,12 @@ from rlfleet.common.spec import JobSpec
 from .batching import INVALID, NO_SIGNAL, STALENESS, select_groups
 from .checkpointing import Checkpointer
 from .journal import Journal, JournalUnwritable, until_written
-from .metrics_log import MetricsLog, batch_versions, step_line
+from .metrics_log import PAUSED, MetricsLog, batch_versions, step_line
 
 log = logging.getLogger("rlfleet.trainer")
 
 REPUBLISH_AFTER_S = 5.0  # of only-stale arrivals before the current version is pushed again
+PAUSE_CHECKPOINT_RETRY_S = 5.0  # paused, its checkpoint refused (leadership unconfirmed): try again after
 
 
 @dataclass
@@ -44,13 +50,16 @@ class TrainerState:
     """What the member record shows (``training`` status, versions) and the logs count.
 
     ``status``: starting, resuming, waiting (for complete groups), training, done
-    (max_steps reached: still receiving and journaling, not training), stopped, or
-    error: <why>. Written by the trainer's threads, read by the daemon's cycle."""
+    (max_steps reached: still receiving and journaling, not training), pausing
+    (paused, its checkpoint not written yet), paused, stopped, or error: <why>.
+    ``paused``: held at a step boundary with the current version checkpointed.
+    Written by the trainer's threads, read by the daemon's cycle."""
 
     status: str = "starting"
     error: str = ""
     version: int = 0
     checkpoint_version: int = 0
+    paused: bool = False
     counts: Counter[str] = field(default_factory=Counter)  # intake outcomes, republishes
     checkpoint_error: str = ""  # the last failed checkpoint's sentence; "" after one succeeds
     journal: Journal | None = field(default=None, repr=False)  # for journal_error
@@ -68,16 +77,20 @@ class TrainerState:
 class TrainingLoop:
     def __init__(self, *, spec: Callable[[], JobSpec], journal: Journal, learner: Any,
                  publisher: Any, checkpointer: Checkpointer, evaluator: Any,
-                 metrics: MetricsLog, state: TrainerState, wake: threading.Event) -> None:
+                 metrics: MetricsLog, state: TrainerState, wake: threading.Event,
+                 pause: threading.Event | None = None) -> None:
         """``spec`` is asked each pass (a SIGHUP reload applies at the next step);
         ``publisher``: an AsyncPublisher or None; ``evaluator``: an Evaluator or None;
-        ``wake`` is set by the intake when new trajectories were journaled."""
+        ``wake`` is set by the intake when new trajectories were journaled (and when the
+        pause is lifted); ``pause``: set while the job is paused."""
         self.spec, self.journal, self.learner = spec, journal, learner
         self.publisher, self.checkpointer, self.evaluator = publisher, checkpointer, evaluator
         self.metrics, self.state, self.wake = metrics, state, wake
+        self.pause = pause if pause is not None else threading.Event()
         self._republished_at = 0.0
         self._stop = threading.Event()  # run()'s: ends a wait for the journal
         state.journal = journal
+        self._pause_checkpoint_at = 0.0  # the last checkpoint attempt while paused
 
     def run(self, stop: threading.Event) -> None:
         journal, learner = self.journal, self.learner
@@ -86,6 +99,13 @@ class TrainingLoop:
         no_signal_dropped = 0  # for the batch being gathered
         self._stop = stop
         while not stop.is_set():
+            if self.pause.is_set():
+                self.hold()
+                continue
+            if self.state.paused:
+                self.resume()
+                waited_from, stale_since = time.monotonic(), None  # the pause is no wait for data
+            self._pause_checkpoint_at = 0.0  # (lifted before it held: the next pause checkpoints at once)
             t, g = self.spec().trainer, self.spec().task.group_size
             if learner.version >= t.max_steps:
                 if self.state.status != "done":
@@ -153,6 +173,31 @@ class TrainingLoop:
         log.info("step %d: loss %.4f reward %.3f, %d tokens in %.2f s", version, stats["loss"],
                  stats["reward_mean"], stats["tokens"], stats["step_s"], extra={"event": "step"})
         self.maybe_evaluate()
+
+    def hold(self) -> None:
+        """One pass while paused, at a step boundary: checkpoint the current version if the
+        last checkpoint is older (retried every PAUSE_CHECKPOINT_RETRY_S while leadership is
+        unconfirmed: an etcd outage, docs/failsafe.md), then
+        report paused; take no batch. What arrives meanwhile stays pending in the journal."""
+        now = time.monotonic()
+        if (self.state.version > self.state.checkpoint_version
+                and now - self._pause_checkpoint_at >= PAUSE_CHECKPOINT_RETRY_S):
+            self._pause_checkpoint_at = now
+            self.state.status = "pausing"
+            self.checkpoint()
+        if not self.state.paused and self.state.version <= self.state.checkpoint_version:
+            self.state.paused, self.state.status = True, "paused"
+            PAUSED.set(1)
+            log.info("paused at version %d (checkpoint version %d); %d groups pending", self.state.version,
+                     self.state.checkpoint_version, len(self.journal.state.pending), extra={"event": "paused"})
+        self.wake.wait(0.5)
+        self.wake.clear()
+
+    def resume(self) -> None:
+        self.state.paused = False
+        PAUSED.set(0)
+        log.info("resumed at version %d; %d groups pending", self.state.version,
+                 len(self.journal.state.pending), extra={"event": "resumed"})
 
     def publish(self) -> float:
         """Hand a snapshot to the publisher thread; returns the trainer's stall (the copy)."""

@@ -80,14 +80,15 @@ class TrainingWorker:
     def __init__(self, spec: JobSpec, store: Store, keys: JobKeys, *,
                  publisher: Any = None, is_leader: Callable[[], bool] = lambda: True,
                  on_bound: Callable[[], None] = lambda: None,
-                 term: Callable[[], int] = lambda: 0) -> None:
+                 term: Callable[[], int] = lambda: 0, paused: bool = False) -> None:
         """``publisher``: anything with ``publish(version, tensors)`` to use instead of
         the relay's WeightPublisher (an in-process relay, a test's recorder).
         ``is_leader`` (confirmed leadership) is asked before each checkpoint, publication
         and trainer/progress write: a trainer that may have been replaced must not write
         into the shared checkpoint folder nor publish (docs/failsafe.md); while it is
         False the training itself goes on. ``term``: the leader's fencing term, stamped
-        into weights/latest."""
+        into weights/latest. ``paused``: start held (the job is paused); `set_paused`
+        changes it."""
         self.is_leader, self.on_bound, self.term = is_leader, on_bound, term
         self.spec = spec  # replaced on SIGHUP (max_steps, max_staleness take effect at once)
         self.store, self.keys = store, keys
@@ -96,6 +97,9 @@ class TrainingWorker:
         self.checkpoint_on_stop = False
         self._stop = threading.Event()
         self._data = threading.Event()  # intake -> train: new trajectories arrived
+        self._pause = threading.Event()  # the job is paused: train -> hold at the step boundary
+        if paused:
+            self._pause.set()
         self._journal: Journal | None = None
         self._intake: Intake | None = None
         self._loop: TrainingLoop | None = None
@@ -123,6 +127,20 @@ class TrainingWorker:
     @property
     def checkpoint_version(self) -> int:
         return self.state.checkpoint_version
+
+    @property
+    def paused(self) -> bool:
+        """Held at a step boundary with its version checkpointed (not merely asked to)."""
+        return self.state.paused
+
+    def set_paused(self, paused: bool) -> None:
+        """The job's state as the daemon last read it; the train thread acts at its next pass."""
+        if paused != self._pause.is_set():
+            if paused:
+                self._pause.set()
+            else:
+                self._pause.clear()
+            self._data.set()  # wake the train thread now, not at its next poll
 
     @property
     def counts(self) -> Counter[str]:
@@ -233,7 +251,7 @@ class TrainingWorker:
         self._loop = TrainingLoop(spec=lambda: self.spec, journal=journal, learner=learner,
                                   publisher=self._publisher, checkpointer=checkpointer,
                                   evaluator=evaluator, metrics=MetricsLog(self.paths.metrics),
-                                  state=self.state, wake=self._data)
+                                  state=self.state, wake=self._data, pause=self._pause)
         self._loop.maybe_evaluate()  # version 0, or one a restart has not evaluated yet
         self._intake = Intake(journal, bind_host=self.spec.trainer.bind_host,
                               group_size=lambda: self.spec.task.group_size,

@@ -36,7 +36,7 @@ class Recorder:
             self.names = set(tensors)
 
 
-def start_worker(tmp_path, etcd, tiny_model, **trainer):
+def start_worker(tmp_path, etcd, tiny_model, paused=False, **trainer):
     spec = parse_spec({
         "job": {"name": "tw", "runs_dir": str(tmp_path / "runs")},
         "model": {"path": str(tiny_model)},
@@ -46,7 +46,7 @@ def start_worker(tmp_path, etcd, tiny_model, **trainer):
     })
     store = EtcdStore(etcd.endpoints)
     recorder = Recorder()
-    w = TrainingWorker(spec, store, JobKeys("tw"), publisher=recorder)
+    w = TrainingWorker(spec, store, JobKeys("tw"), publisher=recorder, paused=paused)
     w.start()
     endpoint = wait_for("the worker's socket", lambda: w.endpoint, timeout_s=60)
     sender = ReliableSender(endpoint, resend_after_s=0.5)

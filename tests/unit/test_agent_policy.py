@@ -95,3 +95,22 @@ def test_node_value_keeps_the_inventory_and_adds_what_the_agent_knows():
                               {"rollout-0": {"failing": False}})
     assert value == {"host": "h1", "cpus_logical": 2, "labels": {"cpu": "x86"},
                      "agent": {"pid": 7, "backend": "systemd"}, "daemons": {"rollout-0": {"failing": False}}}
+
+
+def test_paused_plans_nothing_and_reports_what_is_down_as_held():
+    # Paused (docs/maintenance-mode.md): what is placed and down is not started (its backoff
+    # long over), what runs and is no longer placed is not stopped.
+    down = Tracked(ROLLOUT, next_start_at=0.0, restarts=1, last_exit="signal 9")
+    unplaced = Tracked(RELAY, active=True)
+    tracked = {"rollout-0": down, "relay-0": unplaced}
+    assert policy.plan([ROLLOUT], tracked, now=99.0, paused=True) == policy.Plan()
+    assert policy.daemon_report(down, CrashLoop(), now=99.0, paused=True)["state"] == "held"
+    assert policy.daemon_report(unplaced, CrashLoop(), now=99.0, paused=True)["state"] == "running"
+    # Resumed: both acted on at once.
+    assert policy.plan([ROLLOUT], tracked, now=99.0) == policy.Plan(start=(ROLLOUT,), stop=(RELAY,))
+    assert policy.daemon_report(down, CrashLoop(), now=99.0)["state"] == "waiting"
+
+
+def test_node_value_says_paused_only_while_paused():
+    assert "paused" not in policy.node_value({}, {}, {}, {})
+    assert policy.node_value({}, {}, {}, {}, paused=True)["paused"] is True

@@ -99,3 +99,33 @@ def test_stop_all_kills_what_ignores_sigterm(tmp_path):
     assert stubborn.children["relay-0"].proc is None
     assert stubborn.observe(SLEEPER).active is False
     assert not psutil.pid_exists(pid)  # killed and reaped
+
+
+def test_paused_the_reconciler_records_a_death_and_starts_nothing_until_resumed(tmp_path):
+    backend = make_backend(tmp_path)
+    agent = Reconciler(backend)
+    try:
+        agent.step([SLEEPER], time.monotonic())
+        pid = backend.pid("relay-0")
+        agent.step([SLEEPER], time.monotonic(), paused=True)
+        psutil.Process(pid).kill()  # an operator stops it for maintenance, or it crashed
+        events = []
+        wait_for("its death", lambda: events.extend(agent.step([SLEEPER], time.monotonic(), paused=True))
+                 or any(e.kind == "died" for e in events))
+        died = next(e for e in events if e.kind == "died")
+        assert died.sentence() == ("relay-0 died (signal 9); paused: the agent starts nothing until "
+                                   "`rlfleet resume`")
+        held_from = time.monotonic()
+        # Steps well past the backoff (0.5 s): still down, reported held, never started.
+        wait_for("2 s held down", lambda: not [e for e in agent.step([SLEEPER], time.monotonic(), paused=True)
+                                               if e.kind == "started"]
+                 and backend.pid("relay-0") is None and time.monotonic() - held_from > 2.0, timeout_s=10)
+        assert agent.report(time.monotonic())["relay-0"]["state"] == "held"
+        events = agent.step([SLEEPER], time.monotonic())
+        assert [(e.kind, e.restarts) for e in events] == [("started", 1)]
+        assert backend.pid("relay-0") not in (None, pid)
+        # Unplaced while paused: left running; stopped once resumed.
+        assert agent.step([], time.monotonic(), paused=True) == [] and agent.running() == [SLEEPER]
+        assert [e.kind for e in agent.step([], time.monotonic())] == ["stopping"]
+    finally:
+        backend.stop_all(5.0, print)

@@ -1,0 +1,229 @@
+"""`rlfleet pause` and `rlfleet resume`: the job's maintenance mode (docs/maintenance-mode.md).
+
+`pause` writes `state` = paused (who, when, why) and waits until the fleet says it
+took effect: the trainer leader holds at a step boundary with its version
+checkpointed (`paused: true` and `checkpoint_version == version` in its member
+record), and every node agent observes only (`paused: true` in `nodes/<host>`).
+`resume` writes `state` = running and waits until no trainer and no node reports
+paused any more. Either one, when not confirmed within --timeout, exits 10 with
+the request left in effect.
+
+Exit codes (tools/exit_codes.py OPERATOR_CODES): 0 done (or already so), 3 etcd
+unreachable, 9 refused (no spec for the job: nothing there to pause), 10 timed out.
+"""
+
+from __future__ import annotations
+
+import getpass
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import click
+
+from rlfleet.tools.cli_etcd import _fail_unreachable, _pick_job, _store, etcd_option
+from rlfleet.tools.exit_codes import Exit
+
+DEFAULT_TIMEOUT_S = 120.0  # a step in progress, then a checkpoint: minutes on a big model
+POLL_S = 0.25              # three small reads per poll (trainer members, its leader, nodes)
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One look at what the fleet reports about the pause."""
+
+    trainer: Any       # the trainer leader's Member, or None (none elected, or no trainer in the spec)
+    wants_trainer: bool  # the spec places a trainer
+    nodes: tuple[Any, ...]  # every node agent's record (common/members.py Node)
+
+    @property
+    def trainer_paused(self) -> bool:
+        """Held at a step boundary with its current version checkpointed."""
+        if not self.wants_trainer:
+            return True
+        info = self.trainer.info if self.trainer is not None else {}
+        return info.get("paused") is True and info.get("checkpoint_version") == info.get("version")
+
+    @property
+    def paused(self) -> bool:
+        return self.trainer_paused and all(n.paused for n in self.nodes)
+
+    @property
+    def resumed(self) -> bool:
+        trainer = self.trainer is not None and self.trainer.info.get("paused") is True
+        return not trainer and not any(n.paused for n in self.nodes)
+
+    def trainer_line(self) -> str:
+        if not self.wants_trainer:
+            return "no trainer in the spec"
+        if self.trainer is None:
+            return "no trainer leader registered"
+        i = self.trainer.info
+        return (f"trainer {self.trainer.id}: {i.get('training', '?')} at step {i.get('version', '?')} "
+                f"(checkpoint version {i.get('checkpoint_version', '?')})")
+
+    def hosts(self, paused: bool) -> list[str]:
+        return sorted(n.host for n in self.nodes if n.paused == paused)
+
+
+def look(store, keys, wants_trainer: bool) -> Seen:
+    from rlfleet.common.members import Leader, Member, Node
+
+    leader_kv = store.get(keys.leader("trainer"))
+    leader = Leader.from_kv(keys, leader_kv).id if leader_kv is not None else ""
+    trainer = next((m for kv in store.get_prefix(keys.role_members_prefix("trainer"))
+                    if (m := Member.from_kv(keys, kv)).id == leader and leader), None)
+    nodes = tuple(Node.from_kv(keys, kv) for kv in store.get_prefix(keys.nodes_prefix))
+    return Seen(trainer, wants_trainer, nodes)
+
+
+def _who() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (a container)
+        user = "?"
+    return f"{user}@{socket.gethostname()}"
+
+
+def _open(etcd: str, job: str | None):
+    """(store, keys, spec) of the job; exit 9 when etcd holds no spec for it."""
+    from rlfleet.common.cluster import read_spec
+    from rlfleet.common.keys import JobKeys
+    from rlfleet.common.spec import SpecError
+    from rlfleet.common.store import StoreUnavailable
+
+    store = _store(etcd)
+    try:
+        job = _pick_job(store, job)
+        keys = JobKeys(job)
+        try:
+            spec = read_spec(store, keys)
+        except SpecError as exc:
+            spec, bad = None, f": {exc}"
+        else:
+            bad = ""
+    except StoreUnavailable as exc:
+        _fail_unreachable(exc, etcd)
+    if spec is None:
+        click.echo(f"refused: no valid spec for job {job} at {keys.spec}{bad} (nothing there to pause "
+                   "or resume; `rlfleet job submit` writes one)", err=True)
+        sys.exit(Exit.REFUSED)
+    return store, keys, spec
+
+
+def _wait(store, keys, wants_trainer: bool, done: str, timeout_s: float) -> tuple[Seen | None, float]:
+    """Poll until `Seen.<done>` holds; (the last look, seconds waited). Through an etcd
+    outage it keeps asking until the timeout."""
+    from rlfleet.common.store import StoreUnavailable
+
+    started = time.monotonic()
+    seen = None
+    while True:
+        try:
+            seen = look(store, keys, wants_trainer)
+            if getattr(seen, done):
+                return seen, time.monotonic() - started
+        except StoreUnavailable:
+            pass
+        if time.monotonic() - started >= timeout_s:
+            return seen, time.monotonic() - started
+        time.sleep(POLL_S)
+
+
+def _write(store, keys, etcd: str, record) -> None:
+    from rlfleet.common.store import StoreUnavailable
+    try:
+        store.put(keys.state, record.to_value())
+    except StoreUnavailable as exc:
+        _fail_unreachable(exc, etcd)
+
+
+timeout_option = click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=DEFAULT_TIMEOUT_S,
+                              show_default=True, metavar="S", help="How long to wait for the fleet to confirm.")
+no_wait_option = click.option("--no-wait", is_flag=True, help="Write the request and return at once.")
+
+
+@click.command()
+@click.option("--job", default=None, help="Job name; optional when etcd holds only one.")
+@etcd_option
+@click.option("--reason", default="", metavar="TEXT", help="Why (shown by `rlfleet status`).")
+@timeout_option
+@no_wait_option
+def pause(job: str | None, etcd: str, reason: str, timeout_s: float, no_wait: bool) -> None:
+    """Maintenance mode: agents start, restart and stop nothing; the trainer finishes its
+    step, checkpoints and takes no new batch (what arrives waits in its journal).
+
+    Waits until the trainer leader is paused with its version checkpointed and every
+    node agent observes only. Exit 0 done (or already paused), 9 no spec for the job,
+    10 not confirmed within --timeout (the pause stays in effect; `rlfleet resume`)."""
+    from rlfleet.common.operations import PAUSED, JobState
+    from rlfleet.common.pause import describe
+    from rlfleet.common.store import StoreUnavailable
+
+    store, keys, spec = _open(etcd, job)
+    try:
+        current = JobState.read(store, keys)
+    except StoreUnavailable as exc:
+        _fail_unreachable(exc, etcd)
+    if current is not None and current.paused:
+        click.echo(f"{describe(current).replace('job', f'job {keys.job} is already', 1)}; "
+                   "`rlfleet resume` to continue")
+        return
+    record = JobState(PAUSED, round(time.time(), 3), _who(), reason)
+    _write(store, keys, etcd, record)
+    click.echo(f"{describe(record).replace('job', f'job {keys.job}', 1)}")
+    if no_wait:
+        return
+    seen, waited = _wait(store, keys, spec.all_roles().get("trainer", 0) > 0, "paused", timeout_s)
+    if seen is not None and seen.paused:
+        hosts = seen.hosts(True)
+        click.echo(f"{seen.trainer_line()}; {len(hosts)} hosts observing only"
+                   f"{' (' + ', '.join(hosts) + ')' if hosts else ''}; confirmed in {waited:.1f} s")
+        click.echo("`rlfleet resume` to continue")
+        return
+    pending = ("nothing readable" if seen is None else
+               f"{seen.trainer_line()}; hosts not yet observing only: {', '.join(seen.hosts(False)) or 'none'}")
+    click.echo(f"rlfleet pause: not confirmed within {timeout_s:g} s ({pending}); the pause stays in "
+               "effect (`rlfleet resume` lifts it)", err=True)
+    sys.exit(Exit.TIMED_OUT)
+
+
+@click.command()
+@click.option("--job", default=None, help="Job name; optional when etcd holds only one.")
+@etcd_option
+@timeout_option
+@no_wait_option
+def resume(job: str | None, etcd: str, timeout_s: float, no_wait: bool) -> None:
+    """End maintenance mode: agents act on placement again (restarting what died while
+    paused), the trainer takes batches again from where it stopped.
+
+    Waits until no trainer and no node agent reports paused. Exit 0 done (or not
+    paused), 9 no spec for the job, 10 not confirmed within --timeout (the resume
+    stays in effect)."""
+    from rlfleet.common.operations import RUNNING, JobState
+    from rlfleet.common.store import StoreUnavailable
+
+    store, keys, spec = _open(etcd, job)
+    try:
+        current = JobState.read(store, keys)
+    except StoreUnavailable as exc:
+        _fail_unreachable(exc, etcd)
+    if current is None or not current.paused:
+        click.echo(f"job {keys.job} is not paused")
+        return
+    _write(store, keys, etcd, JobState(RUNNING, round(time.time(), 3), _who(), ""))
+    click.echo(f"job {keys.job} resumed by {_who()} (paused since "
+               f"{time.strftime('%H:%M:%S', time.localtime(current.since))})")
+    if no_wait:
+        return
+    seen, waited = _wait(store, keys, spec.all_roles().get("trainer", 0) > 0, "resumed", timeout_s)
+    if seen is not None and seen.resumed:
+        click.echo(f"{seen.trainer_line()}; no host paused; confirmed in {waited:.1f} s")
+        return
+    pending = ("nothing readable" if seen is None else
+               f"{seen.trainer_line()}; hosts still paused: {', '.join(seen.hosts(True)) or 'none'}")
+    click.echo(f"rlfleet resume: not confirmed within {timeout_s:g} s ({pending}); the resume stays in "
+               "effect", err=True)
+    sys.exit(Exit.TIMED_OUT)
