@@ -138,6 +138,32 @@ def test_switchover_moves_the_resource_managers_leadership_to_the_standby(fleet)
     J.advances(5, 120, "after the switchover")
 
 
+def test_pause_holds_the_job_and_resume_continues_it(fleet):
+    """Maintenance mode: the trainer stops at a step boundary with a checkpoint; a unit
+    stopped by hand stays stopped (the agent restarts and re-places nothing); resume
+    starts it again and training continues from where it held."""
+    t0 = time.monotonic()
+    J.rlfleet("pause --reason 'etcd upgrade' --timeout 120", timeout=180)
+    figures["pause_confirmed_s"] = round(time.monotonic() - t0, 1)
+    status = J.rlfleet("status", check=False)
+    assert "PAUSED" in status.stdout.splitlines()[0], status.stdout[:500]
+    held = J.trainer()
+    assert held["paused"] and held["checkpoint_version"] == held["version"], held
+    unit = f"rlfleet@{JOB}:rollout-1.service"
+    J.host_sh("h3", f"systemctl stop '{unit}'")
+    node = f"/rlfleet/{JOB}/nodes/h3"
+    wait_for("h3's agent to report rollout-1 held", lambda: J.etcd("nodes/h3")[node]["daemons"]["rollout-1"]
+             ["state"] == "held", timeout_s=60, every_s=2)
+    assert J.version() == held["version"]  # several seconds later: it held
+    assert J.unit("h3", "rollout-1")["ActiveState"] == "inactive"
+    t0 = time.monotonic()
+    J.rlfleet("resume --timeout 120", timeout=180)
+    wait_for("rollout-1 started again", lambda: J.unit("h3", "rollout-1")["ActiveState"] == "active",
+             timeout_s=60, every_s=2)
+    J.advances(10, 180, "after resume")
+    figures["resume_to_10_steps_s"] = round(time.monotonic() - t0, 1)
+
+
 def master_relay() -> tuple[str, str]:
     master = J.etcd("relay/master")[f"/rlfleet/{JOB}/relay/master"]["id"]
     host = J.etcd(f"members/relay/{master}")[f"/rlfleet/{JOB}/members/relay/{master}"]["host"]
