@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from rlfleet.tools.bench.node_add import NEW, OBSERVER, add_host, lost_after_end
-from rlfleet.tools.lab.job import ANSIBLE, JOB, REPO, LabJob, job_spec, wait_for, with_job_env
+from rlfleet.tools.lab.job import ANSIBLE, JOB, REPO, RUN_DIR, LabJob, job_spec, wait_for, with_job_env
 
 from .conftest import lab_cli
 
