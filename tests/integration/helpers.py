@@ -37,6 +37,21 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-qwen2"
 
 
+def agent_host_placement(host: str) -> str:
+    """[placement] for one node agent's tests: `host` runs a resource-manager and a
+    reward-host (the agent under test acts for it); every other role is placed on a
+    host nobody acts for."""
+    return f"""
+[[placement.hosts]]
+name = "{host}"
+roles = {{ resource-manager = 1, reward-host = 1 }}
+
+[[placement.hosts]]
+name = "elsewhere"
+roles = {{ repack-manager = 1, trainer = 1, relay = 1, rollout = 1, env-host = 1 }}
+"""
+
+
 def write_spec(tmp_path: Path, job: str = "itest", extra: str = "", *,
                model: Path | str = TINY_MODEL) -> Path:
     """tmp_path/<job>.toml: FAST_SPEC (short lease TTL, runs under tmp_path) on `model`,

@@ -24,18 +24,10 @@ from rlfleet.common.spec import load_spec
 from rlfleet.tools.cli import DAEMON_FAILPOINT_ENV
 from rlfleet.tools.exit_codes import Exit
 
-from .helpers import wait_for, write_spec
+from .helpers import agent_host_placement, wait_for, write_spec
 
 HOST = "agent-h1"
-PLACEMENT = f"""
-[[placement.hosts]]
-name = "{HOST}"
-roles = {{ resource-manager = 1, reward-host = 1 }}
-
-[[placement.hosts]]
-name = "elsewhere"
-roles = {{ repack-manager = 1, trainer = 1, relay = 1, rollout = 1, env-host = 1 }}
-"""
+PLACEMENT = agent_host_placement(HOST)
 KEYS = JobKeys("agentjob")
 
 

@@ -25,7 +25,7 @@ from rlfleet.common.keys import JobKeys
 from rlfleet.common.spec import load_spec
 from rlfleet.tools.exit_codes import Exit
 
-from .helpers import TINY_MODEL, rlfleet, stop, wait_for, write_spec
+from .helpers import TINY_MODEL, agent_host_placement, rlfleet, stop, wait_for, write_spec
 
 needs_model = pytest.mark.skipif(not (TINY_MODEL / "tokenizer.json").exists(), reason="models/tiny-qwen2 not built")
 
@@ -157,15 +157,7 @@ def test_pause_a_running_job_kill_a_daemon_resume_and_finish(tmp_path, etcd):
 
 
 HOST = "pause-h1"
-PLACEMENT = f"""
-[[placement.hosts]]
-name = "{HOST}"
-roles = {{ resource-manager = 1, reward-host = 1 }}
-
-[[placement.hosts]]
-name = "elsewhere"
-roles = {{ repack-manager = 1, trainer = 1, relay = 1, rollout = 1, env-host = 1 }}
-"""
+PLACEMENT = agent_host_placement(HOST)
 
 
 def test_a_paused_agent_observes_only_and_restarts_on_resume(tmp_path, etcd):
