@@ -27,9 +27,7 @@ import asyncio
 import dataclasses
 import logging
 import math
-import queue
 import random
-import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -39,16 +37,18 @@ import msgspec
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.wire import (Float32Array, GenerateRequest, GenerateResult, Int32Array, Segment,
                                  Trajectory, Turn)
-from rlfleet.daemons.tasks import Prompt, Task, TaskEnv, undecoded_action
+from rlfleet.daemons.tasks import AsyncTaskEnv, Prompt, Task, TaskEnv, undecoded_action
 from rlfleet.daemons.tasks.prompts import group_id, trajectory_id
 
+from .env_modes import TurnGate
+from .env_threads import EnvThreads
 from .routing import RouteError, Router
+from .turn_codec import TurnCodec
 
 log = logging.getLogger("rlfleet.env_host")
 
 _ERROR_CHARS = 300  # of an exception's text kept in a trajectory's info
 _MAX_CONTINUATIONS = 32  # interruptions of one trajectory before it is given up
-_ENCODED_MAX = 4096  # prompt texts whose token ids TurnCodec keeps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,50 +86,6 @@ class ManagerConfig:
         return None
 
 
-class TurnCodec:
-    """Text <-> token ids exactly as daemons/tasks/episodes.py does it: the tokenizer's
-    post-processor puts <bos> in front of every prompt; a completion is cut at the
-    first end token, which stays in the turn's token ids (the policy must learn to
-    stop) but not in the decoded action text."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        if tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer has no eos_token_id; completions could never end")
-        self.tokenizer = tokenizer
-        self.eos_id: int = tokenizer.eos_token_id
-        self.vocab_size = len(tokenizer)
-        self._backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
-        # The group_size trajectories of a prompt start from the same observation: encode
-        # it once. Bounded (cleared when full). Arrays are immutable: shared freely.
-        self._encoded: dict[str, Int32Array] = {}
-
-    @classmethod
-    def from_model_dir(cls, path: str) -> TurnCodec:
-        from transformers import AutoTokenizer  # heavy; only env-hosts pay for it
-
-        return cls(AutoTokenizer.from_pretrained(str(path)))
-
-    def encode_prompt(self, text: str) -> list[int]:
-        if self._backend is not None:  # the same post-processor, ~10x less Python overhead
-            return list(self._backend.encode(text).ids)
-        return list(self.tokenizer(text)["input_ids"])
-
-    def prompt_array(self, text: str) -> Int32Array:
-        """encode_prompt as an array, remembered for the prompt's other trajectories."""
-        ids = self._encoded.get(text)
-        if ids is None:
-            if len(self._encoded) >= _ENCODED_MAX:
-                self._encoded.clear()
-            ids = self._encoded[text] = Int32Array(self.encode_prompt(text))
-        return ids
-
-    def completion(self, token_ids: list[int], decode: bool = True) -> tuple[int, str]:
-        """(how many tokens belong to the turn, including the end token; action text, ""
-        when the task does not read it: ``Task.decodes_completion``)."""
-        n = token_ids.index(self.eos_id) + 1 if self.eos_id in token_ids else len(token_ids)
-        return n, self.tokenizer.decode(token_ids[:n], skip_special_tokens=True) if decode else ""
-
-
 def _cut(segments: list[Segment], n: int) -> list[Segment]:
     """The segments of the first n tokens."""
     out, left = [], n
@@ -162,38 +118,6 @@ def check_result(res: GenerateResult, vocab_size: int, max_new_tokens: int) -> s
     return None
 
 
-class EnvThreads:
-    """Daemon threads for environment calls, reused, and grown so that every call has a
-    thread of its own: a hung env holds its thread forever (counted in `hung`) but never
-    delays another call. Reuse matters: starting a thread per call cost ~0.5 ms of the
-    event loop's time under load, more than the env step itself."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-        self.threads = 0
-        self.hung = 0  # calls abandoned after the turn timeout (their threads are lost)
-
-    def submit(self, call: Callable[[], None]) -> None:
-        with self._lock:
-            spawn = self._idle == 0
-            if spawn:
-                self.threads += 1
-            else:
-                self._idle -= 1  # reserved for this call
-        self._queue.put(call)
-        if spawn:
-            threading.Thread(target=self._work, name="env-call", daemon=True).start()
-
-    def _work(self) -> None:
-        while True:
-            call = self._queue.get()
-            call()  # never raises: _env_call's target catches everything
-            with self._lock:
-                self._idle += 1
-
-
 _THREADS = EnvThreads()
 
 
@@ -204,6 +128,9 @@ class Dropped(Exception):
 
 
 OnTurn = Callable[[str, int, Turn], Awaitable[None]]
+
+
+_NO_GATE = TurnGate()
 
 
 class EnvManager:
@@ -218,13 +145,14 @@ class EnvManager:
     def __init__(self, *, task: Task, prompt: Prompt, prompt_id: int, index: int,
                  codec: TurnCodec, router: Router, config: ManagerConfig,
                  on_turn: OnTurn | None = None, resume: Sequence[Turn] = (),
-                 threads: EnvThreads | None = None) -> None:
+                 threads: EnvThreads | None = None, gate: TurnGate | None = None) -> None:
         self.task, self.prompt, self.prompt_id = task, prompt, prompt_id
         self.tid = trajectory_id(prompt_id, index)
         self.codec, self.router, self.cfg = codec, router, config
         self.on_turn = on_turn
         self.resume = list(resume)
         self.threads = threads or _THREADS
+        self.gate = gate or _NO_GATE
         self.turns: list[Turn] = []
         self.env_reward = 0.0
         self.invalid_actions = 0
@@ -246,6 +174,8 @@ class EnvManager:
         except Exception as exc:  # noqa: BLE001 — a bug here must cost one trajectory, not the host
             log.exception("%s: unexpected error", self.tid, extra={"trajectory": self.tid})
             reason, detail = "env_host_error", repr(exc)[:_ERROR_CHARS]
+        finally:
+            self.gate.leave(self.tid)
         if reason:
             log.info("%s dropped: %s: %s", self.tid, reason, detail,
                      extra={"event": "trajectory_dropped", "trajectory": self.tid, "reason": reason})
@@ -289,6 +219,8 @@ class EnvManager:
             self.invalid_actions += bool(info.get("invalid_action"))
             await self._append(turn, reward)
             obs = next_obs
+            if not done:
+                await self.gate.after_step(self.tid, len(self.turns))
 
     async def _start(self) -> tuple[TaskEnv, str, bool]:
         """A reset environment, brought to the end of the journaled turns if there are any."""
@@ -323,7 +255,10 @@ class EnvManager:
         self.env_reward += reward
 
     async def _step(self, env: TaskEnv, action: str) -> tuple[str, float, bool, dict[str, Any]]:
-        result = await self._env_call("step", env.step, action)
+        if isinstance(env, AsyncTaskEnv):
+            result = await self._env_await("step", env.astep(action))
+        else:
+            result = await self._env_call("step", env.step, action)
         try:
             obs, reward, done, info = result
             reward = float(reward)
@@ -333,6 +268,17 @@ class EnvManager:
             raise Dropped("env_error", f"step returned {result!r:.100}, not "
                                        "(observation: str, reward: finite, done, info: dict)") from None
         return obs, reward, bool(done), info
+
+    async def _env_await(self, what: str, call: Awaitable[Any]) -> Any:
+        """An AsyncTaskEnv's call, on the loop, under the turn timeout."""
+        try:
+            return await asyncio.wait_for(call, self.cfg.turn_timeout_s)
+        except TimeoutError:
+            raise Dropped("env_timeout", f"env.{what} took longer than "
+                                         f"{self.cfg.turn_timeout_s:g} s") from None
+        except Exception as exc:  # noqa: BLE001 — the env's own exception
+            raise Dropped("env_error", f"env.{what} raised {type(exc).__name__}: "
+                                       f"{str(exc)[:_ERROR_CHARS]}") from None
 
     async def _env_call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         if self.task.env_calls_inline:
@@ -388,7 +334,7 @@ class EnvManager:
         recorded in the trajectory's info (``regenerated``). A rollout that died takes its
         tokens with it: that turn is re-issued from scratch elsewhere, as before.
         """
-        turn = _TurnInProgress(prompt_ids, self.task.max_new_tokens + 1,  # +1: the end token
+        turn = _TurnInProgress(prompt_ids, self.task.max_new_tokens_for(self.prompt) + 1,  # +1: the end token
                                self.cfg.required_version(self.prompt_id))
         exclude: set[str] = set()
         reason, detail = "", ""

@@ -8,7 +8,7 @@ from typing import Any
 from rlfleet.common.seams import TASKS
 
 from .arithmetic import ArithmeticTask  # pure Python, cheap: importable directly
-from .base import ANSWER_MARK, Prompt, Split, Task, TaskEnv, split_of, undecoded_action
+from .base import ANSWER_MARK, AsyncTaskEnv, Prompt, Split, Task, TaskEnv, split_of, undecoded_action
 
 
 def get_task(name: str, **difficulty: Any) -> Task:
@@ -29,5 +29,5 @@ def get_task(name: str, **difficulty: Any) -> Task:
     return cls(**difficulty)
 
 
-__all__ = ["ANSWER_MARK", "ArithmeticTask", "Prompt", "Split", "Task", "TaskEnv",
+__all__ = ["AsyncTaskEnv", "ANSWER_MARK", "ArithmeticTask", "Prompt", "Split", "Task", "TaskEnv",
            "get_task", "split_of", "undecoded_action"]

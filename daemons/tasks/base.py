@@ -68,6 +68,16 @@ class TaskEnv(abc.ABC):
         """
 
 
+class AsyncTaskEnv(TaskEnv):
+    """An environment whose step waits on something outside the env-host (a remote
+    sandbox, a simulated latency): the env-host awaits ``astep`` on its event loop, under
+    the turn timeout, instead of calling ``step`` on a thread. ``reset`` stays a plain call."""
+
+    @abc.abstractmethod
+    async def astep(self, action_text: str) -> StepResult:
+        """step(), awaited."""
+
+
 class Task(abc.ABC):
     """A task family at one difficulty. Subclasses set the class attributes."""
 
@@ -83,6 +93,15 @@ class Task(abc.ABC):
     # decode completions (for 10k-token ones that would be most of its work) and passes
     # undecoded_action(trajectory_id, turn) as each turn's action instead.
     decodes_completion: bool = True
+
+    def tag(self, prompt: Prompt) -> str:
+        """The prompt's kind for hardware-affinity routing (RollArt §5.2): the task's name,
+        unless the task mixes kinds of prompts (the sim task's ``kinds``)."""
+        return self.name
+
+    def max_new_tokens_for(self, prompt: Prompt) -> int:
+        """The per-turn token cap of this prompt's episodes (a kind may have its own)."""
+        return self.max_new_tokens
 
     @abc.abstractmethod
     def difficulty(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, StrictInt, StrictStr, ValidationInfo, field_validator
 
 from rlfleet.common.registry import Kind, KindConfig
-from rlfleet.common.spec_fields import fail, show
+from rlfleet.common.spec_fields import Section, fail, show
 
 from .base import Task
 
@@ -81,19 +81,57 @@ class Arithmetic(TaskKind):
     task_module, task_class_name = "arithmetic", "ArithmeticTask"
 
 
+Share = Annotated[float, Field(strict=False, ge=0, le=1, allow_inf_nan=False)]
+NonNegSeconds = Annotated[float, Field(strict=False, ge=0, allow_inf_nan=False)]
+TokenCap = Annotated[StrictInt, Field(ge=1, le=131072)]
+
+
+class SimKindConfig(Section):
+    """One tagged kind of sim prompt (sim.py ``kinds``)."""
+
+    tag: Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+    share: Annotated[float, Field(strict=False, gt=0, allow_inf_nan=False)]  # relative weight
+    turns: Annotated[StrictInt, Field(ge=1)] | None = None  # None: [task] max_turns
+    observation_chars: Annotated[StrictInt, Field(ge=0, le=65536)] = 0  # prompt length (prefill)
+    max_new_tokens: TokenCap | None = None  # None: the task's
+
+
 class SimConfig(KindConfig):
     kind: Literal["sim"] = "sim"
     # The per-turn token cap (sim.py: 16384 is Laminar's 16K output limit; at most 128K).
-    max_new_tokens: Annotated[StrictInt, Field(ge=1, le=131072)] = 16384
+    max_new_tokens: TokenCap = 16384
     # P(reward 1) per trajectory: with 0 < rate < 1 a GRPO group has variance.
     success_rate: float = Field(default=0.5, strict=True, ge=0, le=1, allow_inf_nan=False)
+    # The agentic knobs (docs/agentic.md): an env step's latency ~ N(mean, std) clipped at 0,
+    # in model seconds x time_scale; the probability that a step fails (env_error).
+    step_latency_mean_s: NonNegSeconds = 0.0
+    step_latency_std_s: NonNegSeconds = 0.0
+    failure_rate: Share = 0.0
+    time_scale: Annotated[float, Field(strict=False, gt=0, allow_inf_nan=False)] = 1.0
+    zero_variance_share: Share = 0.0  # prompts whose samples all get one reward (no signal)
+    kinds: list[SimKindConfig] = []  # tagged prompt kinds (hardware-affinity routing)
+
+    @field_validator("kinds")
+    @classmethod
+    def _distinct_tags(cls, kinds: list[SimKindConfig]) -> list[SimKindConfig]:
+        tags = [k.tag for k in kinds]
+        if len(set(tags)) != len(tags):
+            raise fail(f"tags must be distinct, got {show(tags)}")
+        return kinds
 
 
 class Sim(TaskKind):
-    """Synthetic single-turn prompts and a seeded coin-flip reward for the simulated fleet (sim.py)."""
+    """Synthetic prompts, a seeded coin-flip reward, simulated env latency and failures (sim.py)."""
 
     Config = SimConfig
     task_module, task_class_name = "sim", "SimTask"
+    multi_turn = True  # [task] max_turns: the episode length
+
+    @classmethod
+    def task_kwargs(cls, config: KindConfig, *, max_turns: int) -> dict[str, Any]:
+        kwargs = super().task_kwargs(config, max_turns=max_turns)
+        kwargs["kinds"] = [{k: v for k, v in kind.items() if v is not None} for kind in kwargs["kinds"]]
+        return kwargs
 
 
 class FrozenLakeConfig(KindConfig):

@@ -532,7 +532,9 @@ SIM_TASK = MINIMAL.replace('kind = "arithmetic"', 'kind = "sim"')
 def test_sim_task_knobs(tree):
     Path("examples/sim.toml").write_text(SIM_TASK)
     assert load_spec("examples/sim.toml").task.env.model_dump() == {
-        "kind": "sim", "max_new_tokens": 16384, "success_rate": 0.5}
+        "kind": "sim", "max_new_tokens": 16384, "success_rate": 0.5, "step_latency_mean_s": 0.0,
+        "step_latency_std_s": 0.0, "failure_rate": 0.0, "time_scale": 1.0, "zero_variance_share": 0.0,
+        "kinds": []}
     Path("examples/sim.toml").write_text(SIM_TASK + "max_new_tokens = 1024\nsuccess_rate = 1\n")
     env = load_spec("examples/sim.toml").task.env
     assert (env.max_new_tokens, env.success_rate) == (1024, 1.0)

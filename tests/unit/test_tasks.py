@@ -214,7 +214,7 @@ def test_sim_reward_is_a_seeded_coin_per_trajectory():
 
 def test_sim_env_is_one_inline_step_without_decoding():
     task = get_task("sim", max_new_tokens=4096)
-    assert (task.max_new_tokens, task.max_turns, task.multi_turn) == (4096, 1, False)
+    assert (task.max_new_tokens, task.max_turns) == (4096, 1)
     assert task.env_calls_inline and not task.decodes_completion
     assert get_task("arithmetic").decodes_completion and get_task("frozenlake").decodes_completion
     assert get_task("sim").max_new_tokens == 16384  # Laminar's 16K output cap
@@ -242,9 +242,91 @@ def test_sim_kind_defaults_are_the_tasks():
     from rlfleet.daemons.tasks.sim import MAX_NEW_TOKENS_LIMIT
 
     config = TASKS.get("sim").Config()
-    assert config.model_dump(exclude={"kind"}) == get_task("sim").difficulty()
+    assert {**config.model_dump(exclude={"kind"}), "max_turns": 1} == get_task("sim").difficulty()
     bound = next(m.le for m in type(config).model_fields["max_new_tokens"].metadata
                  if getattr(m, "le", None) is not None)
     assert bound == MAX_NEW_TOKENS_LIMIT
     built = TASKS.build(TASKS.get("sim").Config(max_new_tokens=100, success_rate=0.9))
-    assert built.difficulty() == {"max_new_tokens": 100, "success_rate": 0.9}
+    assert {k: built.difficulty()[k] for k in ("max_new_tokens", "success_rate")} == {
+        "max_new_tokens": 100, "success_rate": 0.9}
+
+
+def test_sim_env_latency_is_normal_clipped_at_zero_and_scaled():
+    task = get_task("sim", step_latency_mean_s=10.0, step_latency_std_s=5.0, time_scale=0.01)
+    env = task.make_env()
+    env.reset(task.make_prompts("train", 1)[0])
+    draws = [env.latency_s() for _ in range(4000)]
+    assert min(draws) >= 0.0
+    mean = sum(draws) / len(draws)
+    assert abs(mean - 0.1) < 0.004, mean  # 10 s x 0.01; clipping at 0 adds ~0.0001
+    std = (sum((d - mean) ** 2 for d in draws) / len(draws)) ** 0.5
+    assert abs(std - 0.05) < 0.004, std
+    assert get_task("sim").make_env().latency_s() == 0.0  # off by default: no sleep at all
+
+
+def test_sim_env_steps_its_turns_asynchronously_and_scores_the_last():
+    import asyncio
+    import time
+
+    task = get_task("sim", max_turns=3, step_latency_mean_s=2.0, time_scale=0.01)
+    p = task.make_prompts("train", 1, seed=1)[0]
+    env = task.make_env()
+    first = env.reset(p)
+
+    async def play() -> list:
+        return [await env.astep(f"a{k}") for k in range(3)]
+
+    t0 = time.monotonic()
+    steps = asyncio.run(play())
+    assert time.monotonic() - t0 >= 3 * 0.02 * 0.99  # three latencies of 2 s x 0.01
+    assert [s[2] for s in steps] == [False, False, True]
+    assert [s[1] for s in steps[:2]] == [0.0, 0.0]
+    assert steps[0][0] != first and steps[0][0].startswith(first)  # a new observation per turn
+    assert steps[2][1] == task.reward(p, ["a0", "a1", "a2"])  # the reward-host's check agrees
+
+
+def test_sim_env_failures_raise_at_the_configured_rate():
+    from rlfleet.daemons.tasks.sim import SimEnvFailure
+
+    task = get_task("sim", failure_rate=0.25)
+    prompts = task.make_prompts("train", 2000)
+    failed = 0
+    for p in prompts:
+        env = task.make_env()
+        env.reset(p)
+        try:
+            env.step("x")
+        except SimEnvFailure:
+            failed += 1
+    assert abs(failed / 2000 - 0.25) < 0.04
+
+
+def test_sim_zero_variance_share_makes_groups_without_signal():
+    from rlfleet.daemons.tasks import undecoded_action
+
+    task = get_task("sim", zero_variance_share=0.5)
+    prompts = task.make_prompts("train", 400)
+    groups = [{task.reward(p, [undecoded_action(f"t{k}", 0)]) for k in range(8)} for p in prompts]
+    flat = sum(len(g) == 1 for g in groups) / len(groups)
+    # half fixed by design, plus 2 x 0.5^8 of the coin-flip half
+    assert 0.43 < flat < 0.58, flat
+    fixed = [g.pop() for g in groups if len(g) == 1]
+    assert 0.3 < sum(fixed) / len(fixed) < 0.7  # half all-1, half all-0
+
+
+def test_sim_kinds_tag_prompts_by_share_with_their_own_shapes():
+    task = get_task("sim", max_turns=4, max_new_tokens=512, kinds=[
+        {"tag": "prefill_heavy", "share": 1, "turns": 4, "observation_chars": 300, "max_new_tokens": 32},
+        {"tag": "decode_heavy", "share": 3, "turns": 1}])
+    prompts = task.make_prompts("train", 2000)
+    tags = [task.tag(p) for p in prompts]
+    assert abs(tags.count("prefill_heavy") / 2000 - 0.25) < 0.04
+    heavy = prompts[tags.index("prefill_heavy")]
+    light = prompts[tags.index("decode_heavy")]
+    assert (task.max_new_tokens_for(heavy), task.max_new_tokens_for(light)) == (32, 512)
+    env = task.make_env()
+    assert len(env.reset(heavy)) == len(heavy.question) + 300
+    assert [env.step("x")[2] for _ in range(4)] == [False, False, False, True]
+    assert get_task("arithmetic").tag(get_task("arithmetic").make_prompts("train", 1)[0]) == "arithmetic"
+    with pytest.raises(ValueError, match=r"kinds\[0\].turns: must be an integer in \[1, max_turns = 4\], got 5"):
+        get_task("sim", max_turns=4, kinds=[{"tag": "a", "share": 1, "turns": 5}])
