@@ -30,9 +30,9 @@ from typing import Any
 BENCHES = {  # bench name -> module
     "env_async": "rlfleet.tools.bench.agentic_env",
     "redundant": "rlfleet.tools.bench.agentic_env",
-    "replication": "rlfleet.tools.bench.agentic_queue",
-    "queue_filter": "rlfleet.tools.bench.agentic_queue",
-    "affinity": "rlfleet.tools.bench.agentic_affinity",
+    "replication": "rlfleet.tools.bench.agentic_routing",
+    "queue_filter": "rlfleet.tools.bench.agentic_filter",
+    "affinity": "rlfleet.tools.bench.agentic_routing",
 }
 REQUIRED = ("bench", "setting", "baseline", "variant", "speedup", "valid")
 
