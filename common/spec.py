@@ -260,6 +260,22 @@ class EnvHostSection(Section):
     pace_claims: bool = True
     routing: RoutingConfig = ENV_ROUTERS.field()  # which rollout gets a turn
     bind_host: Host = "127.0.0.1"
+    # Agentic scheduling (docs/agentic.md). "async": each trajectory steps its environment on
+    # its own; "batch": the prompts claimed together step together, a barrier per turn.
+    env_mode: Literal["async", "batch"] = "async"
+    # Redundant rollouts: this many extra trajectories per prompt (the first group_size that
+    # finish well make the group), and extra prompts per batch-mode round (the first
+    # batch's worth of complete groups close it). The rest end as "redundant".
+    redundant_samples: NonNegInt = 0
+    redundant_prompts: NonNegInt = 0
+
+    @field_validator("redundant_prompts")
+    @classmethod
+    def _rounds_are_batch_mode(cls, extra: int, info: ValidationInfo) -> int:
+        if extra and info.data.get("env_mode") != "batch":
+            raise fail(f"needs env_mode = \"batch\" (a round is the prompts claimed together), "
+                       f"got env_mode = {show(info.data.get('env_mode'))}")
+        return extra
 
     @field_validator("trajectory_timeout_s")
     @classmethod
@@ -321,6 +337,7 @@ def _cross_errors(sections: dict[str, BaseModel]) -> list[tuple[tuple, str]]:
                 f"must be a multiple of task.group_size ({task.group_size}), "
                 f"got {trainer.batch_size}",
             ))
+    errors += _env_host_errors(sections)
     relay = sections.get("relay")
     if isinstance(relay, RelaySection) and relay.max_object_mib is not None and "model" in sections:
         need = published_bytes(SimpleNamespace(**sections)) if "trainer" in sections else None
@@ -336,6 +353,33 @@ def _cross_errors(sections: dict[str, BaseModel]) -> list[tuple[tuple, str]]:
                 config = getattr(section, field_name)
                 for loc, msg in slot.registry.get(config.kind).check(config, sections):
                     errors.append(((name, field_name, *loc), msg))
+    return errors
+
+
+def _env_host_errors(sections: dict[str, BaseModel]) -> list[tuple[tuple, str]]:
+    """The env-host's agentic options against the task, batch and coordination mode."""
+    env, task, trainer = sections.get("env_host"), sections.get("task"), sections.get("trainer")
+    rollout = sections.get("rollout")
+    if not (isinstance(env, EnvHostSection) and isinstance(task, TaskSection)):
+        return []
+    errors: list[tuple[tuple, str]] = []
+    launch = task.group_size + env.redundant_samples
+    if env.max_concurrent < launch:
+        errors.append((("env_host", "max_concurrent"), f"must be >= task.group_size + "
+                       f"env_host.redundant_samples ({launch}: one prompt's trajectories), "
+                       f"got {env.max_concurrent}"))
+    if env.redundant_prompts and isinstance(rollout, RolloutSection) and rollout.mode in ("sync", "one_step_off"):
+        # Those modes tie a prompt id to its batch's weight version; rounds of extra
+        # prompts would shift every batch (use trajectory or partial).
+        errors.append((("env_host", "redundant_prompts"), f"cannot be used with rollout.mode = "
+                       f"{show(rollout.mode)} (a batch's prompts are fixed there); use \"trajectory\" "
+                       f"or \"partial\""))
+    if env.env_mode == "batch" and isinstance(trainer, TrainerSection):
+        round_size = (trainer.batch_size // task.group_size + env.redundant_prompts) * launch
+        if env.max_concurrent < round_size:
+            errors.append((("env_host", "max_concurrent"), f"must hold a batch-mode round: (trainer.batch_size"
+                           f" / task.group_size + redundant_prompts) x (group_size + redundant_samples) = "
+                           f"{round_size}, got {env.max_concurrent}"))
     return errors
 
 

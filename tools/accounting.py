@@ -49,6 +49,7 @@ class Accounting:
 
 
 def check(store: Store, job: str, run_dir: Path, group_size: int) -> Accounting:
+    """``group_size``: trajectories a prompt launches (journal.launched_per_prompt)."""
     from rlfleet.daemons.env_host.journal import Journal as EnvJournal
     from rlfleet.daemons.trainer.journal import Journal as TrainerJournal
 

@@ -281,7 +281,7 @@ def accounting(run_dir: str, job: str, etcd: str, group_size: int | None) -> Non
                                        "pass --group-size") from None
             if stored is None:
                 raise click.UsageError(f"no spec for job {job!r} in etcd; pass --group-size")
-            group_size = stored.task.group_size
+            group_size = stored.task.group_size + stored.env_host.redundant_samples  # launched per prompt
         result = check(store, job, Path(run_dir), group_size)
     except StoreUnavailable as exc:
         _fail_unreachable(exc, etcd)

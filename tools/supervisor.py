@@ -351,9 +351,10 @@ class Supervisor:
     def check_accounting(self, store: EtcdStore) -> Outcome | None:
         """With every daemon stopped (journals unlocked) and etcd still up; an Outcome
         when the invariant is broken or could not be checked."""
+        from rlfleet.daemons.env_host.journal import launched_per_prompt
         from rlfleet.tools.accounting import check
         try:
-            result = check(store, self.spec.job.name, self.run_dir, self.spec.task.group_size)
+            result = check(store, self.spec.job.name, self.run_dir, launched_per_prompt(self.spec))
         except Exception as exc:  # noqa: BLE001 — a report, never a reason to hang the shutdown
             self.note(f"accounting not checked: {exc!r}")
             return Outcome(Exit.ACCOUNTING_FAILED, f"accounting not checked: {exc!r}")

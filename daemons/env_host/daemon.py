@@ -32,7 +32,7 @@ from rlfleet.daemons.tasks.prompts import PromptStream, task_from_spec
 
 from .claims import PromptClaimer
 from .pacing import ClaimPacer, claim_limit
-from .journal import Journal, journal_path
+from .journal import Journal, journal_path, launched_per_prompt
 from .manager import ManagerConfig, TurnCodec
 from .runner import EnvRunner
 
@@ -83,7 +83,7 @@ class EnvHost(Daemon):
         try:
             task = task_from_spec(spec)
             codec = TurnCodec.from_model_dir(str(spec.model.path))
-            journal = Journal(journal_path(spec, member_id), spec.task.group_size)
+            journal = Journal(journal_path(spec, member_id), launched_per_prompt(spec))
         except Exception as exc:  # noqa: BLE001 — reported in the registration and the log
             error = f"cannot start: {type(exc).__name__}: {exc}"[:300]
             changed, self.setup_error = error != self.setup_error, error
@@ -109,7 +109,9 @@ class EnvHost(Daemon):
             max_concurrent=spec.env_host.max_concurrent, journal=self.journal,
             claim=self.claimer.claim, recent_claims=self.claimer.recent,
             submit=self._submit, name=member_id,
-            routing=ENV_ROUTERS.build(spec.env_host.routing))
+            routing=ENV_ROUTERS.build(spec.env_host.routing), env_mode=spec.env_host.env_mode,
+            redundant_samples=spec.env_host.redundant_samples,
+            redundant_prompts=spec.env_host.redundant_prompts)
         # Everything built so far (transformers and torch modules, the tokenizer: several
         # hundred thousand objects) lives as long as the process. Out of the collector's
         # sight, a full collection walks only what the data path allocates: each one

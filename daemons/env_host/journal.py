@@ -9,9 +9,13 @@ within the same event-loop pass, see runner._journal_turn)::
     {"t": "turn",  "id": "p88-g3", "n": 0, "turn": {...}} turn n of a trajectory finished
     {"t": "done",  "id": "p88-g3", "n": 2, "task": ..., "env_reward": ..., "info": {...}, "reason": ""}
     {"t": "ack",   "ids": ["p88-g3"], "ok": true, "error": ""}
+    {"t": "spare", "id": "p88-g9", "reason": "redundant"}  kept here, never handed on
 
 A trajectory is handed to the reward-host after its "done" record and forgotten once
-acked; a prompt is forgotten when all of its group_size trajectories are acked. Opening
+acked; a prompt is forgotten when all of its trajectories are acked. ``group_size`` here
+is what a prompt launches: the task's group_size plus the spares of redundant rollouts
+(docs/agentic.md), which end as "spare" records: never handed on, accounted here with
+their reason. Opening
 a journal replays it and rewrites it compactly (only live state), and it is compacted
 again whenever the file holds many more records than the live state needs.
 
@@ -45,6 +49,11 @@ def journal_path(spec: JobSpec, member_id: str) -> Path:
     return job_run_dir(spec) / "env-host" / f"{member_id}.jsonl"
 
 
+def launched_per_prompt(spec: JobSpec) -> int:
+    """Trajectories a prompt launches: its group plus redundant spares (groups.py)."""
+    return spec.task.group_size + spec.env_host.redundant_samples
+
+
 # Compact JSON like json.dumps(separators=(",", ":")), ~5x faster; replay reads it with
 # json.loads. Values are finite (checked before they are journaled) and UTF-8 on disk.
 _ENCODER = msgspec.json.Encoder()
@@ -67,6 +76,7 @@ class TrajState:
     turns: list[Turn] = dataclasses.field(default_factory=list)
     done: dict[str, Any] | None = None  # the "done" record, once finished
     acked: bool = False
+    spare: str = ""  # why it was kept here instead of handed on ("redundant", "env_error", ...)
 
 
 class Journal:
@@ -130,6 +140,11 @@ class Journal:
             if self._records >= max(self.compact_min_records, 4 * self._live_records()):
                 self._compact()
 
+    def record_spare(self, tid: str, reason: str) -> None:
+        """A finished or cancelled trajectory the group does not need: done here."""
+        with self._lock:
+            self._append({"t": "spare", "id": tid, "reason": reason})
+
     def close(self) -> None:
         with self._lock:
             if self._fd >= 0 and self._unwritten:
@@ -164,6 +179,12 @@ class Journal:
             return Trajectory(tid, prompt_id, group_id(prompt_id), s.done["task"], list(s.turns),
                               float(s.done["env_reward"]), dict(s.done["info"]), s.done["reason"],
                               prompt=prompt)
+
+    def handed(self, prompt_id: int) -> int:
+        """Trajectories of the prompt handed on (or to be re-sent): done or acked, not spare."""
+        with self._lock:
+            states = (self.trajectories.get(trajectory_id(prompt_id, k)) for k in range(self.group_size))
+            return sum(1 for s in states if s is not None and (s.done is not None or s.acked) and not s.spare)
 
     def live_prompts(self) -> list[int]:
         with self._lock:
@@ -213,6 +234,13 @@ class Journal:
                     continue  # a late duplicate ack for a prompt already forgotten
                 self.trajectories.setdefault(tid, TrajState()).acked = True
                 self._forget_if_complete(prompt_id)
+        elif kind == "spare":
+            tid = rec["id"]
+            prompt_id = parse_trajectory_id(tid)[0]
+            if prompt_id in self.claimed:
+                state = self.trajectories.setdefault(tid, TrajState())
+                state.acked, state.spare = True, str(rec["reason"]) or "redundant"
+                self._forget_if_complete(prompt_id)
         else:
             raise ValueError(f"unknown record type {kind!r}")
 
@@ -249,7 +277,9 @@ class Journal:
                 out.append({"t": "turn", "id": tid, "n": n, "turn": turn_to_json(turn)})
             if s.done is not None:
                 out.append({"t": "done", "id": tid, "n": len(s.turns), **s.done})
-            if s.acked:
+            if s.spare:
+                out.append({"t": "spare", "id": tid, "reason": s.spare})
+            elif s.acked:
                 acked.append(tid)
         if acked:
             out.append({"t": "ack", "ids": acked, "ok": True, "error": ""})

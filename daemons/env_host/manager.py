@@ -181,6 +181,10 @@ class EnvManager:
                      extra={"event": "trajectory_dropped", "trajectory": self.tid, "reason": reason})
         return self._trajectory(reason, detail)
 
+    def ended(self, reason: str, detail: str) -> Trajectory:
+        """The trajectory as far as it got, ended from outside (cancelled as redundant)."""
+        return self._trajectory(reason, detail)
+
     def _trajectory(self, reason: str, detail: str) -> Trajectory:
         info = {"turns": str(len(self.turns)), "invalid_actions": str(self.invalid_actions),
                 "reissues": str(self.reissues), "rollouts": ",".join(dict.fromkeys(self.rollouts_used))}

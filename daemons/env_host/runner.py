@@ -34,6 +34,8 @@ from rlfleet.daemons.tasks import Prompt, Task
 from rlfleet.daemons.tasks.prompts import PromptStream, parse_trajectory_id, trajectory_id
 
 from .claims import ClaimContention, ClaimError
+from .env_modes import BatchBarrier, TurnGate
+from .groups import REDUNDANT, PromptGroup, Round
 from .journal import Journal
 from .manager import EnvManager, ManagerConfig, TurnCodec
 from .routing import Router
@@ -44,6 +46,9 @@ log = logging.getLogger("rlfleet.env_host")
 TRAJECTORIES = Counter("rlfleet_env_trajectories_total",
                        "Trajectories finished by this env-host, by dropped reason ('' = complete)",
                        ["id", "reason"])
+SPARES = Counter("rlfleet_env_spare_trajectories_total",
+                 "Trajectories of redundant rollouts kept by this env-host, not handed on (docs/agentic.md)",
+                 ["id", "reason"])
 PROMPTS_CLAIMED = Counter("rlfleet_env_prompts_claimed_total", "Prompts claimed from the cursor", ["id"])
 TURNS = Counter("rlfleet_env_turns_total", "Turns generated and stepped", ["id"])
 
@@ -53,10 +58,25 @@ class EnvRunner:
                  group_size: int, max_concurrent: int, journal: Journal,
                  claim: Callable[[int], range], recent_claims: Callable[[], list[range]],
                  submit: Callable[[str, Trajectory], None], name: str = "env-host",
-                 routing: RoutingPolicy | None = None) -> None:
+                 routing: RoutingPolicy | None = None, env_mode: str = "async",
+                 redundant_samples: int = 0, redundant_prompts: int = 0) -> None:
+        """``env_mode``: "async" or "batch" (env_modes.py); ``redundant_samples`` extra
+        trajectories per prompt, ``redundant_prompts`` extra prompts per batch-mode round
+        (groups.py)."""
         self.task, self.stream, self.codec, self.config = task, stream, codec, config
         self.group_size = group_size
-        self.max_prompts = max(1, max_concurrent // group_size)
+        self.launch = group_size + redundant_samples  # trajectories per prompt
+        self.max_prompts = max(1, max_concurrent // self.launch)
+        self.env_mode = env_mode
+        # A batch-mode round: the prompts of a training batch plus the redundant ones.
+        self.round_size = min(self.max_prompts, config.prompts_per_batch + redundant_prompts)
+        self._rounds: dict[int, Round] = {}  # round id (its first prompt id) -> round
+        self._round_of: dict[int, int] = {}  # prompt id -> round id
+        self._groups: dict[int, PromptGroup] = {}  # live prompt id -> its group's bookkeeping
+        self._running: dict[str, tuple[asyncio.Task[Any], EnvManager]] = {}
+        self._cancelled: set[str] = set()  # tids cancelled as redundant (not a shutdown)
+        self.gate: TurnGate = (BatchBarrier(lambda tid: self._round_of.get(parse_trajectory_id(tid)[0], -1))
+                               if env_mode == "batch" else TurnGate())
         self.journal = journal
         self.claim, self.recent_claims, self.submit = claim, recent_claims, submit
         self.name, self.routing = name, routing
@@ -76,6 +96,7 @@ class EnvRunner:
         self.paced = 0  # claims the pacer refused (pacing.py), for tests and logs
         self.acked = 0
         self.dropped: dict[str, int] = {}
+        self.spares: dict[str, int] = {}  # kept, not handed on, by reason
         self.last_claim_error = ""
         self._in_flight = 0  # mirrors of self._live, for other threads
         self._live_prompts = 0
@@ -202,7 +223,7 @@ class EnvRunner:
         backoff = 0.2
         # Claim in batches (half the capacity) rather than one prompt per finished group:
         # fewer compare-and-swaps on the one cursor key that every env-host contends for.
-        batch = max(1, self.max_prompts // 2)
+        batch = max(1, self.max_prompts // 2) if self.env_mode == "async" else self.round_size
         while not self._stopping:
             free = self.max_prompts - len(self._live)
             if free >= batch and len(self.router) > 0:
@@ -225,6 +246,8 @@ class EnvRunner:
                 PROMPTS_CLAIMED.labels(id=self.name).inc(len(prompts))
                 log.info("claimed prompts [%d, %d)", prompts.start, prompts.stop,
                          extra={"event": "claimed", "start": prompts.start, "stop": prompts.stop})
+                if self.env_mode == "batch":
+                    self._begin_round(prompts)
                 for prompt_id in prompts:
                     await self._start_prompt(prompt_id)
                 continue
@@ -263,26 +286,42 @@ class EnvRunner:
                 adopted.append(lost)
         return adopted
 
+    def _begin_round(self, prompts: range) -> None:
+        """Batch mode: the prompts claimed together step together (BatchBarrier), and with
+        redundant prompts the round closes once a batch's worth of groups is complete."""
+        needed = min(len(prompts), self.config.prompts_per_batch)
+        self._rounds[prompts.start] = Round(list(prompts), needed)
+        for p in prompts:
+            self._round_of[p] = prompts.start
+        assert isinstance(self.gate, BatchBarrier)
+        self.gate.join(trajectory_id(p, k) for p in prompts for k in range(self.launch))
+
     async def _start_prompt(self, prompt_id: int) -> None:
         prompt = self.stream.cached(prompt_id)
         if prompt is None:  # generating a new chunk of the stream takes a while: off the loop
             prompt = await asyncio.to_thread(self.stream.get, prompt_id)
         live = self._live.setdefault(prompt_id, set())
-        for k in range(self.group_size):
+        group = self._groups[prompt_id] = PromptGroup(self.group_size, self.launch)
+        group.handed = group.good = self.journal.handed(prompt_id)
+        for k in range(self.launch):
             tid = trajectory_id(prompt_id, k)
             status = self.journal.status(tid)
             if status == "acked":
+                self.gate.leave(tid)
                 continue
             live.add(tid)
             if status == "done":
+                self.gate.leave(tid)
                 self.submit(tid, self.journal.finished(tid, prompt))
             else:
                 resume = self.journal.turns(tid) if status == "partial" else []
+                group.running += 1
                 task = self.loop.create_task(self._trajectory(prompt, prompt_id, k, resume))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         if not live:
             del self._live[prompt_id]
+            self._groups.pop(prompt_id, None)
         self._count_live()
 
     def _count_live(self) -> None:
@@ -293,26 +332,71 @@ class EnvRunner:
         assert self.router is not None
         manager = EnvManager(task=self.task, prompt=prompt, prompt_id=prompt_id, index=k,
                              codec=self.codec, router=self.router, config=self.config,
-                             on_turn=self._journal_turn, resume=resume)
+                             on_turn=self._journal_turn, resume=resume, gate=self.gate)
+        tid = manager.tid
+        self._running[tid] = (asyncio.current_task(), manager)  # type: ignore[assignment]
         self.running += 1
         try:
-            traj = await manager.run()
-            if traj.dropped_reason:
-                self.dropped[traj.dropped_reason] = self.dropped.get(traj.dropped_reason, 0) + 1
-            metric = self._trajectories_metric.get(traj.dropped_reason)
-            if metric is None:
-                metric = self._trajectories_metric[traj.dropped_reason] = TRAJECTORIES.labels(
-                    id=self.name, reason=traj.dropped_reason)
-            metric.inc()
-            self.journal.record_done(traj)  # no fsync: written inline, see _journal_turn
+            try:
+                traj = await manager.run()
+            except asyncio.CancelledError:
+                if tid not in self._cancelled:
+                    raise  # the env-host is stopping: the journal keeps the partial trajectory
+                self._cancelled.discard(tid)
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                traj = manager.ended(REDUNDANT, "cancelled: its group or round no longer needs it")
+            group = self._groups[prompt_id]
+            verdict = group.finished(ok=not traj.dropped_reason)
+            if verdict == "spare":
+                reason = traj.dropped_reason or REDUNDANT
+                self.journal.record_spare(tid, reason)
+                self.spares[reason] = self.spares.get(reason, 0) + 1
+                SPARES.labels(id=self.name, reason=reason).inc()
+            else:
+                if traj.dropped_reason:
+                    self.dropped[traj.dropped_reason] = self.dropped.get(traj.dropped_reason, 0) + 1
+                metric = self._trajectories_metric.get(traj.dropped_reason)
+                if metric is None:
+                    metric = self._trajectories_metric[traj.dropped_reason] = TRAJECTORIES.labels(
+                        id=self.name, reason=traj.dropped_reason)
+                metric.inc()
+                self.journal.record_done(traj)  # no fsync: written inline, see _journal_turn
         except Exception:  # noqa: BLE001 — e.g. the journal's disk is full
             # Not handed on: the prompt stays live here and in the journal, and the next
             # start resumes the trajectory from what was journaled.
-            log.exception("%s: could not journal the finished trajectory", manager.tid)
+            log.exception("%s: could not journal the finished trajectory", tid)
             return
         finally:
             self.running -= 1
-        self.submit(traj.trajectory_id, traj)
+            self._running.pop(tid, None)
+        if verdict == "spare":
+            self._forget([tid])
+        else:
+            self.submit(tid, traj)
+        self._cancel_unneeded(prompt_id)
+
+    def _cancel_unneeded(self, prompt_id: int) -> None:
+        """Cancel what a whole group, or a round with enough groups, no longer needs."""
+        group = self._groups.get(prompt_id)
+        rid = self._round_of.get(prompt_id)
+        rnd = self._rounds.get(rid) if rid is not None else None
+        if rnd is not None and not rnd.abandoned and rnd.enough(self._groups):
+            rnd.abandoned = True
+            for p in rnd.prompts:
+                g = self._groups.get(p)
+                if g is not None and not g.complete:
+                    g.abandoned = True
+                    self._cancel_prompt(p)
+        if group is not None and group.cancel_now():
+            self._cancel_prompt(prompt_id)
+
+    def _cancel_prompt(self, prompt_id: int) -> None:
+        for k in range(self.launch):
+            tid = trajectory_id(prompt_id, k)
+            running = self._running.get(tid)
+            if running is not None and tid not in self._cancelled:
+                self._cancelled.add(tid)
+                running[0].cancel()
 
     async def _journal_turn(self, tid: str, index: int, turn: Turn) -> None:
         self._turns_metric.inc()
@@ -354,5 +438,10 @@ class EnvRunner:
                 live.discard(tid)
                 if not live:
                     del self._live[prompt_id]
+                    self._groups.pop(prompt_id, None)
+                    rid = self._round_of.pop(prompt_id, None)
+                    rnd = self._rounds.get(rid) if rid is not None else None
+                    if rnd is not None and not any(p in self._live for p in rnd.prompts):
+                        del self._rounds[rid]
         self._count_live()
         self._poke()
