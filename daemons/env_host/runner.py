@@ -1,9 +1,14 @@
 """The env-host's event loop (its own thread): claim prompts, run EnvManagers, hand
 finished trajectories to the outbox, forget them once the reward-host acked.
 
-Capacity: at most max(1, max_concurrent // group_size) prompts are live at once; a
-prompt stays live until all its group_size trajectories are acked, so a reward-host
-that stops acking stops the claiming (back-pressure) instead of piling up work.
+Capacity (env mode "async"): at most max_concurrent trajectories run at once, counted by
+trajectory, not by prompt: a prompt whose other trajectories still run does not hold the
+slots of its finished ones (with slow, uneven environments a prompt's slowest trajectory
+would otherwise idle the rest of its group's slots). A prompt stays live until all its
+trajectories are acked, and at most twice max(1, max_concurrent // group_size) prompts
+are live, so a reward-host that stops acking stops the claiming (back-pressure) instead
+of piling up work. In the "batch" env mode a round is claimed when the previous ones
+have left room for a whole round of live prompts.
 
 Start-up order matters for the accounting invariant:
 1. resume the journal's live prompts (re-send done trajectories, resume partial ones);
@@ -67,6 +72,7 @@ class EnvRunner:
         self.group_size = group_size
         self.launch = group_size + redundant_samples  # trajectories per prompt
         self.max_prompts = max(1, max_concurrent // self.launch)
+        self.max_concurrent = max(max_concurrent, self.launch)
         self.env_mode = env_mode
         # A batch-mode round: the prompts of a training batch plus the redundant ones.
         self.round_size = min(self.max_prompts, config.prompts_per_batch + redundant_prompts)
@@ -223,9 +229,13 @@ class EnvRunner:
         backoff = 0.2
         # Claim in batches (half the capacity) rather than one prompt per finished group:
         # fewer compare-and-swaps on the one cursor key that every env-host contends for.
-        batch = max(1, self.max_prompts // 2) if self.env_mode == "async" else self.round_size
+        batch = max(1, self.max_prompts // 4) if self.env_mode == "async" else self.round_size
         while not self._stopping:
-            free = self.max_prompts - len(self._live)
+            if self.env_mode == "async":
+                free = min(2 * self.max_prompts - len(self._live),
+                           (self.max_concurrent - self.running) // self.launch)
+            else:
+                free = self.max_prompts - len(self._live)
             if free >= batch and len(self.router) > 0:
                 try:
                     prompts = await asyncio.to_thread(self.claim, free)
@@ -316,6 +326,7 @@ class EnvRunner:
             else:
                 resume = self.journal.turns(tid) if status == "partial" else []
                 group.running += 1
+                self.running += 1  # counted from creation: the claim loop reads it at once
                 task = self.loop.create_task(self._trajectory(prompt, prompt_id, k, resume))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -335,7 +346,6 @@ class EnvRunner:
                              on_turn=self._journal_turn, resume=resume, gate=self.gate)
         tid = manager.tid
         self._running[tid] = (asyncio.current_task(), manager)  # type: ignore[assignment]
-        self.running += 1
         try:
             try:
                 traj = await manager.run()
@@ -369,6 +379,7 @@ class EnvRunner:
         finally:
             self.running -= 1
             self._running.pop(tid, None)
+            self._poke()  # a trajectory's slot is free: maybe claim
         if verdict == "spare":
             self._forget([tid])
         else:
