@@ -147,3 +147,30 @@ class FrozenLake(TaskKind):
     Config = FrozenLakeConfig
     task_module, task_class_name = "frozenlake", "FrozenLakeTask"
     multi_turn = True
+
+
+class ToolUseConfig(KindConfig):
+    # Defaults = the difficulty models/tiny-qwen2 is warm-started for (its warmstart.json).
+    kind: Literal["tool_use"] = "tool_use"
+    digits: Annotated[StrictInt, Field(ge=1, le=4)] = 2  # the most digits a factor has
+    min_digits: Annotated[StrictInt, Field(ge=1, le=4)] = 2
+    # Wall clock of one tool call in the sandbox (its CPU limit is half of it): keep it
+    # under [env_host] turn_timeout_s, or the turn times out before the tool does.
+    tool_timeout_s: float = Field(default=5.0, strict=True, gt=0, le=60, allow_inf_nan=False)
+
+    @field_validator("min_digits")
+    @classmethod
+    def _at_most_digits(cls, n: int, info: ValidationInfo) -> int:
+        digits = info.data.get("digits")
+        if digits is not None and n > digits:
+            raise fail(f"must be <= digits ({digits}), got {n}")
+        return n
+
+
+class ToolUse(TaskKind):
+    """Multiplication with a calculator tool run in a sandbox (tool_use.py); [task] max_turns
+    caps the calls plus the answer."""
+
+    Config = ToolUseConfig
+    task_module, task_class_name = "tool_use", "ToolUseTask"
+    multi_turn = True

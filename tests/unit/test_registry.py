@@ -208,7 +208,7 @@ def test_every_seam_has_its_default_kind_registered():
         "rlfleet.trainer_backends": ["sim", "torch"],
         "rlfleet.reward_backends": ["rule_pool"],
         "rlfleet.reward_dispatch": ["fifo"],
-        "rlfleet.tasks": ["arithmetic", "frozenlake", "sim"],
+        "rlfleet.tasks": ["arithmetic", "frozenlake", "sim", "tool_use"],
         "rlfleet.env_routers": ["least_loaded"],
         "rlfleet.repack_planners": ["laminar", "none"],
     }

@@ -258,7 +258,7 @@ def test_missing_required_sections(tree):
     assert errors_of("[trainer]\nbatch_size = 8\n") == [
         "examples/bad.toml: job.name: required key missing",
         "examples/bad.toml: model.path: required key missing",
-        "examples/bad.toml: task.env: required table missing: one with kind = 'arithmetic', 'frozenlake' or 'sim'",
+        "examples/bad.toml: task.env: required table missing: one with kind = 'arithmetic', 'frozenlake', 'sim' or 'tool_use'",
     ]
 
 
@@ -521,9 +521,9 @@ def test_typed_task_knobs(tree):
     assert_one_error(MINIMAL.replace('"arithmetic"', '"frozenlake"') + "p = 0\n",
                      "task.env.p: must be > 0, got 0")
     assert_one_error(MINIMAL.replace('"arithmetic"', '"chess"'),
-                     "task.env.kind: unknown kind 'chess' (registered: 'arithmetic', 'frozenlake', 'sim')")
+                     "task.env.kind: unknown kind 'chess' (registered: 'arithmetic', 'frozenlake', 'sim', 'tool_use')")
     assert_one_error(MINIMAL.replace('kind = "arithmetic"', "digits = 2"),
-                     "task.env.kind: required key missing (registered: 'arithmetic', 'frozenlake', 'sim')")
+                     "task.env.kind: required key missing (registered: 'arithmetic', 'frozenlake', 'sim', 'tool_use')")
 
 
 SIM_TASK = MINIMAL.replace('kind = "arithmetic"', 'kind = "sim"')
