@@ -140,7 +140,7 @@ class SimEngineConfig(KindConfig):
         if "rollouts" in self.model_fields_set and self.rollouts != total:
             raise ValueError(f"rollouts: the pools hold {total} rollouts, got rollouts = {self.rollouts} "
                              f"(leave it out with pools)")
-        if "hardware" in self.model_fields_set:
+        if self.hardware is not None:
             raise ValueError("hardware: each pool names its own; leave it out with pools")
         object.__setattr__(self, "rollouts", total)
         return self
