@@ -22,6 +22,7 @@ interface: change them only with a migration note in docs/etcd-keys.md.
     /rlfleet/<job>/node_state/<host>               cordoned | draining | drained | removed: `rlfleet node ...`
     /rlfleet/<job>/admitted/<host>                 the resource-manager's admission of a host into a pool
     /rlfleet/<job>/switchover/<role>               a requested leadership handover: {to, from, by, at} (lease)
+    /rlfleet/<job>/routing/<env-host id>           routing bindings (affinity prefer table), counts per tag/hardware (lease)
 
 The values are parsed in one place too: `common/records.py` (one typed,
 immutable record per key) and `common/cluster.py` (the whole job at once).
@@ -55,6 +56,7 @@ STATE = "state"
 NODE_STATE = "node_state"
 ADMITTED = "admitted"
 SWITCHOVER = "switchover"
+ROUTING = "routing"
 
 _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -184,6 +186,14 @@ class JobKeys:
         if type(tp) is not int or tp < 1:
             raise ValueError(f"invalid layout for an etcd key: {tp!r} (a tensor-parallel degree >= 1)")
         return f"{self.relay_layouts_prefix}tp{tp}"
+
+    @property
+    def routing_prefix(self) -> str:
+        return f"{self.prefix}{ROUTING}/"
+
+    def routing(self, env_host_id: str) -> str:
+        """An env-host's routing bindings and live counts per tag and hardware (lease-bound)."""
+        return f"{self.routing_prefix}{_check(env_host_id, 'member id')}"
 
     @property
     def prompts_cursor(self) -> str:

@@ -34,12 +34,14 @@ from .claims import PromptClaimer
 from .pacing import ClaimPacer, claim_limit
 from .journal import Journal, journal_path, launched_per_prompt
 from .manager import ManagerConfig, TurnCodec
+from .routing_policy import RolloutTraits
 from .runner import EnvRunner
 
 log = logging.getLogger("rlfleet.env_host")
 
 DRAIN_ACK_WAIT_S = 3.0  # on SIGTERM, how long to wait for acks of finished trajectories
 SETUP_RETRY_S = 10.0
+BINDINGS_EVERY_S = 2.0  # the routing counts in etcd: fresh enough to read, few writes
 
 
 def peer_addresses(members: list[Member], address_name: str) -> dict[str, str]:
@@ -50,6 +52,18 @@ def peer_addresses(members: list[Member], address_name: str) -> dict[str, str]:
         address = m.address(address_name)
         if m.state in ("running", "") and address:
             out[m.id] = address
+    return out
+
+
+def rollout_traits(members: list[Member], live: dict[str, str]) -> dict[str, RolloutTraits]:
+    """What the routing policy knows of each live rollout from its record: its hardware
+    label and slots (sequences it decodes at once)."""
+    out = {}
+    for m in members:
+        if m.id in live:
+            slots = m.info.get("slots")
+            out[m.id] = RolloutTraits(str(m.info.get("hardware") or ""),
+                                      slots if isinstance(slots, int) and slots > 0 else None)
     return out
 
 
@@ -103,13 +117,14 @@ class EnvHost(Daemon):
         self.claimer = PromptClaimer(self.store, self.keys, member_id,
                                      budget=self.pacer.budget if self.pacer else None)
         self.outbox = OutboxThread(f"{member_id}->reward-host", on_acked=self._on_acked)
+        self.routing = ENV_ROUTERS.build(spec.env_host.routing, name=member_id)
         self.runner = EnvRunner(
             task=task, stream=PromptStream(task, spec.job.seed), codec=codec,
             config=ManagerConfig.from_spec(spec), group_size=spec.task.group_size,
             max_concurrent=spec.env_host.max_concurrent, journal=self.journal,
             claim=self.claimer.claim, recent_claims=self.claimer.recent,
             submit=self._submit, name=member_id,
-            routing=ENV_ROUTERS.build(spec.env_host.routing), env_mode=spec.env_host.env_mode,
+            routing=self.routing, env_mode=spec.env_host.env_mode,
             redundant_samples=spec.env_host.redundant_samples,
             redundant_prompts=spec.env_host.redundant_prompts)
         # Everything built so far (transformers and torch modules, the tokenizer: several
@@ -146,6 +161,10 @@ class EnvHost(Daemon):
         versions = {m.id: v for m in rollout_members
                     if isinstance(v := m.info.get("weight_version"), int) and m.id in rollouts}
         said = []
+        fleet = rollout_traits(rollout_members, rollouts)
+        if fleet != self.routing.fleet:
+            self.routing.set_fleet(fleet)
+        self._publish_bindings()
         if rollouts != self._peers[0] or versions != self._versions:
             self.runner.set_rollouts(rollouts, versions)
             self._versions = versions
@@ -156,6 +175,18 @@ class EnvHost(Daemon):
             said.append(f"reward-hosts: {', '.join(sorted(reward_hosts)) or 'none'}")
         self._peers = (rollouts, reward_hosts)
         return "; ".join(said) or None
+
+    def _publish_bindings(self) -> None:
+        """The routing policy's bindings (the affinity kind's prefer table) and live counts
+        per tag and hardware, under routing/<our id>, at most every BINDINGS_EVERY_S."""
+        now = time.monotonic()
+        if self.session is None or now < getattr(self, "_bindings_at", 0.0):
+            return
+        self._bindings_at = now + BINDINGS_EVERY_S
+        bindings = {"kind": self.spec.env_host.routing.kind, **self.routing.bindings()}  # type: ignore[union-attr]
+        if bindings != getattr(self, "_bindings", None):
+            self.session.put_lease_bound(self.keys.routing(self.options.member_id), bindings)
+            self._bindings = bindings
 
     def _members(self, role: str) -> list[Member]:
         return members_from(self.keys, self.store.get_prefix(self.keys.role_members_prefix(role)))

@@ -358,7 +358,7 @@ class EnvManager:
                 rollout_id, res = await self.router.generate(
                     req, self.cfg.continue_timeout_s if continuing else self.cfg.turn_timeout_s,
                     exclude, to=turn.destination if continuing else None,
-                    version=turn.version if continuing else None)
+                    version=turn.version if continuing else None, tag=self.task.tag(self.prompt))
             except RouteError as exc:
                 if continuing and exc.kind == "no_rollout":
                     if turn.destination:  # the named destination is gone: any holder will do

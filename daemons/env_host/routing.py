@@ -10,11 +10,16 @@ monitor reports the TCP disconnect at once (a ZMTP heartbeat notices a silent pe
 within 6 s), and every request in flight to that rollout fails with kind "gone", so
 its EnvManager re-issues the turn elsewhere. A rollout that timed out is avoided for
 `suspect_s` unless nothing else is left.
+
+A policy may answer "wait" (``None``: every slot it would use is full; queue scheduling).
+The turn then waits in a FIFO here, woken one at a time as requests finish; the wait
+does not count against its turn timeout, which starts when it is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -29,7 +34,7 @@ from rlfleet.common.async_client import AsyncRequestClient
 from rlfleet.common.sockets import PeerTimeout
 from rlfleet.common.wire import Abort, GenerateRequest, GenerateResult
 
-from .routing_policy import LeastLoaded, RoutingPolicy
+from .routing_policy import LeastLoaded, Route, RoutingPolicy, group_of
 
 # A turn that has to go to another rollout: the one it was on timed out, went away (a
 # killed or powered-off host), or there was none. The same figures as Router.reissued.
@@ -79,6 +84,7 @@ class Router:
         self.name = name
         self._rollouts: dict[str, _Rollout] = {}
         self._changed = asyncio.Event()
+        self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._background: set[asyncio.Task[Any]] = set()
         self.reissued = {"timeout": 0, "gone": 0, "no_rollout": 0}
 
@@ -110,6 +116,8 @@ class Router:
         if said:
             self._changed.set()
             self._changed = asyncio.Event()
+            while self._slot_waiters:  # a new rollout may have free slots: all look again
+                self._wake_one()
         return [s for s in said if s]
 
     def load(self) -> dict[str, int]:
@@ -163,12 +171,13 @@ class Router:
 
     async def generate(self, req: GenerateRequest, timeout_s: float,
                        exclude: Collection[str] = (), *, to: str | None = None,
-                       version: int | None = None) -> tuple[str, GenerateResult]:
+                       version: int | None = None, tag: str = "") -> tuple[str, GenerateResult]:
         """(rollout id, result) for one turn; RouteError when there is none in time.
-        ``to``: only that rollout; ``version``: only rollouts known to hold it."""
+        ``to``: only that rollout; ``version``: only rollouts known to hold it; ``tag``:
+        the prompt's kind (``Task.tag``, for hardware-affinity routing)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        r = await self._pick(exclude, deadline, to, version)
+        route = Route(group_of(req.trajectory_id), tag)
+        r, deadline = await self._pick(exclude, loop.time() + timeout_s, to, version, route)
         r.outstanding += 1
         r.requests += 1
         rid, call = r.client.start(req, max(0.001, deadline - loop.time()))
@@ -187,6 +196,7 @@ class Router:
             raise RouteError("gone", r.id, repr(exc)) from None
         finally:
             r.outstanding -= 1
+            self._wake_one()
             if call.cancelled():  # we were cancelled (trajectory timeout, stopping)
                 self._spawn(self._abort(r, req.request_id))
             r.client.discard(rid)
@@ -196,8 +206,10 @@ class Router:
         return r.id, result
 
     async def _pick(self, exclude: Collection[str], deadline: float, to: str | None = None,
-                    version: int | None = None) -> _Rollout:
+                    version: int | None = None, route: Route | None = None) -> tuple[_Rollout, float]:
+        """The rollout, and the turn's deadline (moved on by any wait for a free slot)."""
         loop = asyncio.get_running_loop()
+        waited = False
         while True:
             now = loop.time()
             if to is not None or version is not None:
@@ -211,14 +223,22 @@ class Router:
                     if version is not None and to is None else [known]
                 chosen = next((p for p in pools if p), None)
                 if chosen is not None:
-                    return self.policy.choose(chosen)
+                    picked = self.policy.choose(chosen)
+                    assert picked is not None  # a continuation's choice never waits
+                    return picked, deadline
                 every: list[_Rollout] = []
             else:
                 every = list(self._rollouts.values())
-            for pool in ([r for r in every if r.id not in exclude and r.suspect_until <= now],
-                         [r for r in every if r.id not in exclude], every):
-                if pool:
-                    return self.policy.choose(pool)
+            pool = next((p for p in ([r for r in every if r.id not in exclude and r.suspect_until <= now],
+                                     [r for r in every if r.id not in exclude], every) if p), None)
+            if pool is not None:
+                picked = self.policy.choose(pool, route)
+                if picked is not None:
+                    return picked, deadline
+                await self._wait_for_slot(front=waited)  # woken before and beaten to it: stay first
+                waited = True
+                deadline += loop.time() - now
+                continue
             if now >= deadline:
                 self._reissued("no_rollout")
                 wanted = (f"rollout {to}" if to else "live rollout") + (
@@ -228,6 +248,26 @@ class Router:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(deadline - now):
                     await changed.wait()
+
+    async def _wait_for_slot(self, front: bool = False) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        (self._slot_waiters.appendleft if front else self._slot_waiters.append)(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._wake_one()  # we were woken for a slot we will not take: pass it on
+            else:
+                with contextlib.suppress(ValueError):
+                    self._slot_waiters.remove(waiter)
+            raise
+
+    def _wake_one(self) -> None:
+        while self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     async def _abort(self, r: _Rollout, request_id: str) -> None:
         # Frees the rollout's slot; its reply (finish_reason="abort") is not needed.

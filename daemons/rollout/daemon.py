@@ -50,6 +50,8 @@ class Rollout(Daemon):
         self.server: RequestServer | None = None
         self.sim: Any = None  # SimHost, when this process hosts simulated rollouts
         self._sim_published: dict[str, int] = {}  # simulated rollout -> version in its record
+        self._sim_traits: dict[str, dict[str, Any]] = {}  # simulated rollout -> hardware, slots
+        self.hardware = ""  # a real rollout's: its node's label "hardware" (affinity routing)
 
     def setup(self) -> None:
         assert self.spec is not None
@@ -79,6 +81,7 @@ class Rollout(Daemon):
         self.loop = EngineLoop(engine, self.server, self.options.member_id, self._make_reader,
                                mode=rs.mode)
         self.loop.start()
+        self.hardware = self._node_hardware()
         log.info("serving %s on %s: engine %s, max_batch %d, cache %d tokens/slot, %d torch thread(s)",
                  self.spec.model.path, self.server.endpoint, rs.engine.kind, getattr(engine, "max_batch", 0),
                  getattr(engine, "max_len", 0), threads, extra={"event": "serving"})
@@ -94,14 +97,16 @@ class Rollout(Daemon):
         assert self.spec is not None
         rs, host_id = self.spec.rollout, self.options.member_id
         count = rs.engine.rollouts  # type: ignore[attr-defined]
+        fleet = rs.engine.fleet()  # type: ignore[attr-defined]  # (hardware label, config) each
         servers = bind_servers(count, rs.bind_host, host_id, EXPECT)
         cores = []
-        for k, server in enumerate(servers):
+        for k, (server, (hardware, config)) in enumerate(zip(servers, fleet)):
             member_id = sim_member_id(host_id, k, count)
-            engine = ROLLOUT_ENGINES.build(rs.engine, model_path=self.spec.model.path,
+            engine = ROLLOUT_ENGINES.build(config, model_path=self.spec.model.path,
                                            dtype=self.spec.model.dtype, rollout_index=k,
                                            seed=self.spec.job.seed)
             cores.append(RolloutCore(engine, server, member_id, mode=rs.mode))
+            self._sim_traits[member_id] = {"hardware": hardware, "slots": config.timing().max_batch}
         self.sim = SimHost(cores, self._make_reader,
                            summary_path=job_run_dir(self.spec) / "sim" / f"{host_id}.json")
         self.sim.start()
@@ -124,10 +129,21 @@ class Rollout(Daemon):
                 "pid": os.getpid(), "state": "running",
                 "addresses": {"requests": core.server.endpoint},
                 "started": round(self.started_at, 3), "weight_version": version,
-                "simulated_by": self.options.member_id})
+                "simulated_by": self.options.member_id, **self._sim_traits[core.member_id]})
             self._sim_published[core.member_id] = version
             loaded += not first
         return f"{loaded} simulated rollouts loaded a newer version" if loaded else None
+
+    def _node_hardware(self) -> str:
+        """This machine's hardware label: ``labels.hardware`` of its node record (the agent's
+        ``--labels``), '' when it has none or etcd does not answer."""
+        from rlfleet.common.members import Node
+
+        try:
+            kv = self.store.get(self.keys.node(self.options.host))
+            return "" if kv is None else Node.from_kv(self.keys, kv).labels.get("hardware", "")
+        except Exception:  # noqa: BLE001 — a label is a routing hint, never a reason not to serve
+            return ""
 
     def _make_reader(self) -> Any:
         """The local relay's reader, or None when this installation has no relay reader."""
@@ -170,7 +186,9 @@ class Rollout(Daemon):
         if self.loop is None:
             return {"weight_version": 0}
         first = self.loop.core.first_result_at
-        return {"weight_version": self.loop.engine.weight_version,
+        slots = getattr(self.loop.engine, "max_batch", None)
+        return {"weight_version": self.loop.engine.weight_version, "hardware": self.hardware,
+                **({"slots": slots} if isinstance(slots, int) else {}),
                 **({"first_result_at": round(first, 3)} if first is not None else {})}
 
     def drain(self) -> str | None:

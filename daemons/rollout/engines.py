@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StrictInt, field_validator
+from pydantic import BaseModel, Field, StrictInt, StrictStr, field_validator, model_validator
 
 from rlfleet.common.registry import Kind, KindConfig, Problem
 from rlfleet.common.spec_fields import NonNegInt, PosFloat, PosInt, fail
@@ -70,6 +70,33 @@ class TorchEngineKind(Kind):
 
 NonNegFloat = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
 LengthsConfig = LENGTH_MODELS.config_type()  # [rollout.engine.lengths], tagged by kind
+# A rollout's hardware label (routing's prefer table names these; an etcd record field).
+HardwareLabel = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+_TIMING_KEYS = ("max_batch", "kv_capacity_tokens", "base_s", "roofline_batch", "kv_s_per_token",
+                "prefill_s_per_token", "load_s")
+
+
+class SimPoolConfig(BaseModel, extra="forbid", frozen=True):
+    """``[[rollout.engine.pools]]``: some of the simulated rollouts on another hardware
+    profile, with their own label and overrides (absent = the engine table's)."""
+
+    hardware: HardwareLabel
+    rollouts: Annotated[PosInt, Field(le=4096)]
+    profile: str | None = None
+    max_batch: Annotated[PosInt, Field(le=MAX_BATCH_LIMIT)] | None = None
+    kv_capacity_tokens: PosInt | None = None
+    base_s: PosFloat | None = None
+    roofline_batch: PosInt | None = None
+    kv_s_per_token: NonNegFloat | None = None
+    prefill_s_per_token: NonNegFloat | None = None
+    load_s: NonNegFloat | None = None
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, name: str | None) -> str | None:
+        if name is not None and name not in PROFILES:
+            raise fail(f"unknown profile {name!r} (known: {', '.join(map(repr, PROFILES))})")
+        return name
 
 
 class SimEngineConfig(KindConfig):
@@ -93,6 +120,10 @@ class SimEngineConfig(KindConfig):
     prefill_s_per_token: NonNegFloat | None = None
     load_s: NonNegFloat | None = None
     lengths: LengthsConfig = LENGTH_MODELS.field()  # type: ignore[valid-type]
+    # Every rollout's hardware label in its etcd record (None: the profile's GPU, "h800").
+    hardware: HardwareLabel | None = None
+    # A fleet of several hardware kinds: the rollouts are the pools' (rollouts = their sum).
+    pools: list[SimPoolConfig] = []
 
     @field_validator("profile")
     @classmethod
@@ -100,6 +131,42 @@ class SimEngineConfig(KindConfig):
         if name not in PROFILES:
             raise fail(f"unknown profile {name!r} (known: {', '.join(map(repr, PROFILES))})")
         return name
+
+    @model_validator(mode="after")
+    def _pools_make_the_fleet(self) -> SimEngineConfig:
+        if not self.pools:
+            return self
+        total = sum(p.rollouts for p in self.pools)
+        if "rollouts" in self.model_fields_set and self.rollouts != total:
+            raise ValueError(f"rollouts: the pools hold {total} rollouts, got rollouts = {self.rollouts} "
+                             f"(leave it out with pools)")
+        if self.hardware is not None:
+            raise ValueError("hardware: each pool names its own; leave it out with pools")
+        object.__setattr__(self, "rollouts", total)
+        return self
+
+    def label(self) -> str:
+        return self.hardware or PROFILES[self.profile].hardware
+
+    def fleet(self) -> list[tuple[str, SimEngineConfig]]:
+        """(hardware label, engine config) of every simulated rollout, in member order."""
+        if not self.pools:
+            return [(self.label(), self)] * self.rollouts
+        out = []
+        for pool in self.pools:
+            update = {k: getattr(pool, k) for k in ("profile", *_TIMING_KEYS) if getattr(pool, k) is not None}
+            config = self.model_copy(update={**update, "pools": [], "rollouts": pool.rollouts,
+                                             "hardware": pool.hardware})
+            out += [(pool.hardware, config)] * pool.rollouts
+        return out
+
+    def hardware_labels(self) -> list[str]:
+        """The labels this spec's rollouts carry (routing's prefer table is checked against them)."""
+        return list(dict.fromkeys(label for label, _ in self.fleet()))
+
+    def cost(self) -> float:
+        """The fleet's price in H20-equivalents (RollArt Table 2: H20 1.00, H800 2.85)."""
+        return sum(PROFILES[c.profile].cost for _, c in self.fleet())
 
     def timing(self) -> SimTiming:
         """The profile's constants (model seconds) with this table's overrides."""

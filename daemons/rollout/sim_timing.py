@@ -26,6 +26,11 @@ import dataclasses
 H800_HBM_BYTES_PER_S = 3.35e12
 H800_BF16_FLOPS = 989.4e12
 H800_MEMORY_BYTES = 80e9
+# NVIDIA H20 96GB (the bandwidth-optimised Hopper): HBM3 4.0 TB/s, 148 TFLOPS dense bf16
+# (NVIDIA's H20 figures, as in RollArt Table 2).
+H20_HBM_BYTES_PER_S = 4.0e12
+H20_BF16_FLOPS = 148e12
+H20_MEMORY_BYTES = 96e9
 # vLLM's default gpu_memory_utilization: the share of GPU memory for weights + KV cache.
 GPU_MEMORY_UTILIZATION = 0.9
 # Per decode step, outside the roofline: scheduling, sampling, launch of the CUDA graph
@@ -81,6 +86,22 @@ QWEN25_32B = ModelShape("Qwen2.5-32B", layers=64, hidden=5120, intermediate=2764
 
 
 @dataclasses.dataclass(frozen=True)
+class GPU:
+    """The datasheet figures the roofline needs, and a price: RollArt Table 2's normalised
+    cost (H20 = 1.00, H800 = 2.85, its reference [69]), so fleets of equal cost compare."""
+
+    name: str
+    hbm_bytes_per_s: float
+    bf16_flops: float
+    memory_bytes: float
+    cost: float
+
+
+H800 = GPU("h800", H800_HBM_BYTES_PER_S, H800_BF16_FLOPS, H800_MEMORY_BYTES, cost=2.85)
+H20 = GPU("h20", H20_HBM_BYTES_PER_S, H20_BF16_FLOPS, H20_MEMORY_BYTES, cost=1.00)
+
+
+@dataclasses.dataclass(frozen=True)
 class SimTiming:
     """One engine's constants, in model seconds and tokens."""
 
@@ -102,32 +123,40 @@ class Profile:
     name: str
     description: str
     timing: SimTiming
+    hardware: str = "h800"  # the GPU's name: a sim rollout's default hardware label
+    cost: float = 2.85  # per rollout (GPU.cost x tp): the price of one rollout of this profile
 
 
-def derive(model: ModelShape, tp: int) -> SimTiming:
-    """A profile's constants from the roofline of ``model`` on ``tp`` H800s (tensor parallel:
+def derive(model: ModelShape, tp: int, gpu: GPU = H800) -> SimTiming:
+    """A profile's constants from the roofline of ``model`` on ``tp`` GPUs (tensor parallel:
     each GPU holds and reads 1/tp of the weights and of each token's KV)."""
     weight_bytes = model.params() * BF16_BYTES
     overhead = STEP_OVERHEAD_S + (2 * model.layers * ALLREDUCE_S if tp > 1 else 0.0)
     kv_bytes = model.kv_bytes_per_token()
-    usable = tp * H800_MEMORY_BYTES * GPU_MEMORY_UTILIZATION
+    usable = tp * gpu.memory_bytes * GPU_MEMORY_UTILIZATION
     return SimTiming(
-        base_s=weight_bytes / tp / H800_HBM_BYTES_PER_S + overhead,
+        base_s=weight_bytes / tp / gpu.hbm_bytes_per_s + overhead,
         # Decode does 2 FLOPs per parameter per sequence and reads each weight byte pair
         # once per step: arithmetic intensity = n FLOPs/byte for a batch of n (bf16). The
         # ridge point (peak FLOPs / bandwidth) is where n stops being free.
-        roofline_batch=int(H800_BF16_FLOPS / H800_HBM_BYTES_PER_S),
-        kv_s_per_token=kv_bytes / tp / H800_HBM_BYTES_PER_S,
-        prefill_s_per_token=2 * model.params() / (tp * H800_BF16_FLOPS * PREFILL_MFU),
+        roofline_batch=int(gpu.bf16_flops / gpu.hbm_bytes_per_s),
+        kv_s_per_token=kv_bytes / tp / gpu.hbm_bytes_per_s,
+        prefill_s_per_token=2 * model.params() / (tp * gpu.bf16_flops * PREFILL_MFU),
         kv_capacity_tokens=int((usable - weight_bytes) // kv_bytes),
         max_batch=MAX_BATCH,
         load_s=weight_bytes / tp / LOAD_BYTES_PER_S,
     )
 
 
+def profile(name: str, description: str, model: ModelShape, tp: int, gpu: GPU) -> Profile:
+    return Profile(name, description, derive(model, tp, gpu), gpu.name, gpu.cost * tp)
+
+
 PROFILES: dict[str, Profile] = {p.name: p for p in (
-    Profile("h800-7b", "Qwen2.5-7B bf16 on one H800 80GB (TP1)", derive(QWEN25_7B, tp=1)),
-    Profile("h800-32b-tp4", "Qwen2.5-32B bf16 on four H800 80GB (TP4)", derive(QWEN25_32B, tp=4)),
+    profile("h800-7b", "Qwen2.5-7B bf16 on one H800 80GB (TP1)", QWEN25_7B, 1, H800),
+    profile("h800-32b-tp4", "Qwen2.5-32B bf16 on four H800 80GB (TP4)", QWEN25_32B, 4, H800),
+    # Prefill-slow (148 TFLOPS), decode-cheap (4.0 TB/s at 1/2.85 of an H800's price).
+    profile("h20-7b", "Qwen2.5-7B bf16 on one H20 96GB (TP1)", QWEN25_7B, 1, H20),
 )}
 DEFAULT_PROFILE = "h800-7b"
 

@@ -499,7 +499,7 @@ def errors(model_dir: Path, engine_table: dict) -> list[str]:
 
 
 @pytest.mark.parametrize(("table", "expected"), [
-    ({"profile": "a100-7b"}, "rollout.engine.profile: unknown profile 'a100-7b' (known: 'h800-7b', 'h800-32b-tp4')"),
+    ({"profile": "a100-7b"}, "rollout.engine.profile: unknown profile 'a100-7b' (known: 'h800-7b', 'h800-32b-tp4', 'h20-7b')"),
     ({"time_scale": 0}, "rollout.engine.time_scale: must be > 0, got 0"),
     ({"base_s": -1.0}, "rollout.engine.base_s: must be > 0, got -1.0"),
     ({"kv_capacity_tokens": 0}, "rollout.engine.kv_capacity_tokens: must be > 0, got 0"),
