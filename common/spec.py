@@ -47,6 +47,7 @@ from .registry import KindSlot
 from .seams import (ENV_ROUTERS, POLICY_LOSSES, REPACK_PLANNERS, REWARD_BACKENDS, REWARD_DISPATCH,
                     ROLLOUT_ENGINES, TASKS, TRAINER_BACKENDS)
 from .spec_errors import describe, dotted, suggest, toml_error
+from .spec_filter import FilterSchedule, check_extra, check_schedule, filter_errors
 from .spec_fields import Host, NonNegInt, PosFloat, PosInt, Section, fail, show
 from .spec_placement import (DEFAULT_PLACEMENT, ROLES, SINGLETON_ROLES, PlacementSection, Pool,  # noqa: F401
                              Role)
@@ -215,35 +216,14 @@ class TrainerSection(Section):
     # Dynamic filtering: drop groups whose rewards are all equal ("no_signal", accounted), at
     # most this many times a batch's groups per step; 0: off (docs/dataflow.md).
     no_signal_drops_per_batch: Annotated[float, Field(strict=False, ge=0, le=64, allow_inf_nan=False)] = 0.0
-    # When filtering happens (docs/agentic.md, "Queue scheduling and dynamic filtering"):
-    # "queue": a group is filtered as soon as it is complete and its prompt replaced at once;
-    # "after_batch": rounds of batch_size/group_size prompts are generated to completion,
-    # then filtered, and a short batch waits for another round (synchronous batch rollout).
-    filter_schedule: Literal["queue", "after_batch"] = "queue"
-    # queue: prompts claimed beyond the batch(es) in flight (ROLL Flash's
-    # max_additional_running_prompts), through the claim pacer; unset: no such bound.
-    max_extra_prompts: NonNegInt | None = None
+    # When filtering happens, and how far queue claims reach (common/spec_filter.py).
+    filter_schedule: Annotated[FilterSchedule, AfterValidator(check_schedule)] = "queue"
+    max_extra_prompts: Annotated[NonNegInt | None, AfterValidator(check_extra)] = None
     loss: LossConfig = POLICY_LOSSES.field()
     # What makes the versions: "torch" trains the policy; "sim" sleeps a timing model
     # and publishes stand-in weights (daemons/trainer/backends.py).
     backend: TrainerBackendConfig = TRAINER_BACKENDS.field()
     bind_host: Host = "127.0.0.1"
-
-    @field_validator("filter_schedule")
-    @classmethod
-    def _filters_something(cls, schedule: str, info: ValidationInfo) -> str:
-        if schedule == "after_batch" and info.data.get("no_signal_drops_per_batch") == 0:
-            raise fail("'after_batch' filters each round once it is complete, but "
-                       "no_signal_drops_per_batch = 0 turns filtering off: set it > 0, or remove filter_schedule")
-        return schedule
-
-    @field_validator("max_extra_prompts")
-    @classmethod
-    def _queue_only(cls, extra: int | None, info: ValidationInfo) -> int | None:
-        if extra is not None and info.data.get("filter_schedule") == "after_batch":
-            raise fail(f"bounds the 'queue' schedule's extra claims; 'after_batch' claims rounds of exactly "
-                       f"batch_size/group_size prompts: remove max_extra_prompts (got {extra}) or use 'queue'")
-        return extra
 
 
 # How rollouts and the trainer coordinate weight versions (ARCHITECTURE §4, docs/modes.md):
@@ -345,7 +325,7 @@ def _cross_errors(sections: dict[str, BaseModel]) -> list[tuple[tuple, str]]:
                 f"must be a multiple of task.group_size ({task.group_size}), "
                 f"got {trainer.batch_size}",
             ))
-    errors.extend(_filter_errors(sections))
+    errors += filter_errors(sections)
     relay = sections.get("relay")
     if isinstance(relay, RelaySection) and relay.max_object_mib is not None and "model" in sections:
         need = published_bytes(SimpleNamespace(**sections)) if "trainer" in sections else None
@@ -361,24 +341,6 @@ def _cross_errors(sections: dict[str, BaseModel]) -> list[tuple[tuple, str]]:
                 config = getattr(section, field_name)
                 for loc, msg in slot.registry.get(config.kind).check(config, sections):
                     errors.append(((name, field_name, *loc), msg))
-    return errors
-
-
-def _filter_errors(sections: dict[str, BaseModel]) -> list[tuple[tuple, str]]:
-    """Dynamic filtering against the rollout mode and the claim pacing (docs/agentic.md)."""
-    t, rollout, env = sections.get("trainer"), sections.get("rollout"), sections.get("env_host")
-    errors: list[tuple[tuple, str]] = []
-    if isinstance(t, TrainerSection) and isinstance(rollout, RolloutSection) and t.no_signal_drops_per_batch > 0 \
-            and rollout.mode in ("sync", "one_step_off"):
-        errors.append((("trainer", "no_signal_drops_per_batch"),
-                       f"dynamic filtering needs rollout.mode 'trajectory' or 'partial': mode {rollout.mode!r} "
-                       f"makes batch k of its own prompts only, so a dropped group is never replaced and "
-                       f"the step waits forever (got {t.no_signal_drops_per_batch:g})"))
-    if isinstance(t, TrainerSection) and isinstance(env, EnvHostSection) and t.max_extra_prompts is not None \
-            and not env.pace_claims:
-        errors.append((("trainer", "max_extra_prompts"),
-                       f"is enforced by the claim pacer, which env_host.pace_claims = false turns off: set "
-                       f"pace_claims = true or remove max_extra_prompts (got {t.max_extra_prompts})"))
     return errors
 
 
