@@ -47,6 +47,7 @@ from .registry import KindSlot
 from .seams import (ENV_ROUTERS, POLICY_LOSSES, REPACK_PLANNERS, REWARD_BACKENDS, REWARD_DISPATCH,
                     ROLLOUT_ENGINES, TASKS, TRAINER_BACKENDS)
 from .spec_errors import describe, dotted, suggest, toml_error
+from .spec_filter import FilterSchedule, check_extra, check_schedule, filter_errors
 from .spec_fields import Host, NonNegInt, PosFloat, PosInt, Section, fail, show
 from .spec_placement import (DEFAULT_PLACEMENT, ROLES, SINGLETON_ROLES, PlacementSection, Pool,  # noqa: F401
                              Role)
@@ -215,6 +216,9 @@ class TrainerSection(Section):
     # Dynamic filtering: drop groups whose rewards are all equal ("no_signal", accounted), at
     # most this many times a batch's groups per step; 0: off (docs/dataflow.md).
     no_signal_drops_per_batch: Annotated[float, Field(strict=False, ge=0, le=64, allow_inf_nan=False)] = 0.0
+    # When filtering happens, and how far queue claims reach (common/spec_filter.py).
+    filter_schedule: Annotated[FilterSchedule, AfterValidator(check_schedule)] = "queue"
+    max_extra_prompts: Annotated[NonNegInt | None, AfterValidator(check_extra)] = None
     loss: LossConfig = POLICY_LOSSES.field()
     # What makes the versions: "torch" trains the policy; "sim" sleeps a timing model
     # and publishes stand-in weights (daemons/trainer/backends.py).
@@ -338,6 +342,7 @@ def _cross_errors(sections: dict[str, BaseModel]) -> list[tuple[tuple, str]]:
                 f"got {trainer.batch_size}",
             ))
     errors += _env_host_errors(sections)
+    errors += filter_errors(sections)
     relay = sections.get("relay")
     if isinstance(relay, RelaySection) and relay.max_object_mib is not None and "model" in sections:
         need = published_bytes(SimpleNamespace(**sections)) if "trainer" in sections else None

@@ -31,7 +31,7 @@ from rlfleet.common.wire import Trajectory
 from rlfleet.daemons.tasks.prompts import PromptStream, task_from_spec
 
 from .claims import PromptClaimer
-from .pacing import ClaimPacer, claim_limit
+from .pacing import ClaimPacer, pacer_for
 from .journal import Journal, journal_path, launched_per_prompt
 from .manager import ManagerConfig, TurnCodec
 from .routing_policy import RolloutTraits
@@ -104,16 +104,9 @@ class EnvHost(Daemon):
             return error if changed else None
         self.setup_error = ""
         self.journal = journal
-        limit = claim_limit(spec)
-        barrier = spec.rollout.mode in ("sync", "one_step_off")
-        if barrier and limit is None:  # the barrier needs the trainer's progress all the same
-            limit = 1 << 30
         if self.pacer is not None:
             self.pacer.stop()
-        self.pacer = None if limit is None else ClaimPacer(
-            self.store, self.keys, limit, on_progress=lambda: self.runner and self.runner.wake(),
-            mode=spec.rollout.mode,
-            prompts_per_batch=max(1, spec.trainer.batch_size // spec.task.group_size))
+        self.pacer = pacer_for(spec, self.store, self.keys, on_progress=lambda: self.runner and self.runner.wake())
         self.claimer = PromptClaimer(self.store, self.keys, member_id,
                                      budget=self.pacer.budget if self.pacer else None)
         self.outbox = OutboxThread(f"{member_id}->reward-host", on_acked=self._on_acked)

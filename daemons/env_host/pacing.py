@@ -17,6 +17,13 @@ Prompts that can never be consumed (an env-host gone for good with its journal) 
 hold the budget forever and stop the whole job; so after STALL_S without trainer
 progress while claims are refused, the outstanding prompts are written off once more
 (a batch of `limit` claims is allowed, with a warning) instead of waiting forever.
+
+Dynamic filtering (docs/agentic.md, "Queue scheduling and dynamic filtering") is paced
+here too. ``queue``: a dropped group is consumed, so its replacement is claimed at once,
+and ``trainer.max_extra_prompts`` adds that many prompts to the limit (ROLL Flash's
+max_additional_running_prompts). ``after_batch``: prompts are claimed in rounds of one
+batch, the next round only once every group of the last one reached the trainer
+(``round_limit``); like the barrier modes, a round waits for all of its groups.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import logging
 import threading
 import time
 from typing import Any, Callable
+
+from prometheus_client import Gauge
 
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.records import TrainerProgress
@@ -35,14 +44,44 @@ log = logging.getLogger("rlfleet.env_host")
 
 STALL_S = 30.0  # without trainer progress while claims are refused: write the outstanding off
 
+OUTSTANDING = Gauge("rlfleet_env_prompts_outstanding",
+                    "Prompts claimed job-wide and not yet consumed by the trainer, at this env-host's last claim")
+CLAIM_LIMIT = Gauge("rlfleet_env_claim_limit", "Prompts that may be outstanding job-wide (the claim pacer's limit)")
+
+
+def prompts_per_batch(spec: JobSpec) -> int:
+    return max(1, spec.trainer.batch_size // spec.task.group_size)
+
 
 def claim_limit(spec: JobSpec) -> int | None:
-    """Prompts that may be outstanding job-wide: max_staleness batches (at least one);
-    None (no pacing) when staleness is unbounded or env_host.pace_claims is off."""
-    alpha = spec.trainer.max_staleness
-    if alpha is None or not spec.env_host.pace_claims:
+    """Prompts that may be outstanding job-wide: max_staleness batches (at least one),
+    plus trainer.max_extra_prompts (one batch when staleness is unbounded); None (no
+    pacing) when neither bounds it or env_host.pace_claims is off."""
+    alpha, extra = spec.trainer.max_staleness, spec.trainer.max_extra_prompts
+    if not spec.env_host.pace_claims or (alpha is None and extra is None):
         return None
-    return max(1, alpha) * max(1, spec.trainer.batch_size // spec.task.group_size)
+    return max(1, alpha or 0) * prompts_per_batch(spec) + (extra or 0)
+
+
+def round_limit(prompts_per_batch: int, received: int) -> int:
+    """after_batch: how far the cursor may go (prompt ids below the result). Round r is
+    prompts r*P .. (r+1)*P - 1, claimed once every group of the rounds before it has
+    reached the trainer (trained, dropped, or complete and waiting)."""
+    return (received // prompts_per_batch + 1) * prompts_per_batch
+
+
+def pacer_for(spec: JobSpec, store: Store, keys: JobKeys, on_progress: Callable[[], None]) -> ClaimPacer | None:
+    """The env-host's pacer (not started), or None when nothing paces its claims."""
+    limit = claim_limit(spec)
+    gated = spec.rollout.mode in ("sync", "one_step_off") or (
+        spec.trainer.no_signal_drops_per_batch > 0 and spec.trainer.filter_schedule == "after_batch")
+    if limit is None and not gated:
+        return None
+    # The barrier and the rounds need the trainer's progress all the same.
+    return ClaimPacer(store, keys, 1 << 30 if limit is None else limit, on_progress, mode=spec.rollout.mode,
+                      prompts_per_batch=prompts_per_batch(spec),
+                      rounds=spec.trainer.no_signal_drops_per_batch > 0
+                      and spec.trainer.filter_schedule == "after_batch")
 
 
 def barrier_limit(mode: str, prompts_per_batch: int, version: int, received: int) -> int | None:
@@ -71,12 +110,16 @@ class ClaimPacer:
 
     def __init__(self, store: Store, keys: JobKeys, limit: int,
                  on_progress: Callable[[], None] = lambda: None, *, mode: str = "trajectory",
-                 prompts_per_batch: int = 1) -> None:
+                 prompts_per_batch: int = 1, rounds: bool = False) -> None:
+        """``rounds``: claim in after_batch rounds (``round_limit``)."""
         if limit < 1:
             raise ValueError(f"limit: must be >= 1, got {limit}")
         self.store, self.keys, self.limit = store, keys, limit
         self.on_progress = on_progress
-        self.mode, self.prompts_per_batch = mode, prompts_per_batch
+        self.mode, self.prompts_per_batch, self.rounds = mode, prompts_per_batch, rounds
+        self.outstanding = 0  # at the last budget asked: claimed job-wide, not consumed
+        if limit < 1 << 30:
+            CLAIM_LIMIT.set(limit)
         self.version = 0
         self.received = 0
         self.consumed = 0
@@ -93,10 +136,15 @@ class ClaimPacer:
         self._stop.set()
 
     def budget(self, next_prompt: int) -> int:
+        self.outstanding = max(0, next_prompt - self.consumed)
+        OUTSTANDING.set(self.outstanding)
+        allowed = self._paced(next_prompt)
         barrier = barrier_limit(self.mode, self.prompts_per_batch, self.version, self.received)
         if barrier is not None:
-            return min(self._paced(next_prompt), barrier - next_prompt)
-        return self._paced(next_prompt)
+            allowed = min(allowed, barrier - next_prompt)
+        if self.rounds:
+            allowed = min(allowed, round_limit(self.prompts_per_batch, self.received) - next_prompt)
+        return allowed
 
     def _paced(self, next_prompt: int) -> int:
         outstanding = next_prompt - self.consumed - self.written_off

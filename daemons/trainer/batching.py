@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from rlfleet.common.wire import ScoredTrajectory
@@ -101,3 +101,34 @@ def select_groups(complete: Sequence[tuple[str, Sequence[ScoredTrajectory]]], n_
         sel.groups.append(group_id)
         sel.staleness.update(ages)
     return sel
+
+
+def prompt_of(group_id: str) -> int | None:
+    """The prompt id of a group id ``p<prompt_id>`` (docs/dataflow.md, Identities); None if
+    it is not one."""
+    digits = group_id[1:]
+    return int(digits) if group_id[:1] == "p" and digits.isdigit() else None
+
+
+def in_finished_rounds(complete: Sequence[str], prompts_per_round: int,
+                       received: Callable[[str], bool]) -> list[str]:
+    """after_batch: the complete groups whose round is finished, in their order.
+
+    Round r is prompts r*P .. (r+1)*P - 1 (the env-hosts claim it as one, pacing.round_limit);
+    it is finished once every one of its groups has reached the trainer (``received``:
+    complete, trained or dropped). Until then none of its groups is filtered or trained:
+    the synchronous batch rollout filters a batch only after its last generation. A group
+    whose id names no prompt is never held back."""
+    finished: dict[int, bool] = {}
+    out = []
+    for gid in complete:
+        prompt = prompt_of(gid)
+        if prompt is None:
+            out.append(gid)
+            continue
+        r = prompt // prompts_per_round
+        if r not in finished:
+            finished[r] = all(received(f"p{p}") for p in range(r * prompts_per_round, (r + 1) * prompts_per_round))
+        if finished[r]:
+            out.append(gid)
+    return out

@@ -1,7 +1,7 @@
 """The training thread's loop; one step reads like the algorithm.
 
-    whenever B/G complete groups are pending:
-        select (staleness bound)  -> learner.train_step  -> journal the trained groups
+    whenever B/G complete groups are pending (after_batch filtering: of finished rounds):
+        select (staleness bound, no-signal filter)  -> learner.train_step  -> journal the trained groups
         -> hand the version to the publisher -> metrics line -> checkpoint every N steps
         -> held-out evaluation when due
 
@@ -34,7 +34,7 @@ from typing import Any
 
 from rlfleet.common.spec import JobSpec
 
-from .batching import INVALID, NO_SIGNAL, STALENESS, select_groups
+from .batching import INVALID, NO_SIGNAL, STALENESS, in_finished_rounds, select_groups
 from .checkpointing import Checkpointer
 from .journal import Journal, JournalUnwritable, until_written
 from .metrics_log import PAUSED, MetricsLog, batch_versions, step_line
@@ -115,7 +115,10 @@ class TrainingLoop:
                 self.wake.clear()
                 continue
             self.wake.clear()
-            complete = [(gid, journal.group(gid)) for gid in journal.complete_groups(g)]
+            ready = journal.complete_groups(g)
+            if t.no_signal_drops_per_batch > 0 and t.filter_schedule == "after_batch":
+                ready = self.in_finished_rounds(ready, t.batch_size // g)
+            complete = [(gid, journal.group(gid)) for gid in ready]
             budget = int(t.no_signal_drops_per_batch * (t.batch_size // g)) - no_signal_dropped
             sel = select_groups(complete, t.batch_size // g, learner.version, t.max_staleness,
                                 no_signal_budget=max(0, budget))
@@ -140,6 +143,12 @@ class TrainingLoop:
             self.state.status = "training"
             self.step(sel.groups, sel.staleness, time.monotonic() - waited_from)
             waited_from = time.monotonic()
+
+    def in_finished_rounds(self, complete: list[str], prompts_per_round: int) -> list[str]:
+        """after_batch: only the groups of rounds whose every group has arrived."""
+        state, done = self.journal.state, set(complete)
+        return in_finished_rounds(complete, prompts_per_round,
+                                  lambda gid: gid in done or gid in state.trained or gid in state.dropped)
 
     def step(self, groups: list[str], ages: Counter[int], wait_s: float) -> None:
         batch = [self.journal.group(gid) for gid in groups]

@@ -14,17 +14,18 @@ from rlfleet.common.spec import parse_spec
 from rlfleet.daemons.env_host.claims import PromptClaimer
 from rlfleet.daemons.env_host import pacing
 from rlfleet.common.records import TrainerProgress
-from rlfleet.daemons.env_host.pacing import ClaimPacer, claim_limit, consumed_of
+from rlfleet.daemons.env_host.pacing import ClaimPacer, claim_limit, consumed_of, pacer_for, round_limit
 
 from ..integration.helpers import TINY_MODEL, wait_for
 
 KEYS = JobKeys("pacing")
 
 
-def spec(pace_claims=True, **trainer):
+def spec(pace_claims=True, mode="trajectory", **trainer):
     return parse_spec({"job": {"name": "pacing"}, "model": {"path": str(TINY_MODEL)},
                        "task": {"env": {"kind": "arithmetic"}, "group_size": 8},
-                       "trainer": {"batch_size": 32, **trainer}, "env_host": {"pace_claims": pace_claims}})
+                       "trainer": {"batch_size": 32, **trainer}, "env_host": {"pace_claims": pace_claims},
+                       "rollout": {"mode": mode}})
 
 
 def test_the_limit_is_max_staleness_batches_of_prompts():
@@ -86,5 +87,32 @@ def test_prompts_that_never_finish_are_written_off_after_a_stall(etcd, monkeypat
         assert pacer.budget(6) == 2                 # counted afresh from the write-off
         pacer._set(TrainerProgress(consumed_groups=3))  # progress: never more than the limit
         assert pacer.budget(6) == 4
+    finally:
+        store.close()
+
+
+def test_queue_filtering_adds_its_extra_prompts_to_the_limit():
+    assert claim_limit(spec(max_extra_prompts=16)) == 4 + 16                   # one batch + extra
+    assert claim_limit(spec(max_extra_prompts=0)) == 4                         # the batch alone
+    assert claim_limit(spec(max_staleness=2, max_extra_prompts=3)) == 8 + 3   # alpha batches + extra
+
+
+def test_after_batch_claims_round_by_round(etcd):
+    assert [round_limit(4, received) for received in (0, 3, 4, 7, 8)] == [4, 4, 8, 8, 12]
+    store = EtcdStore(etcd.endpoints)
+    assert pacer_for(spec(), store, KEYS, lambda: None) is None  # nothing paces
+    pacer = pacer_for(spec(no_signal_drops_per_batch=2, filter_schedule="after_batch"), store, KEYS, lambda: None)
+    try:
+        assert pacer is not None and pacer.rounds and pacer.limit == 1 << 30
+        assert pacer.budget(0) == 4 and pacer.budget(3) == 1 and pacer.budget(4) == 0
+        pacer._set(TrainerProgress(consumed_groups=2, received_groups=3))  # 3 of the round in: wait
+        assert pacer.budget(4) == 0
+        pacer._set(TrainerProgress(consumed_groups=2, received_groups=4))  # the round is in: the next
+        assert pacer.budget(4) == 4 and pacer.outstanding == 2
+        # queue: the extra prompts, and a dropped group's replacement at once (it is consumed)
+        queue = pacer_for(spec(no_signal_drops_per_batch=2, max_extra_prompts=2), store, KEYS, lambda: None)
+        assert queue is not None and not queue.rounds and queue.budget(0) == 6 and queue.budget(6) == 0
+        queue._set(TrainerProgress(consumed_groups=1, received_groups=1))
+        assert queue.budget(6) == 1
     finally:
         store.close()

@@ -76,3 +76,15 @@ def test_check_trajectory_names_the_problem():
     assert check_trajectory(scored(0, 0, 1.0, prompt=()), 38) == (
         "p0-g0 turn 0: prompt_token_ids must be a non-empty 1-d array")
     assert check_trajectory(scored(0, 0, 1.0, turns=0), 38) == "p0-g0: no turns"
+
+
+def test_after_batch_holds_a_round_until_every_group_of_it_has_arrived():
+    from rlfleet.daemons.trainer.batching import in_finished_rounds, prompt_of
+
+    assert [prompt_of(g) for g in ("p0", "p17", "q3", "p", "p-1", "pa")] == [0, 17, None, None, None, None]
+    arrived = {"p0", "p1", "p2", "p4", "p5"}  # rounds of 3: [0, 3) all in, [3, 6) lacks p3
+    complete = ["p4", "p0", "p2", "odd"]      # p1: trained already (received, not complete)
+    assert in_finished_rounds(complete, 3, arrived.__contains__) == ["p0", "p2", "odd"]
+    arrived.add("p3")
+    assert in_finished_rounds(complete, 3, arrived.__contains__) == ["p4", "p0", "p2", "odd"]
+    assert in_finished_rounds([], 3, arrived.__contains__) == []
