@@ -1,0 +1,122 @@
+"""Redundant rollouts and dynamic filtering on the simulated fleet, with real processes
+(`rlfleet run`, etcd, every daemon), across kill -9 of the env-host: the batch env mode
+with redundant prompts and samples, simulated environment latency and failures, groups
+without signal filtered. Every claimed prompt ends trained or dropped with its reason —
+``redundant`` and ``no_signal`` among them — and none is lost (docs/agentic.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from rlfleet.common.etcd_store import EtcdStore
+from rlfleet.common.keys import JobKeys
+from rlfleet.common.members import members_from
+
+from .helpers import TINY_MODEL, wait_for
+from .test_longtail_sim import finish, run_dir_of, steps
+
+needs_model = pytest.mark.skipif(not (TINY_MODEL / "config.json").exists(), reason="models/tiny-qwen2 not built")
+
+JOB = """\
+[job]
+name = "{job}"
+runs_dir = "{runs}"
+
+[etcd]
+lease_ttl_s = 3.0
+retry_timeout_s = 1.0
+
+[model]
+path = "{model}"
+
+[task]
+group_size = 4
+max_turns = 2
+
+[task.env]
+kind = "sim"
+max_new_tokens = 256
+step_latency_mean_s = 2.0
+step_latency_std_s = 2.0
+failure_rate = 0.05
+zero_variance_share = 0.3
+time_scale = 0.05
+
+[trainer]
+batch_size = 16
+max_steps = 100000
+checkpoint_every = 5
+no_signal_drops_per_batch = 1
+
+[trainer.backend]
+kind = "sim"
+time_scale = 0.05
+tokens_per_s = 200000
+fixed_s = 2.0
+weight_mib = 1
+
+[rollout.engine]
+kind = "sim"
+rollouts = 4
+time_scale = 0.05
+max_batch = 16
+roofline_batch = 16
+
+[rollout.engine.lengths]
+kind = "lognormal"
+median = 40
+p99 = 200
+
+[relay]
+chunk_mib = 1
+
+[env_host]
+env_mode = "batch"
+redundant_samples = 2
+redundant_prompts = 2
+max_concurrent = 36        # one round: (16 / 4 + 2) prompts x (4 + 2) trajectories
+turn_timeout_s = 30
+
+[repack_manager.planner]
+kind = "none"
+"""
+
+
+def _env_host(store: EtcdStore, job: str):
+    keys = JobKeys(job)
+    return next(iter(members_from(keys, store.get_prefix(keys.role_members_prefix("env-host")))), None)
+
+
+@needs_model
+def test_redundant_and_filtered_work_is_accounted_across_kill_9_of_the_env_host(tmp_path, etcd):
+    job = "agenticfaults"
+    spec = tmp_path / f"{job}.toml"
+    spec.write_text(JOB.format(job=job, runs=tmp_path / "runs", model=TINY_MODEL))
+    proc = subprocess.Popen([sys.executable, "-m", "rlfleet.tools.cli", "run", str(spec), "--no-view",
+                             "--etcd", etcd.endpoints_arg, "--duration", "70"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    store = EtcdStore(etcd.endpoints_arg)
+    try:
+        run_dir = run_dir_of(tmp_path, job)
+        for kill in range(2):
+            trained = len(steps(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
+            wait_for("two training steps", lambda: (run_dir / "metrics.jsonl").exists()
+                     and len(steps(run_dir)) >= trained + 2, 60)
+            victim = wait_for("the env-host registered", lambda: _env_host(store, job), 30)
+            os.kill(victim.pid, signal.SIGKILL)  # mid-round: spares, cancellations in flight
+            wait_for("a new env-host", lambda: (m := _env_host(store, job)) and m.pid != victim.pid, 60)
+        trained = len(steps(run_dir))
+        wait_for("two more training steps", lambda: len(steps(run_dir)) >= trained + 2, 60)
+    finally:
+        store.close()
+    run_dir, out = finish(proc)  # exit 7 (stopped by --duration) with the invariant held
+    accounting = json.loads((run_dir / "accounting.json").read_text())
+    assert accounting["dropped"].get("redundant", 0) > 0, accounting  # rounds closed early
+    assert accounting["dropped"].get("no_signal", 0) > 0, accounting  # groups filtered
+    assert accounting["trained"] >= 4 * 16 // 4, accounting
