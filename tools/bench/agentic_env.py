@@ -20,8 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlfleet.tools.bench.agentic_routing import _judge_lag
-from rlfleet.tools.bench.longtail import MAX_LAG, measure as measure_run, run_once
+from rlfleet.tools.bench.longtail import MAX_LAG, judge_final_lag, measure as measure_run, run_once
 from rlfleet.tools.bench.spec_variants import write_variant
 
 BASE = Path(__file__).resolve().parents[2] / "examples" / "agentic-sim.toml"
@@ -33,7 +32,7 @@ def _run(name: str, change: Any, duration_s: float, workdir: Path) -> dict[str, 
     spec = write_variant(BASE, name, change)
     run_dir, etcd, code = run_once(spec, duration_s)
     record = measure_run(run_dir, name, 0, etcd, code)
-    _judge_lag(record, run_dir)  # the run's final lag fraction, not its start-up burst
+    judge_final_lag(record, run_dir)  # the run's final lag fraction, not its start-up burst
     print(f"   {name}: {record['trained_trajectories_per_s']} trajectories/s over {record['window_s']} s, "
           f"final lag {record['final_lag']} (max {record['max_lag']}), valid {record['valid']}", flush=True)
     return record

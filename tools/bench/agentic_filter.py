@@ -92,6 +92,7 @@ def run(workdir: Path, schedule: str, prompts: int, duration_s: float) -> dict[s
     finally:
         spec.unlink(missing_ok=True)
     r = longtail.measure(run_dir, schedule, ROLLOUTS, etcd, code)
+    longtail.judge_final_lag(r, run_dir)  # the run's final lag fraction, as the other agentic benches
     r.update(step_times(run_dir))
     if r["s_per_step"] is None and r["valid"]:
         r["valid"], r["invalid_because"] = False, "fewer than 3 steps"
@@ -99,7 +100,7 @@ def run(workdir: Path, schedule: str, prompts: int, duration_s: float) -> dict[s
         r["valid"] = False
         r["invalid_because"] = "; ".join(filter(None, [r.get("invalid_because"), "accounting failed"]))
     print(f"  {prompts}x{GROUP} {schedule:<11} {r['s_per_step']} s/step  steps {r['steps']}  "
-          f"no_signal/step {r['no_signal_per_step']}  lag {r['max_lag']:.3f}  "
+          f"no_signal/step {r['no_signal_per_step']}  lag {r['final_lag']:.4f} (max {r['max_lag']:.3f})  "
           f"{'' if r['valid'] else 'INVALID ' + r.get('invalid_because', '')}"
           f"({time.monotonic() - started:.0f} s, {run_dir})", flush=True)
     return r
@@ -124,7 +125,7 @@ def measure(bench: str, workdir: Path, quick: bool) -> list[dict[str, Any]]:
             "baseline": base["s_per_step"] or 0.0, "variant": var["s_per_step"] or 0.0,
             "unit": "s/step", "speedup": round(speedup, 2), "target": TARGET, "valid": ok,
             "runs": {s: {k: got[s].get(k) for k in ("run_dir", "steps", "s_per_step", "no_signal_per_step",
-                                                     "max_lag", "accounting_ok", "restarts", "valid",
+                                                     "max_lag", "final_lag", "accounting_ok", "restarts", "valid",
                                                      "invalid_because")} for s in VARIANTS},
         }
         if not ok:

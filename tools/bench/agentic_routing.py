@@ -30,7 +30,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from rlfleet.tools.bench.longtail import MAX_LAG
+from rlfleet.tools.bench.longtail import judge_final_lag
 from rlfleet.tools.bench.longtail import measure as measure_run
 from rlfleet.tools.bench.longtail import run_once
 from rlfleet.tools.bench.spec_variants import to_toml
@@ -119,35 +119,11 @@ def _run(spec: Path, duration_s: float, label: str) -> dict[str, Any]:
     finally:
         spec.unlink(missing_ok=True)
     r = measure_run(run_dir, label, 0, etcd, code)
-    _judge_lag(r, run_dir)
+    judge_final_lag(r, run_dir)
     print(f"  {label:<14} {r.get('trained_trajectories_per_s')} traj/s  steps {r['steps']}  "
           f"lag {r['final_lag']:.4f} (max {r['max_lag']:.3f}){'' if r['valid'] else '  INVALID: ' + r.get('invalid_because', '')}  "
           f"({run_dir})", flush=True)
     return r
-
-
-def _judge_lag(r: dict[str, Any], run_dir: Path) -> None:
-    """longtail.measure voids a run whose lag went above 5 % at any sample, the start-up
-    included (a whole batch added at once: a few early results late against a handful
-    delivered). Here the run's lag is each simulated rollout's own lag fraction at the end
-    (all lateness over all modelled latency, docs/sim.md), the largest of them; the
-    series' maximum stays in the record (max_lag)."""
-    import json
-
-    final = []
-    for path in sorted((run_dir / "sim").glob("*.json")):
-        try:
-            final += [x["lag"] for x in json.loads(path.read_text())["rollouts"].values()]
-        except (OSError, ValueError, KeyError):
-            pass
-    r["final_lag"] = round(max(final, default=0.0), 5)
-    problems = [p for p in r.get("invalid_because", "").split("; ") if p and not p.startswith("sim lag")]
-    if r["final_lag"] > MAX_LAG:
-        problems.append(f"sim lag {r['final_lag']:.3f} > {MAX_LAG}")
-    r["valid"] = not problems
-    r.pop("invalid_because", None)
-    if problems:
-        r["invalid_because"] = "; ".join(problems)
 
 
 def measure(bench: str, workdir: Path, quick: bool) -> list[dict[str, Any]]:
