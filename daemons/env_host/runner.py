@@ -42,6 +42,7 @@ from .claims import ClaimContention, ClaimError
 from .env_modes import BatchBarrier, TurnGate
 from .groups import REDUNDANT, PromptGroup, Round
 from .journal import Journal
+from .loop_lag import LoopLagProbe
 from .manager import EnvManager, ManagerConfig, TurnCodec
 from .routing import Router
 from .routing_policy import RoutingPolicy
@@ -113,6 +114,7 @@ class EnvRunner:
         # and a dict lookup on a tuple of label values).
         self._turns_metric = TURNS.labels(id=name)
         self._trajectories_metric: dict[str, Any] = {}
+        self.lag_probe = LoopLagProbe(name, running=lambda: self.running)
 
     # -- thread-safe entry points -----------------------------------------------------
     def start(self) -> None:
@@ -216,6 +218,7 @@ class EnvRunner:
 
     async def _main(self) -> None:
         self._wake = asyncio.Event()
+        self._lag_task = self.loop.create_task(self.lag_probe.run())  # cancelled in _shutdown
         self.router = Router(name=self.name, policy=self.routing)
         self._apply_rollouts()
         # The journal's own work first: it needs no etcd.
