@@ -23,9 +23,12 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import cProfile
 import logging
+import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -176,6 +179,11 @@ class EnvRunner:
     # -- the loop -----------------------------------------------------------------------
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
+        # RLFLEET_ENV_PROFILE=<file>: cProfile this thread (tools/bench/env_scale.py --profile).
+        profile_to = os.environ.get("RLFLEET_ENV_PROFILE")
+        profiler = cProfile.Profile(time.thread_time) if profile_to else None  # CPU, not wall
+        if profiler is not None:
+            profiler.enable()
         try:
             self.loop.run_until_complete(self._main())
         except BaseException as exc:  # noqa: BLE001 — reported by the daemon's cycle
@@ -185,6 +193,9 @@ class EnvRunner:
             self.loop.run_until_complete(self._shutdown())
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(profile_to)
 
     async def _shutdown(self) -> None:
         """Close the rollout clients and let every task of this loop unwind."""
