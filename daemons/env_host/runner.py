@@ -274,6 +274,10 @@ class EnvRunner:
                     self._begin_round(prompts)
                 for prompt_id in prompts:
                     await self._start_prompt(prompt_id)
+                    # Let the loop run between prompts: a claim at 2,000 concurrent is ~60
+                    # prompts, ~500 trajectories whose first turns (env reset, encode, send)
+                    # would otherwise all run in one pass and hold every other one up.
+                    await asyncio.sleep(0)
                 continue
             await self._sleep(1.0)
         # Cancelled managers unwind in _shutdown (their journaled turns stay for the next start).
