@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from typing import Any
 
@@ -130,7 +131,9 @@ class EnvHost(Daemon):
         if self.pacer is not None:
             self.pacer.start()
         live = len(self.journal.live_prompts())
-        return f"env loop started (journal {self.journal.path}, {live} live prompts)"
+        # The metrics URL and pid: where tools/bench/env_scale.py finds the loop lag and CPU.
+        return (f"env loop started (journal {self.journal.path}, {live} live prompts, "
+                f"metrics {self.metrics_url or 'off'}, pid {os.getpid()})")
 
     def _submit(self, key: str, traj: Trajectory) -> None:
         self.outbox.submit(key, traj)

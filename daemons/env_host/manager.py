@@ -108,10 +108,17 @@ def check_result(res: GenerateResult, vocab_size: int, max_new_tokens: int) -> s
         return f"{n} tokens > max_new_tokens {max_new_tokens}"
     if len(res.logprobs) != n:
         return f"{len(res.logprobs)} logprobs for {n} tokens"
-    bad = [t for t in res.token_ids.tolist() if not 0 <= t < vocab_size]
-    if bad:
+    # min/max/sum run in C; a Python test per element cost the env-host more CPU than the
+    # rest of a turn's bookkeeping. The exact scan runs only to name the bad values.
+    ids = res.token_ids.tolist()
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
         return f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
-    if not all(math.isfinite(x) and x <= 1e-4 for x in res.logprobs.tolist()):
+    logprobs = res.logprobs.tolist()
+    # A finite sum means every value is finite (a NaN or an infinity makes it NaN or
+    # infinite), and then max() is exact; a sum that overflows falls back to the scan.
+    if not (math.isfinite(sum(logprobs)) and max(logprobs) <= 1e-4) and \
+            not all(math.isfinite(x) and x <= 1e-4 for x in logprobs):
         return "logprobs not finite or > 0"
     if res.weight_version < 0:
         return f"weight_version {res.weight_version} < 0"
@@ -275,8 +282,11 @@ class EnvManager:
 
     async def _env_await(self, what: str, call: Awaitable[Any]) -> Any:
         """An AsyncTaskEnv's call, on the loop, under the turn timeout."""
+        # asyncio.timeout runs the call in this task; wait_for wrapped it in a Task of its
+        # own (created, scheduled, and a callback to wake us): one per step of every episode.
         try:
-            return await asyncio.wait_for(call, self.cfg.turn_timeout_s)
+            async with asyncio.timeout(self.cfg.turn_timeout_s):
+                return await call
         except TimeoutError:
             raise Dropped("env_timeout", f"env.{what} took longer than "
                                          f"{self.cfg.turn_timeout_s:g} s") from None

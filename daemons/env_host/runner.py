@@ -23,9 +23,12 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import cProfile
 import logging
+import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -42,6 +45,7 @@ from .claims import ClaimContention, ClaimError
 from .env_modes import BatchBarrier, TurnGate
 from .groups import REDUNDANT, PromptGroup, Round
 from .journal import Journal
+from .loop_lag import LoopLagProbe
 from .manager import EnvManager, ManagerConfig, TurnCodec
 from .routing import Router
 from .routing_policy import RoutingPolicy
@@ -113,6 +117,7 @@ class EnvRunner:
         # and a dict lookup on a tuple of label values).
         self._turns_metric = TURNS.labels(id=name)
         self._trajectories_metric: dict[str, Any] = {}
+        self.lag_probe = LoopLagProbe(name, running=lambda: self.running)
 
     # -- thread-safe entry points -----------------------------------------------------
     def start(self) -> None:
@@ -174,6 +179,11 @@ class EnvRunner:
     # -- the loop -----------------------------------------------------------------------
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
+        # RLFLEET_ENV_PROFILE=<file>: cProfile this thread (tools/bench/env_scale.py --profile).
+        profile_to = os.environ.get("RLFLEET_ENV_PROFILE")
+        profiler = cProfile.Profile(time.thread_time) if profile_to else None  # CPU, not wall
+        if profiler is not None:
+            profiler.enable()
         try:
             self.loop.run_until_complete(self._main())
         except BaseException as exc:  # noqa: BLE001 — reported by the daemon's cycle
@@ -183,6 +193,9 @@ class EnvRunner:
             self.loop.run_until_complete(self._shutdown())
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(profile_to)
 
     async def _shutdown(self) -> None:
         """Close the rollout clients and let every task of this loop unwind."""
@@ -216,6 +229,7 @@ class EnvRunner:
 
     async def _main(self) -> None:
         self._wake = asyncio.Event()
+        self._lag_task = self.loop.create_task(self.lag_probe.run())  # cancelled in _shutdown
         self.router = Router(name=self.name, policy=self.routing)
         self._apply_rollouts()
         # The journal's own work first: it needs no etcd.
@@ -260,6 +274,10 @@ class EnvRunner:
                     self._begin_round(prompts)
                 for prompt_id in prompts:
                     await self._start_prompt(prompt_id)
+                    # Let the loop run between prompts: a claim at 2,000 concurrent is ~60
+                    # prompts, ~500 trajectories whose first turns (env reset, encode, send)
+                    # would otherwise all run in one pass and hold every other one up.
+                    await asyncio.sleep(0)
                 continue
             await self._sleep(1.0)
         # Cancelled managers unwind in _shutdown (their journaled turns stay for the next start).

@@ -304,3 +304,22 @@ def test_check_result_names_the_problem():
     assert "logprobs" in check_result(positive, 38, 4)
     negative_id = GenerateResult("r", Int32Array([-3]), Float32Array([-0.5]), 0, "stop")
     assert "vocabulary" in check_result(negative_id, 38, 4)
+
+
+def test_check_result_fast_path_agrees_with_the_per_value_rule():
+    """check_result tests ranges with min/max/sum; the edges a sum or max could miss."""
+    def lp(values: list[float]) -> str | None:
+        return check_result(GenerateResult("r", Int32Array([5] * len(values)), Float32Array(values), 0, "stop"),
+                            38, 8)
+    nan, inf = float("nan"), float("inf")
+    assert "logprobs" in lp([-0.1, nan, -0.2])  # max() ignores a NaN after the first value
+    assert "logprobs" in lp([nan, -0.1])
+    assert "logprobs" in lp([-inf, -0.1])
+    assert "logprobs" in lp([-0.1, inf])
+    assert "logprobs" in lp([-inf, inf])  # the sum is NaN
+    # Finite values whose sum overflows float64? float32's range cannot: -3e38 * 8 is finite;
+    # the fallback scan keeps the per-value rule whatever the sum does.
+    assert lp([-3e38] * 8) is None
+    assert lp([1e-4, -0.5]) is None and "logprobs" in lp([2e-4, -0.5])
+    ids = GenerateResult("r", Int32Array([5, 38, 2]), Float32Array([-0.1] * 3), 0, "stop")
+    assert check_result(ids, 38, 8) == "token ids outside the vocabulary [0, 38): [38]"

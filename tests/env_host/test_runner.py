@@ -120,6 +120,8 @@ def test_claims_runs_and_resumes_the_journal_after_a_restart(world):
     store, rollout, reward_host, path = world
     host = Host(store, rollout, reward_host, path)
     wait_for("20 trajectories delivered", lambda: len(reward_host.unique()) >= 20, timeout_s=30)
+    wait_for("the loop-lag probe ticking on the env loop", lambda: host.runner.lag_probe.samples >= 2,
+             timeout_s=10)
     # The reward-host stops acking: finished trajectories pile up unacked, claiming stops.
     reward_host.acking.clear()
     time.sleep(1.0)
