@@ -63,13 +63,13 @@ time_scale = 0.3
 hardware = "h800"
 profile = "h800-7b"
 rollouts = 2
-max_batch = 4
+max_batch = 8
 
 [[rollout.engine.pools]]
 hardware = "h20"
 profile = "h20-7b"
 rollouts = 2
-max_batch = 4
+max_batch = 8
 
 [rollout.engine.lengths]
 kind = "lognormal"
@@ -80,8 +80,8 @@ p99 = 1000
 chunk_mib = 1
 
 [env_host]
-max_concurrent = 24
-turn_timeout_s = 30
+max_concurrent = 12        # < a pool's 16 slots: the preferred pool never saturates, so
+turn_timeout_s = 30        # a tag off its pool would be a routing error, not load
 
 [env_host.routing]
 kind = "affinity"
@@ -115,7 +115,7 @@ def test_each_tag_goes_to_its_preferred_hardware(tmp_path, etcd):
             [m for m in members_from(keys, store.get_prefix(keys.role_members_prefix("rollout")))
              if m.address("requests")]), 60)
         assert sorted((m.info["hardware"], m.info["slots"]) for m in sims) == \
-            [("h20", 4), ("h20", 4), ("h800", 4), ("h800", 4)]
+            [("h20", 8), ("h20", 8), ("h800", 8), ("h800", 8)]
 
         def bindings():
             got = store.get_prefix(keys.routing_prefix)

@@ -136,12 +136,18 @@ def test_trainer_survives_a_full_disk_and_recovers_when_space_is_freed(tmp_path,
         ballast.append(_fill(ckpts, "ballast-2", 0))
         blocked = wait_for("the journal error in the member record",
                            lambda: (m := _trainer(store, job)) and m.info.get("journal_error") and m, 120)
-        # Records small enough for the journal file's last page may still go in: the
-        # version is read once writes have failed a few times, and must not move after.
-        failures = wait_for("three failed journal writes (retried)",
-                            lambda: (n := _metric(blocked, "rlfleet_trainer_journal_write_failures_total")) >= 3 and n)
-        held_version = _trainer(store, job).info["version"]
-        wait_for("three more failed journal writes",
+        # Records small enough for the journal file's last page may still go in (a step
+        # that was under way may finish): wait until the version holds still across three
+        # more failed writes, and from then on it must not move.
+        def held_across_three_failures() -> tuple[int] | None:
+            version = _trainer(store, job).info["version"]
+            failures = _metric(blocked, "rlfleet_trainer_journal_write_failures_total")
+            wait_for("three more failed journal writes",
+                     lambda: _metric(blocked, "rlfleet_trainer_journal_write_failures_total") >= failures + 3, 60)
+            return (version,) if _trainer(store, job).info["version"] == version else None
+        (held_version,) = wait_for("training held by the journal", held_across_three_failures, 180)
+        failures = _metric(blocked, "rlfleet_trainer_journal_write_failures_total")
+        wait_for("three more failed journal writes (held)",
                  lambda: _metric(blocked, "rlfleet_trainer_journal_write_failures_total") >= failures + 3, 60)
         now = _trainer(store, job)
         assert now.info["version"] == held_version, (held_version, now.info)
