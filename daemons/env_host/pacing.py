@@ -56,11 +56,14 @@ def prompts_per_batch(spec: JobSpec) -> int:
 def claim_limit(spec: JobSpec) -> int | None:
     """Prompts that may be outstanding job-wide: max_staleness batches (at least one),
     plus trainer.max_extra_prompts (one batch when staleness is unbounded); None (no
-    pacing) when neither bounds it or env_host.pace_claims is off."""
+    pacing) when neither bounds it or env_host.pace_claims is off. A batch-mode round's
+    redundant prompts (env_host.redundant_prompts) come with each batch: the round is
+    claimed whole, and those it does not need are dropped, so they count as consumed."""
     alpha, extra = spec.trainer.max_staleness, spec.trainer.max_extra_prompts
     if not spec.env_host.pace_claims or (alpha is None and extra is None):
         return None
-    return max(1, alpha or 0) * prompts_per_batch(spec) + (extra or 0)
+    per_batch = prompts_per_batch(spec) + spec.env_host.redundant_prompts
+    return max(1, alpha or 0) * per_batch + (extra or 0)
 
 
 def round_limit(prompts_per_batch: int, received: int) -> int:

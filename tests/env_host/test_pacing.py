@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -116,3 +117,14 @@ def test_after_batch_claims_round_by_round(etcd):
         assert queue.budget(6) == 1
     finally:
         store.close()
+
+
+def test_a_batch_mode_rounds_redundant_prompts_are_paced_with_their_batch():
+    from rlfleet.daemons.env_host.pacing import claim_limit
+
+    def spec(**env):
+        return SimpleNamespace(trainer=SimpleNamespace(max_staleness=2, max_extra_prompts=None, batch_size=32),
+                               task=SimpleNamespace(group_size=8),
+                               env_host=SimpleNamespace(pace_claims=True, redundant_prompts=env.get("extra", 0)))
+    assert claim_limit(spec()) == 2 * 4
+    assert claim_limit(spec(extra=2)) == 2 * (4 + 2)  # a whole round per batch, not cut to the batch
