@@ -114,8 +114,12 @@ def test_a_root_owned_directory_is_not_writable_either(sandbox):
 def test_processes_that_leave_the_group_are_killed_too(sandbox):
     """setsid() takes a child out of the process group killpg reaches; the uid sweep
     still finds it."""
-    r = sandbox.run("import os, time\nfor _ in range(3):\n"
-                    "    if os.fork() == 0:\n        os.setsid()\n        time.sleep(3600)\n")
+    # The parent waits until each child has left the group (a byte on a pipe), else a
+    # child still in it when the parent exits is killed by the group kill, not the sweep.
+    r = sandbox.run("import os, time\nr, w = os.pipe()\nfor _ in range(3):\n"
+                    "    if os.fork() == 0:\n        os.setsid()\n        os.write(w, b'x')\n"
+                    "        time.sleep(3600)\n"
+                    "got = 0\nwhile got < 3:\n    got += len(os.read(r, 3 - got))\n")
     assert r.ok and r.leftovers == 3, r
     assert_nothing_left(r)
 
