@@ -75,7 +75,8 @@ p99 = 3000
 chunk_mib = 1
 
 [env_host]
-max_concurrent = 24        # fewer than the 32 slots: rollouts ramp down, so repacks happen
+max_concurrent = 16        # half the 32 slots: rollouts run part-full, so repacks happen (the env-host keeps
+                           # max_concurrent trajectories running, docs/agentic.md)
 turn_timeout_s = 30
 
 [repack_manager.planner]
