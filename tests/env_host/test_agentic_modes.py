@@ -10,19 +10,18 @@ import time
 import pytest
 
 from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.outbox import OutboxThread
-from rlfleet.daemons.env_host.claims import PromptClaimer, parse_cursor
 from rlfleet.daemons.env_host.env_modes import BatchBarrier
 from rlfleet.daemons.env_host.groups import PromptGroup, Round
+from rlfleet.daemons.env_host.claims import parse_cursor
 from rlfleet.daemons.env_host.journal import Journal
-from rlfleet.daemons.env_host.manager import ManagerConfig, TurnCodec
-from rlfleet.daemons.env_host.runner import EnvRunner
+from rlfleet.daemons.env_host.manager import ManagerConfig
 from rlfleet.daemons.tasks import get_task
-from rlfleet.daemons.tasks.prompts import PromptStream, parse_trajectory_id, trajectory_id
+from rlfleet.daemons.tasks.prompts import parse_trajectory_id, trajectory_id
 from tests.integration.helpers import wait_for
 
-from .fakes import FakeRollout, answer, tokenizer
+from .fakes import FakeRollout, answer
 from .test_runner import KEYS, FakeRewardHost
+from .test_runner import Host as RunnerHost
 
 G = 4
 
@@ -95,31 +94,11 @@ def test_the_batch_barrier_holds_a_batch_until_every_running_member_has_stepped(
 
 
 # -- the runner, with sockets and etcd -----------------------------------------------------
-class Host:
-    def __init__(self, store, rollout, reward_host, path, *, task, redundant_samples=0,
-                 redundant_prompts=0, env_mode="async", prompts_per_batch=2, max_concurrent=64) -> None:
-        self.journal = Journal(path, G + redundant_samples)
-        self.claimer = PromptClaimer(store, KEYS, "env-0")
-        self.outbox = OutboxThread("test-outbox", on_acked=lambda acked: self.runner.on_acked(acked),
-                                   resend_after_s=0.3, max_backoff_s=0.5)
-        self.runner = EnvRunner(
-            task=task, stream=PromptStream(task, seed=0), codec=TurnCodec(tokenizer()),
-            config=ManagerConfig(turn_timeout_s=5.0, trajectory_timeout_s=20.0, max_retries=1,
-                                 prompts_per_batch=prompts_per_batch),
-            group_size=G, max_concurrent=max_concurrent, journal=self.journal,
-            claim=self.claimer.claim, recent_claims=self.claimer.recent, submit=self.outbox.submit,
-            name="env-0", env_mode=env_mode, redundant_samples=redundant_samples,
-            redundant_prompts=redundant_prompts)
-        self.outbox.set_addresses([reward_host.receiver.endpoint])
-        self.runner.set_rollouts({"r0": rollout.address})
-        self.outbox.start()
-        self.runner.start()
-
-    def stop(self) -> None:
-        self.runner.stop()
-        self.outbox.stop()
-        self.outbox.join(5)
-        self.journal.close()
+def Host(store, rollout, reward_host, path, *, task, prompts_per_batch=2, max_concurrent=64, **options):
+    """test_runner's env-host incarnation, with the sim task and the agentic options."""
+    return RunnerHost(store, rollout, reward_host, path, group_size=G, max_concurrent=max_concurrent, task=task,
+                      config=ManagerConfig(turn_timeout_s=5.0, trajectory_timeout_s=20.0, max_retries=1,
+                                           prompts_per_batch=prompts_per_batch), **options)
 
 
 @pytest.fixture

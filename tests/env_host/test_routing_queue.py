@@ -43,7 +43,8 @@ def test_a_turn_waits_for_a_free_slot_and_its_timeout_starts_when_sent():
             calls = [asyncio.create_task(router.generate(_req(f"p{i}-g0"), timeout))
                      for i, timeout in enumerate((10.0, 10.0, 1.0))]
             deadline = time.monotonic() + 5
-            while sum(len(f.requests) for f in fakes) < 2 and time.monotonic() < deadline:
+            while sum(len(f.requests) for f in fakes) < 2:
+                assert time.monotonic() < deadline, "the first two requests were not sent within 5 s"
                 await asyncio.sleep(0.01)
             await asyncio.sleep(1.2)  # longer than the held turn's own 1 s timeout
             assert sum(len(f.requests) for f in fakes) == 2, "a third request was sent to a full rollout"

@@ -78,18 +78,21 @@ class Host:
     """One env-host incarnation: journal + outbox + runner (what EnvHost.setup builds)."""
 
     def __init__(self, store, rollout, reward_host, path, owner: str = "env-0",
-                 group_size: int = G, max_concurrent: int = 8) -> None:
-        task = get_task("arithmetic")
-        self.journal = Journal(path, group_size)
+                 group_size: int = G, max_concurrent: int = 8, *, task=None, config=None,
+                 **runner_options) -> None:
+        """``runner_options``: EnvRunner's env_mode / redundant_* (test_agentic_modes.py)."""
+        task = task or get_task("arithmetic")
+        launch = group_size + runner_options.get("redundant_samples", 0)
+        self.journal = Journal(path, launch)
         self.claimer = PromptClaimer(store, KEYS, owner)
         self.outbox = OutboxThread("test-outbox", on_acked=lambda acked: self.runner.on_acked(acked),
                                    resend_after_s=0.3, max_backoff_s=0.5)
         self.runner = EnvRunner(
             task=task, stream=PromptStream(task, seed=0), codec=TurnCodec(tokenizer()),
-            config=ManagerConfig(turn_timeout_s=2.0, trajectory_timeout_s=5.0, max_retries=1),
+            config=config or ManagerConfig(turn_timeout_s=2.0, trajectory_timeout_s=5.0, max_retries=1),
             group_size=group_size, max_concurrent=max_concurrent, journal=self.journal,
             claim=self.claimer.claim, recent_claims=self.claimer.recent, submit=self.outbox.submit,
-            name=owner)
+            name=owner, **runner_options)
         self.outbox.set_addresses([reward_host.receiver.endpoint])
         self.runner.set_rollouts({"r0": rollout.address})
         self.outbox.start()
