@@ -28,8 +28,10 @@ iterations of 650 s (paper: "over 600 seconds"), colocated: its B requests arriv
 the rollout, rising fast and decaying with a long tail (lognormal, capped at the
 maximum generation length, Fig. 5), nothing during training. B = 512 (paper 2048: a
 quarter, so the planner's simulations fit this 2-core machine; worker counts scale with
-B). Costs: a GPU worker-second costs 10, a CPU worker-second 1 (ours; the paper reports
-GPU and CPU apart: 3.79x and 1.98x). D = 2 s (paper: "at most a few seconds").
+B). Costs: a GPU worker-second costs 20, a CPU worker-second 1 (ours, from on-demand cloud
+prices: one A100 of an 8-GPU instance about $4.1/h against a 4-vCPU 16 GB instance about
+$0.19/h; the paper reports GPU and CPU apart, 3.79x and 1.98x, and so does each record).
+D = 2 s (paper: "at most a few seconds").
 
 Also (DistRS §6.3 Fig. 14): two batches 100 s apart, CPU workers plentiful, a sweep over
 GPU workers with fixed counts, EBF against FCFS; the fewest GPUs at which each keeps the
@@ -318,6 +320,7 @@ def plot(records: list[dict[str, Any]], out: Path) -> None:
         ax3.plot(sw["gpus"], [statistics.fmean(c[i] for c in curves) for i in range(len(sw["gpus"]))], label=label)
     ax3.axhline(by["fcfs"]["fig14_sweep"]["delay_bound_s"], color="k", linestyle=":", linewidth=0.8)
     ax3.set_yscale("symlog")
+    ax3.set_ylim(bottom=0)
     ax3.set_xlabel("GPU workers (fixed)")
     ax3.set_ylabel("mean extra delay (s)")
     ax3.set_title("two batches 100 s apart (DistRS Fig. 14)", fontsize=9)
