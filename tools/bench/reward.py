@@ -54,7 +54,7 @@ from typing import Any
 
 from rlfleet.daemons.reward_host.reward_sim import PipelineSim, SimRequest, simulate
 from rlfleet.daemons.reward_host.scaling import ScalingPlanner, zero_queue_workers
-from rlfleet.daemons.reward_host.stages import BatchKey, BatchRecord, Pipeline, Stage
+from rlfleet.daemons.reward_host.stages import BatchKey, BatchRecord, Pipeline, Request, RequestKey, Stage
 
 PIPELINE = Pipeline((Stage("compile", "cpu", 1.0, 120.0), Stage("run", "accelerator", 20.0, 60.0)))
 TRAINING_ITERATIONS = 50  # the outcome mix drifts over 50 iterations (DistRS §3, Fig. 6b)
@@ -90,7 +90,6 @@ def draw_batch(rng: random.Random, key: BatchKey, start_s: float, size: int, pro
 
 
 def record_of(key: BatchKey, requests: Sequence[SimRequest]) -> BatchRecord:
-    from rlfleet.daemons.reward_host.stages import Request, RequestKey
     return BatchRecord.of(key, [Request(RequestKey(key.tenant, key.batch, str(i)), q.arrival_s, q.service_s)
                                 for i, q in enumerate(requests)], PIPELINE)
 
