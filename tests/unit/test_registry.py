@@ -207,7 +207,7 @@ def test_every_seam_has_its_default_kind_registered():
         "rlfleet.policy_losses": ["ppo_clip"],
         "rlfleet.trainer_backends": ["sim", "torch"],
         "rlfleet.reward_backends": ["rule_pool", "user_code"],
-        "rlfleet.reward_dispatch": ["fifo"],
+        "rlfleet.reward_dispatch": ["ebf", "fifo"],
         "rlfleet.tasks": ["arithmetic", "frozenlake", "sim", "tool_use"],
         "rlfleet.env_routers": ["affinity", "group_sticky", "least_loaded"],
         "rlfleet.repack_planners": ["laminar", "none"],
