@@ -22,7 +22,9 @@ If the namespaces cannot be set up (no `ip`, no veth or bridge in the kernel),
 the run falls back to loopback and the summary says why.
 
 `plot` draws seconds vs p per method and the trainer's stall vs p, one row per
-version size, from record files (a plain list, or {"records": [...]}).
+version size, from record files (a plain list, or {"records": [...]}). A record
+marked {"excluded": why} afterwards is kept in the file but left out of medians,
+fits and plots.
 
 With RLFLEET_JOB_SECRET_FILE set, every hop (and the trainer's link) is
 authenticated (relay.auth): run it with and without to see what that costs.
@@ -440,6 +442,7 @@ def machine_info(label: str | None) -> dict[str, Any]:
 # ------------------------------------------------------------- analysis
 def fit_appendix_c(records: list[dict[str, Any]]) -> dict[str, Any]:
     """T_byte and T_start from single-relay chain runs at several chunk sizes (T(1,k) = M T_byte + k T_start)."""
+    records = _kept(records)
     out = {}
     for size in sorted({r["size_bytes"] for r in records}):
         pts = [(r["size_bytes"] / r["chunk_bytes"], r["seconds"]) for r in records
@@ -467,7 +470,14 @@ def fit_appendix_c(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _kept(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # A record marked {"excluded": why} by hand afterwards (a run hit by something other than
+    # what is measured, e.g. a false repair) stays in the file but out of medians, fits and plots.
+    return [r for r in records if not r.get("excluded")]
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    records = _kept(records)
     ratios: dict[str, Any] = {}
     for (m, tr, size, chunk, net) in sorted({(r["method"], r["transport"], r["size_bytes"], r["chunk_bytes"],
                                               r["net"]) for r in records}):
@@ -494,7 +504,9 @@ def plot(records: list[dict[str, Any]], png: str, title: str = "") -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
+    records = _kept(records)
     sizes = sorted({r["size_bytes"] for r in records})
     fig, axes = plt.subplots(len(sizes), 2, figsize=(11, 3.6 * len(sizes)), squeeze=False)
     for row, size in zip(axes, sizes):
@@ -516,14 +528,18 @@ def plot(records: list[dict[str, Any]], png: str, title: str = "") -> None:
                 ax.axhline(t, ls="--", color="grey", lw=1)
             row[0].annotate(f"raw link, 1 receiver ({net})", (ps[0], t), textcoords="offset points",
                             xytext=(2, 3), fontsize=7, color="grey")
-        for ax, what in zip(row, ("seconds until the last relay holds it", "trainer stall (s), chain")):
+        for ax, what in zip(row, ("seconds until the last relay holds it (log)", "trainer stall (s), chain")):
             ax.set_xscale("log", base=2)
             ax.set_xticks(ps, [str(p) for p in ps])
             ax.set_xlabel("relays p")
             ax.set_ylabel(what)
-            ax.set_ylim(bottom=0)
-            ax.grid(alpha=0.3)
+            ax.grid(alpha=0.3, which="both")
             ax.set_title(f"{size // MIB} MiB")
+        row[0].set_yscale("log")  # store-and-forward grows p-fold: on a log axis "flat" still reads as flat
+        for axis in (row[0].yaxis,):
+            axis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            axis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        row[1].set_ylim(bottom=0)
         row[0].legend(fontsize=7)
         if row[1].lines:
             row[1].legend(fontsize=7)
