@@ -13,6 +13,7 @@ has a timeout), which is what the chain's repair logic keys on.
 from __future__ import annotations
 
 import abc
+import select
 import socket
 import struct
 import threading
@@ -91,6 +92,13 @@ class TcpConn(Conn):
                  server: bool = False) -> None:
         self.sock, self.peer = sock, peer
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Blocking for good, and never changed again: one thread sends while another
+        # reads acks, and Python's per-socket timeout is one shared mode (settimeout on
+        # one thread made the other's blocking send fail with EAGAIN). Receive timeouts
+        # come from poll() instead (_wait_readable).
+        sock.settimeout(None)
+        self._readable = select.poll()
+        self._readable.register(sock.fileno(), select.POLLIN)
         self._send_lock = threading.Lock()
         self._closed = False
         self._auth: FrameAuth | None = None
@@ -107,8 +115,7 @@ class TcpConn(Conn):
         deadline = time.monotonic() + HANDSHAKE_S
 
         def send(data: bytes) -> None:
-            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
+            try:  # a few dozen bytes on a fresh connection: the socket buffer takes them at once
                 self.sock.sendall(data)
             except OSError as exc:
                 raise ConnectionError(f"handshake with {self.peer}: {exc}") from exc
@@ -137,9 +144,8 @@ class TcpConn(Conn):
         # we just sent before the peer reads it: end our side, read past what it sent.
         try:
             self.sock.shutdown(socket.SHUT_WR)
-            self.sock.settimeout(0.2)
             for _ in range(16):
-                if not self.sock.recv(65536):
+                if not self._readable.poll(200) or not self.sock.recv(65536, socket.MSG_DONTWAIT):
                     break
         except OSError:
             pass
@@ -159,18 +165,23 @@ class TcpConn(Conn):
                     bufs.append(memoryview(self._auth.payload_tag(seq, pieces)))
             else:
                 bufs += pieces
-            self.sock.settimeout(None)
             try:
                 _sendmsg_all(self.sock, bufs)
             except OSError as exc:
                 raise ConnectionError(f"send to {self.peer} failed: {exc}") from exc
 
     def _recv_exact(self, buf: memoryview, timeout: float | None, hasher: Any = None) -> None:
-        self.sock.settimeout(timeout)
+        """Fill ``buf``; ``timeout`` bounds each wait for more bytes (not the whole read)."""
         got = 0
+        wait_ms = None if timeout is None else max(0, int(timeout * 1000))
         try:
             while got < len(buf):
-                n = self.sock.recv_into(buf[got:])
+                if not self._readable.poll(wait_ms):
+                    raise socket.timeout
+                try:
+                    n = self.sock.recv_into(buf[got:], 0, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue  # readable was stale: wait again
                 if n == 0:
                     raise ConnectionError(f"{self.peer} closed the connection")
                 if hasher is not None:

@@ -77,3 +77,54 @@ def test_chain_over_ucx(etcd, tmp_path):
         pub.close()
     finally:
         fleet.close()
+
+
+def test_tcp_send_survives_a_reader_thread_polling_with_timeouts():
+    """A relay sends chunks on one thread while another reads acks with a timeout, on the
+    same connection. Python's socket timeout is one mode per socket: when recv() set a
+    timeout while the sender was in a blocking send to a full buffer, the send failed
+    with EAGAIN ("Resource temporarily unavailable") or timed out, and the chain took a
+    live relay for dead (seen at p=16 on a 16-core machine)."""
+    import threading
+
+    t = get_transport("tcp")
+    listener = t.listen("127.0.0.1")
+    sender = t.connect(listener.address, timeout=5)
+    receiver = listener.accept(timeout=5)
+    assert receiver is not None
+    stop, ack_reader_errors = threading.Event(), []
+
+    def read_acks() -> None:  # what the chain's ack reader does: short waits, nothing comes
+        while not stop.is_set():
+            try:
+                sender.recv(0.001)
+            except TimeoutError:
+                pass
+            except Exception as exc:  # noqa: BLE001
+                ack_reader_errors.append(exc)
+                return
+
+    payload = np.zeros(256 << 10, dtype=np.uint8)  # many sends, each into a full buffer
+    frames = 3000
+    got = []
+
+    def drain() -> None:  # a slow peer: the sender's buffer fills again and again
+        for _ in range(frames):
+            head = receiver.recv(30)
+            receiver.discard_payload(head.nbytes, 30)
+            got.append(head.layout)
+
+    reader, drainer = threading.Thread(target=read_acks), threading.Thread(target=drain)
+    reader.start()
+    drainer.start()
+    try:
+        for i in range(frames):
+            sender.send(Chunk(1, i, 0, payload.nbytes), [payload])
+        drainer.join(60)
+        assert got == list(range(frames)) and not ack_reader_errors
+    finally:
+        stop.set()
+        reader.join(5)
+        sender.close()
+        receiver.close()
+        listener.close()
