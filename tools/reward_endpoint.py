@@ -15,7 +15,8 @@ the backend's (daemons/reward_host/remote.py, docs/reward.md "Remote endpoints")
 
 A repeated Idempotency-Key gets the first answer again without scoring; a copy that
 arrives while the first is being scored waits for it. Faults come before scoring, so a
-hung or failed request scores nothing. For tests, two more routes:
+hung or failed request scores nothing
+and does not hold its key. For tests, two more routes:
 
     GET  /_stats    requests, in_flight, max_in_flight, errors, hangs, and per key the
                     number of scorings (idempotence: never above 1)
@@ -163,6 +164,10 @@ class Handler(BaseHTTPRequestHandler):
         if not key or not isinstance(doc, dict) or doc.get("trajectory_id") != key:
             self._answer(400, {"error": "Idempotency-Key must equal the body's trajectory_id"})
             return
+        # Faults first: a hung or failed request never claims its key, so the retry of a
+        # hung one is not made to wait for it.
+        if self._fault(state):
+            return
         with state.lock:
             done = state.results.get(key)
             first = state.scoring.get(key)
@@ -187,28 +192,33 @@ class Handler(BaseHTTPRequestHandler):
                 state.scoring.pop(key, None)
             mine.set()
 
-    def _score_first(self, state: EndpointState, doc: dict[str, Any], key: str) -> None:
-        with state.lock:
-            latency = state.knobs["latency_s"]
-            status = state.knobs["error_status"]
+    def _fault(self, state: EndpointState) -> bool:
+        """Inject this request's fault, if it draws one; True if it did."""
         fault = state.fault()
         if fault == "hang":
             with state.lock:
                 state.counts["hangs"] += 1
             state.stop.wait()  # until the server stops: the client's timeout must act
-            return
-        if latency > 0:
-            time.sleep(latency)
+            return True
         if fault == "error":
             with state.lock:
                 state.counts["errors"] += 1
+                status = state.knobs["error_status"]
             self._answer(status, {"error": "injected failure"}, {"Retry-After": "0"})
+            return True
+        return False
+
+    def _score_first(self, state: EndpointState, doc: dict[str, Any], key: str) -> None:
+        with state.lock:
+            latency = state.knobs["latency_s"]
+        if latency > 0:
+            time.sleep(latency)  # the scoring's own time: the key is claimed meanwhile
+        if not (isinstance(doc.get("task"), str) and isinstance(doc.get("task_kwargs", {}), dict)
+                and isinstance(doc.get("prompt"), dict) and isinstance(doc.get("completions"), list)):
+            self._answer(400, {"error": "not the protocol: task, task_kwargs, prompt, completions"})
             return
         try:
             reward = state.score(doc)
-        except (KeyError, TypeError) as exc:
-            self._answer(400, {"error": f"not the protocol: {type(exc).__name__}: {exc}"})
-            return
         except Exception as exc:  # noqa: BLE001 — the reward's failure is the answer
             self._answer(422, {"error": f"{type(exc).__name__}: {exc}"})
             return
