@@ -76,7 +76,7 @@ def _endpoints(value: Any) -> Any:
     out = []
     for i, url in enumerate(urls):
         if not isinstance(url, str):
-            raise fail(f"[{i}]: expected a URL string, got {show(url)}")
+            raise fail(f"[{i}] expected a URL string, got {show(url)}")
         try:
             out.append(check_url(url))
         except PydanticCustomError as exc:
