@@ -19,7 +19,7 @@ hung or failed request scores nothing
 and does not hold its key. For tests, two more routes:
 
     GET  /_stats    requests, in_flight, max_in_flight, errors, hangs, and per key the
-                    number of scorings (idempotence: never above 1)
+                    requests (asked) and the scorings (idempotence: never above 1)
     POST /_control  {"latency_s", "error_rate", "error_status", "hang_rate",
                      "fail_next": n, "hang_next": n} — any subset; fail_next/hang_next make
                     the next n scoring requests fail/hang (deterministic faults)
@@ -59,7 +59,8 @@ class EndpointState:
         self.rng = random.Random(seed)
         self.results: dict[str, bytes] = {}  # idempotency key -> the 200 body given
         self.scoring: dict[str, threading.Event] = {}  # key -> set when its first copy is done
-        self.scorings: dict[str, int] = {}
+        self.scorings: dict[str, int] = {}  # key -> times scored (idempotence: at most 1)
+        self.asked: dict[str, int] = {}  # key -> requests that reached scoring (faults included)
         self.tasks: dict[str, Any] = {}
         self.counts = {"requests": 0, "in_flight": 0, "max_in_flight": 0, "errors": 0, "hangs": 0}
         self.stop = threading.Event()
@@ -127,7 +128,8 @@ class Handler(BaseHTTPRequestHandler):
             self._answer(404, {"error": f"no route {self.path}"})
             return
         with state.lock:
-            doc = {**state.counts, "scorings": dict(state.scorings), **state.knobs}
+            doc = {**state.counts, "scorings": dict(state.scorings), "asked": dict(state.asked),
+                   **state.knobs}
         self._answer(200, doc)
 
     def do_POST(self) -> None:  # noqa: N802
@@ -164,6 +166,8 @@ class Handler(BaseHTTPRequestHandler):
         if not key or not isinstance(doc, dict) or doc.get("trajectory_id") != key:
             self._answer(400, {"error": "Idempotency-Key must equal the body's trajectory_id"})
             return
+        with state.lock:
+            state.asked[key] = state.asked.get(key, 0) + 1
         # Faults first: a hung or failed request never claims its key, so the retry of a
         # hung one is not made to wait for it.
         if self._fault(state):
