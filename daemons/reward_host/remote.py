@@ -25,13 +25,8 @@ on a retry) and a 200 that is not the protocol counts against the breaker but is
 retried. A job whose attempts or ``total_timeout_s`` run out comes back as an outcome
 with ``error`` set; nothing is raised into the service and no job is lost.
 
-Why our own small retry and breaker code rather than tenacity/stamina and
-pybreaker/purgatory (none of which is installed): a retry here is not "call the
-same function again" — it goes back to the queue, waits for a slot, prefers another
-endpoint and is bounded by the job's own deadline; and a breaker's half-open state
-must be part of choosing an endpoint with a free slot, not a wrapper around one call.
-Both are a few lines of state (``Breaker``, ``backoff_s``), unit-tested in
-tests/reward_host/test_remote.py.
+The decisions without I/O (the body, reading answers, backoff, the circuit breaker,
+and why they are our own code) are in remote_policy.py.
 """
 
 from __future__ import annotations
@@ -48,12 +43,12 @@ import time
 from typing import Any
 
 import httpx2
-import msgspec
 from prometheus_client import Counter, Gauge
 
 from .backends import RewardBackend
 from .dispatch import Dispatch, FifoDispatch
-from .remote_config import RemoteHttpConfig, RetryConfig
+from .remote_config import RemoteHttpConfig
+from .remote_policy import Breaker, backoff_s, error_text, job_body, read_reward, retry_after, retryable
 from .workers import RewardJob, RewardOutcome
 
 log = logging.getLogger("rlfleet.reward_host")
@@ -63,87 +58,6 @@ ATTEMPTS = Counter("rlfleet_reward_remote_attempts_total", "Requests to remote r
                    ["endpoint", "result"])  # result: ok, retry, final
 CIRCUIT_OPEN = Gauge("rlfleet_reward_remote_circuit_open",
                      "1 while an endpoint's circuit is open or half-open", ["endpoint"])
-
-
-# ----------------------------------------------------------------------------- pure parts
-def backoff_s(attempt: int, retry: RetryConfig, rng: random.Random,
-              retry_after_s: float = 0.0) -> float:
-    """The wait after failed attempt number ``attempt`` (1-based): the cap doubles from
-    backoff_base_s up to backoff_max_s; "full" jitter draws uniformly below the cap so
-    that clients failing together do not come back together. An endpoint's Retry-After
-    is a floor, itself capped at backoff_max_s (a misbehaving header cannot park a job)."""
-    cap = min(retry.backoff_max_s, retry.backoff_base_s * 2.0 ** (attempt - 1))
-    wait = rng.uniform(0.0, cap) if retry.jitter == "full" else cap
-    return min(retry.backoff_max_s, max(wait, retry_after_s))
-
-
-class Breaker:
-    """One endpoint's circuit: ``failures`` consecutive failed attempts open it for
-    ``open_s``; then it is half-open, letting ``probes`` requests through; the first
-    success closes it, a failure opens it again. Times are the caller's clock."""
-
-    def __init__(self, failures: int, open_s: float, probes: int) -> None:
-        self.threshold, self.open_s, self.probes = failures, open_s, probes
-        self.state = "closed"
-        self.consecutive = 0
-        self.open_until = 0.0
-
-    def refresh(self, now: float) -> str:
-        if self.state == "open" and now >= self.open_until:
-            self.state = "half_open"
-        return self.state
-
-    def allows(self, now: float, probes_in_flight: int) -> bool:
-        state = self.refresh(now)
-        return state == "closed" or (state == "half_open" and probes_in_flight < self.probes)
-
-    def success(self) -> None:
-        # Any answer proves the endpoint alive, even one that started before it opened.
-        self.state, self.consecutive = "closed", 0
-
-    def failure(self, now: float) -> None:
-        if self.state == "open":
-            return  # a request sent before it opened: the circuit already knows
-        self.consecutive += 1
-        if self.state == "half_open" or self.consecutive >= self.threshold:
-            self.state, self.open_until, self.consecutive = "open", now + self.open_s, 0
-
-
-def job_body(job: RewardJob) -> bytes:
-    return msgspec.json.encode({"trajectory_id": job.key, "task": job.task,
-                                "task_kwargs": job.difficulty, "prompt": job.prompt.to_dict(),
-                                "completions": list(job.texts)})
-
-
-def read_reward(status: int, content: bytes) -> float:
-    """The reward of a 200 answer; ValueError if it is not the protocol."""
-    try:
-        doc = msgspec.json.decode(content)
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"answer is not JSON: {exc}") from None
-    reward = doc.get("reward") if isinstance(doc, dict) else None
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-        raise ValueError(f"answer has no finite number 'reward': {content[:200]!r}")
-    return float(reward)
-
-
-def error_text(status: int, content: bytes) -> str:
-    try:
-        doc = msgspec.json.decode(content)
-        if isinstance(doc, dict) and isinstance(doc.get("error"), str):
-            return f"HTTP {status}: {doc['error']}"
-    except msgspec.DecodeError:
-        pass
-    return f"HTTP {status}: {content[:200].decode('utf-8', 'replace')}"
-
-
-def retry_after(headers: Any) -> float:
-    value = headers.get("retry-after", "")
-    try:
-        seconds = float(value)
-    except ValueError:
-        return 0.0  # absent, or an HTTP date: our own backoff decides
-    return seconds if math.isfinite(seconds) and seconds > 0 else 0.0
 
 
 # ----------------------------------------------------------------------------- state
@@ -244,7 +158,7 @@ class RemoteBackend(RewardBackend):
             left = deadline - time.monotonic()
             if out or left <= 0 or self._closed:
                 return out
-            select.select([self._rfd], [], [], left)
+            select.select([self._rfd], [], [], None if math.isinf(left) else left)
 
     def fds(self) -> list[int]:
         return [self._rfd]
@@ -401,11 +315,14 @@ class RemoteBackend(RewardBackend):
             log.exception("remote reward attempt for %s failed", st.job.key)
             self._finish(st, 0.0, f"remote reward backend: {type(exc).__name__}: {exc}")
         else:
+            if ep.breaker.state != "closed":
+                log.info("reward endpoint %s answered: circuit closed", ep.url,
+                         extra={"event": "reward_endpoint_closed"})
             ep.breaker.success()
-            CIRCUIT_OPEN.labels(ep.url).set(0)
             ATTEMPTS.labels(ep.url, "ok").inc()
             self._finish(st, reward, "")
         finally:
+            CIRCUIT_OPEN.labels(ep.url).set(ep.breaker.state != "closed")
             ep.in_flight -= 1
             ep.probes_in_flight -= probe
             if not self._closed:
@@ -430,10 +347,10 @@ class RemoteBackend(RewardBackend):
         status, content = resp.status_code, resp.content
         if status == 200:
             try:
-                return read_reward(status, content)
+                return read_reward(content)
             except ValueError as exc:
                 raise _Final(f"{ep.url}: {exc}", endpoint_failed=True) from None
-        if status in (408, 429) or status >= 500:
+        if retryable(status):
             raise _Retry(f"{ep.url}: {error_text(status, content)}", retry_after(resp.headers))
         raise _Final(f"{ep.url}: {error_text(status, content)}", endpoint_failed=False)
 
@@ -442,7 +359,6 @@ class RemoteBackend(RewardBackend):
         ep.failures += 1
         ep.breaker.failure(self._loop.time())
         if ep.breaker.state == "open" and was != "open":
-            CIRCUIT_OPEN.labels(ep.url).set(1)
             log.warning("reward endpoint %s: circuit open for %g s", ep.url, ep.breaker.open_s,
                         extra={"event": "reward_endpoint_open"})
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from rlfleet.daemons.reward_host.remote import Breaker, RemoteBackend, backoff_s
+from rlfleet.daemons.reward_host.remote import RemoteBackend
+from rlfleet.daemons.reward_host.remote_policy import Breaker, backoff_s
 from rlfleet.daemons.reward_host.remote_config import RemoteHttpConfig, RetryConfig
 from rlfleet.daemons.reward_host.workers import RewardJob, RewardOutcome
 from rlfleet.daemons.tasks import get_task
