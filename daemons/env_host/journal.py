@@ -180,11 +180,15 @@ class Journal:
                               float(s.done["env_reward"]), dict(s.done["info"]), s.done["reason"],
                               prompt=prompt)
 
-    def handed(self, prompt_id: int) -> int:
-        """Trajectories of the prompt handed on (or to be re-sent): done or acked, not spare."""
+    def handed(self, prompt_id: int) -> tuple[int, int]:
+        """(handed, good): trajectories of the prompt handed on (or to be re-sent: done or
+        acked, not spare), and how many of those finished well (their "done" record has no
+        drop reason). The "done" record outlives the ack while the prompt is live."""
         with self._lock:
-            states = (self.trajectories.get(trajectory_id(prompt_id, k)) for k in range(self.group_size))
-            return sum(1 for s in states if s is not None and (s.done is not None or s.acked) and not s.spare)
+            states = [s for s in (self.trajectories.get(trajectory_id(prompt_id, k))
+                                  for k in range(self.group_size))
+                      if s is not None and (s.done is not None or s.acked) and not s.spare]
+            return len(states), sum(1 for s in states if s.done is not None and not s.done["reason"])
 
     def live_prompts(self) -> list[int]:
         with self._lock:

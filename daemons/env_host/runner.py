@@ -330,7 +330,7 @@ class EnvRunner:
             prompt = await asyncio.to_thread(self.stream.get, prompt_id)
         live = self._live.setdefault(prompt_id, set())
         group = self._groups[prompt_id] = PromptGroup(self.group_size, self.launch)
-        group.handed = group.good = self.journal.handed(prompt_id)
+        group.handed, group.good = self.journal.handed(prompt_id)
         for k in range(self.launch):
             tid = trajectory_id(prompt_id, k)
             status = self.journal.status(tid)

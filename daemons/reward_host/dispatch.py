@@ -20,17 +20,25 @@ workers over others but must only return one of those it was offered.
 
 ``FifoDispatch`` (the default): jobs in arrival order, to the first idle worker
 offered; a job that could not be handed over goes back to the front.
+
+``EbfDispatch`` (``kind = "ebf"``): Earliest-Batch-First (DistRS §5.2, queues.EbfQueue):
+the job whose batch is expected to finish first goes first, jobs of one batch in arrival
+order. A job's priority is ``priority_of(job)``, which the service supplies (its
+ScalingPlanner's ``expected_done_s`` of the job's batch, docs/reward.md); without one,
+every job has the same priority and the order is FIFO.
 """
 
 from __future__ import annotations
 
 import abc
 import collections
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from rlfleet.common.registry import Kind, KindConfig
 from rlfleet.common.wire import Trajectory
+
+from .queues import EbfQueue
 
 if TYPE_CHECKING:  # workers.py imports this module
     from .workers import RewardJob
@@ -96,6 +104,29 @@ class FifoDispatch(Dispatch):
         return len(self._queue)
 
 
+class EbfDispatch(Dispatch):
+    def __init__(self, priority_of: Callable[[RewardJob], float] | None = None) -> None:
+        self._priority_of = priority_of or (lambda job: 0.0)
+        self._queue: EbfQueue[tuple[float, RewardJob]] = EbfQueue()
+
+    def add(self, job: RewardJob) -> None:
+        # the priority is fixed when the job is queued: a heap cannot reorder itself
+        priority = self._priority_of(job)
+        self._queue.push((priority, job), priority)
+
+    def requeue(self, job: RewardJob) -> None:
+        priority = self._priority_of(job)
+        self._queue.requeue((priority, job), priority)
+
+    def pick(self, idle: Sequence[int]) -> tuple[int, RewardJob] | None:
+        if not idle or not len(self._queue):
+            return None
+        return idle[0], self._queue.pop()[1]
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
 # -- the seam: [reward_host.dispatch] (registered in pyproject.toml, rlfleet.reward_dispatch)
 class FifoConfig(KindConfig):
     kind: Literal["fifo"] = "fifo"
@@ -107,3 +138,16 @@ class Fifo(Kind):
     @classmethod
     def build(cls, config: FifoConfig, /, **_: Any) -> FifoDispatch:
         return FifoDispatch()
+
+
+class EbfConfig(KindConfig):
+    kind: Literal["ebf"] = "ebf"
+
+
+class Ebf(Kind):
+    Config = EbfConfig
+
+    @classmethod
+    def build(cls, config: EbfConfig, /, *, priority_of: Callable[[Any], float] | None = None,
+              **_: Any) -> EbfDispatch:
+        return EbfDispatch(priority_of)

@@ -137,3 +137,22 @@ def test_journal_path_prefers_the_run_dir(tmp_path, monkeypatch):
     assert journal_path(spec, "e1") == tmp_path / "runs" / "jp" / "env-host" / "e1.jsonl"
     monkeypatch.setenv("RLFLEET_RUN_DIR", str(tmp_path / "run"))
     assert journal_path(spec, "e1") == tmp_path / "run" / "env-host" / "e1.jsonl"
+
+
+def test_handed_counts_only_undropped_trajectories_as_good_across_a_restart(tmp_path):
+    """After a restart the runner rebuilds each prompt's group from these counts: a
+    handed-on trajectory that was dropped (env_error) must not count towards a whole
+    group, else a redundant round closes one group early."""
+    path = tmp_path / "env-0.jsonl"
+    j = Journal(path, 3)  # what a prompt launches: group_size 2 + 1 redundant sample
+    j.record_claim(range(0, 1))
+    for k, reason in enumerate(["", "env_error"]):
+        j.record_turn(f"p0-g{k}", 0, turn(0))
+        j.record_done(done(f"p0-g{k}", 0, [turn(0)], reason=reason))
+    j.record_acked(["p0-g0", "p0-g1"])
+    j.record_turn("p0-g2", 0, turn(0))  # still running: the prompt stays live
+    assert j.handed(0) == (2, 1)
+    j.close()
+    j = Journal(path, 3)  # replayed and compacted: the acked trajectories keep their reason
+    assert j.handed(0) == (2, 1)
+    j.close()

@@ -108,3 +108,20 @@ def test_the_fifo_kind_is_the_default_of_the_dispatch_registry():
     config = REWARD_DISPATCH.default_config()
     assert config.kind == "fifo"
     assert isinstance(REWARD_DISPATCH.build(config), FifoDispatch)
+
+
+def test_ebf_dispatch_takes_the_batch_due_first_and_keeps_arrival_order_inside_it():
+    from rlfleet.daemons.reward_host.dispatch import EbfDispatch
+
+    due = {"a1": 30.0, "a2": 30.0, "b1": 20.0, "b2": 20.0}  # a batch's expected completion
+    d = EbfDispatch(lambda j: due[j.key])
+    for key in ("a1", "b1", "a2", "b2"):
+        d.add(job(key))
+    worker, first = d.pick([0])
+    assert (worker, first.key) == (0, "b1")
+    d.requeue(first)  # could not be handed over: first again
+    assert drain(d, [3, 1, 2, 4]) == [(3, "b1"), (1, "b2"), (2, "a1"), (4, "a2")]
+    plain = EbfDispatch()  # no priorities given: FIFO
+    for key in "xyz":
+        plain.add(job(key))
+    assert drain(plain, [0, 1, 2]) == [(0, "x"), (1, "y"), (2, "z")]

@@ -206,7 +206,7 @@ def test_misspelled_section(tree):
         ("[trainer.loss]\nclip_eps = 1.5", "trainer.loss.clip_eps: must be < 1, got 1.5"),
         ("[trainer.loss]\nclip_ep = 0.2", "trainer.loss.clip_ep: unknown key (did you mean 'clip_eps'?)"),
         ("[reward_host.backend]\nworkers = 0", "reward_host.backend.workers: must be > 0, got 0"),
-        ('[reward_host.dispatch]\nkind = "ebf"', "reward_host.dispatch.kind: unknown kind 'ebf' (registered: 'fifo')"),
+        ('[reward_host.dispatch]\nkind = "lifo"', "reward_host.dispatch.kind: unknown kind 'lifo' (registered: 'ebf', 'fifo')"),
         ('[env_host.routing]\nkind = "prefix"', "env_host.routing.kind: unknown kind 'prefix' (registered: 'affinity', 'group_sticky', 'least_loaded')"),
         ('[repack_manager.planner]\nkind = "best_fit"', "repack_manager.planner.kind: unknown kind 'best_fit' (registered: 'laminar', 'none')"),
         ('[repack_manager.planner]\nkind = "laminar"\nc_max = 1.5', "repack_manager.planner.c_max: must be <= 1, got 1.5"),

@@ -1,6 +1,7 @@
 """Relay-chain benchmark: pipelined chain vs store-and-forward vs gloo broadcast vs the raw link.
 
     python -m rlfleet.tools.bench.relay --size-mib 256,1024 --relays 1,2,4,8 --json OUT
+    python -m rlfleet.tools.bench.relay plot OUT [OUT2 ...] --png FIG.png
 
 Every relay is its own process (a `RelayNode`, the relay daemon's data plane,
 without etcd: the coordinator hands it the chain); the coordinator plays the
@@ -15,7 +16,15 @@ from the trainer's first byte to the last relay holding the whole version;
 chain records also carry `stall_s`, the trainer's wait), and a summary next to
 it (OUT with .summary.json) with T(p)/T(1), the Appendix C fit
 T(p, k) = (p + k - 1)(M/k T_byte + T_start) (p relays plus the trainer = p + 1
-nodes), and the repair time after a relay is killed mid-broadcast.
+nodes), the repair time after a relay is killed mid-broadcast, and the machine
+it ran on (`--machine` names it; cores, CPU model, memory are read).
+If the namespaces cannot be set up (no `ip`, no veth or bridge in the kernel),
+the run falls back to loopback and the summary says why.
+
+`plot` draws seconds vs p per method and the trainer's stall vs p, one row per
+version size, from record files (a plain list, or {"records": [...]}). A record
+marked {"excluded": why} afterwards is kept in the file but left out of medians,
+fits and plots.
 
 With RLFLEET_JOB_SECRET_FILE set, every hop (and the trainer's link) is
 authenticated (relay.auth): run it with and without to see what that costs.
@@ -26,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import signal
 import statistics
@@ -151,6 +161,13 @@ class Netns:
         subprocess.run(cmd, check=True, capture_output=True, text=True)
 
     def up(self) -> Netns:
+        try:
+            return self._up()
+        except (subprocess.CalledProcessError, OSError):
+            self.down()  # a half-built set (the kernel may lack veth or bridge) would outlive us
+            raise
+
+    def _up(self) -> Netns:
         self._ip("link", "add", self.bridge, "type", "bridge")
         self._ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
         self._ip("link", "set", self.bridge, "up")
@@ -289,8 +306,11 @@ def run_gloo(p: int, size: int, reps: int, a: argparse.Namespace, netns: Netns |
     with socket.socket() as s:
         s.bind((host, 0))
         port = s.getsockname()[1]
-    if netns:
-        os.environ["GLOO_SOCKET_IFNAME"] = netns.bridge
+    # Gloo picks its interface from the hostname unless told; a machine without a network (or
+    # whose hostname does not resolve) then fails, so on loopback name `lo` (an explicit setting wins).
+    set_ifname = netns is not None or "GLOO_SOCKET_IFNAME" not in os.environ
+    if set_ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = netns.bridge if netns else "lo"
     shm = tempfile.mkdtemp(prefix="rlfleet-bench-", dir="/dev/shm")
     workers = Workers(p, "tcp", a.window, False, netns, shm)
     init = f"tcp://{host}:{port}"
@@ -310,7 +330,8 @@ def run_gloo(p: int, size: int, reps: int, a: argparse.Namespace, netns: Netns |
     finally:
         workers.close()
         shutil.rmtree(shm, ignore_errors=True)
-        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        if set_ifname:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 def run_link(data: np.ndarray, reps: int, a: argparse.Namespace, netns: Netns | None) -> list[float]:
@@ -384,16 +405,44 @@ def _available_bytes() -> int:
     return 1 << 62
 
 
+def _shm_free_bytes() -> int:
+    st = os.statvfs("/dev/shm")
+    return st.f_bavail * st.f_frsize
+
+
 def _fits(method: str, p: int, size: int) -> bool:
-    """Leave the machine's other users room: skip a run whose peak would not fit twice over."""
+    """Leave the machine's other users room: skip a run whose peak would not fit twice over.
+
+    The chain's stores are files in /dev/shm (one version per relay at a time), and a
+    tmpfs smaller than RAM (a container's or VM's default) would SIGBUS a relay mid-copy."""
     per_proc = (450 if method == "gloo" else 120) * MIB  # interpreter (+ torch for gloo)
     need = (p + 1) * (size + per_proc)
+    if method != "gloo" and p * size + 64 * MIB > _shm_free_bytes():
+        return False
     return 2 * need < _available_bytes()
+
+
+def machine_info(label: str | None) -> dict[str, Any]:
+    """What the figures were measured on (the README names it with every table)."""
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    with open("/proc/meminfo") as f:
+        mem = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal:")), 0)
+    return {"label": label, "cpus": os.cpu_count(),
+            "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "cpu_model": model, "mem_total_gib": round(mem / (1 << 30), 1), "dev_shm_free_gib":
+            round(_shm_free_bytes() / (1 << 30), 1), "kernel": platform.release(),
+            "python": platform.python_version(), "load_avg": os.getloadavg()}
 
 
 # ------------------------------------------------------------- analysis
 def fit_appendix_c(records: list[dict[str, Any]]) -> dict[str, Any]:
     """T_byte and T_start from single-relay chain runs at several chunk sizes (T(1,k) = M T_byte + k T_start)."""
+    records = _kept(records)
     out = {}
     for size in sorted({r["size_bytes"] for r in records}):
         pts = [(r["size_bytes"] / r["chunk_bytes"], r["seconds"]) for r in records
@@ -421,7 +470,14 @@ def fit_appendix_c(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _kept(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # A record marked {"excluded": why} by hand afterwards (a run hit by something other than
+    # what is measured, e.g. a false repair) stays in the file but out of medians, fits and plots.
+    return [r for r in records if not r.get("excluded")]
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    records = _kept(records)
     ratios: dict[str, Any] = {}
     for (m, tr, size, chunk, net) in sorted({(r["method"], r["transport"], r["size_bytes"], r["chunk_bytes"],
                                               r["net"]) for r in records}):
@@ -437,9 +493,73 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return ratios
 
 
+def _load_records(path: str) -> list[dict[str, Any]]:
+    data = json.loads(Path(path).read_text())
+    return data["records"] if isinstance(data, dict) else data
+
+
+def plot(records: list[dict[str, Any]], png: str, title: str = "") -> None:
+    """Seconds vs p per method (left) and the trainer's stall vs p (right), one row per size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    records = _kept(records)
+    sizes = sorted({r["size_bytes"] for r in records})
+    fig, axes = plt.subplots(len(sizes), 2, figsize=(11, 3.6 * len(sizes)), squeeze=False)
+    for row, size in zip(axes, sizes):
+        sel = [r for r in records if r["size_bytes"] == size]
+        ps = sorted({r["p"] for r in sel})
+        for key in sorted({(r["method"], r["chunk_bytes"], r["net"]) for r in sel if r["method"] != "link"}):
+            m, chunk, net = key
+            pts = [r for r in sel if (r["method"], r["chunk_bytes"], r["net"]) == key]
+            xs = sorted({r["p"] for r in pts})
+            label = f"{m}" + (f", {chunk // MIB} MiB chunks" if m != "gloo" else "") + f" ({net})"
+            row[0].plot(xs, [statistics.median(r["seconds"] for r in pts if r["p"] == x) for x in xs],
+                        marker="o", label=label)
+            if all("stall_s" in r for r in pts) and m == "chain":
+                row[1].plot(xs, [statistics.median(r["stall_s"] for r in pts if r["p"] == x) for x in xs],
+                            marker="o", label=label)
+        for net in sorted({r["net"] for r in sel if r["method"] == "link"}):
+            t = statistics.median(r["seconds"] for r in sel if r["method"] == "link" and r["net"] == net)
+            for ax in row:
+                ax.axhline(t, ls="--", color="grey", lw=1)
+            row[0].annotate(f"raw link, 1 receiver ({net})", (ps[0], t), textcoords="offset points",
+                            xytext=(2, 3), fontsize=7, color="grey")
+        for ax, what in zip(row, ("seconds until the last relay holds it (log)", "trainer stall (s), chain")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ps, [str(p) for p in ps])
+            ax.set_xlabel("relays p")
+            ax.set_ylabel(what)
+            ax.grid(alpha=0.3, which="both")
+            ax.set_title(f"{size // MIB} MiB")
+        row[0].set_yscale("log")  # store-and-forward grows p-fold: on a log axis "flat" still reads as flat
+        for axis in (row[0].yaxis,):
+            axis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            axis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        row[1].set_ylim(bottom=0)
+        row[0].legend(fontsize=7)
+        if row[1].lines:
+            row[1].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
+    if argv[:1] == ["plot"]:
+        pp = argparse.ArgumentParser(prog="relay plot")
+        pp.add_argument("records", nargs="+", help="record files written by --json")
+        pp.add_argument("--png", required=True)
+        pp.add_argument("--title", default="")
+        pa = pp.parse_args(argv[1:])
+        plot([r for f in pa.records for r in _load_records(f)], pa.png, pa.title)
+        return 0
     if argv[:1] == ["worker"]:
         wp = argparse.ArgumentParser()
         for flag in ("--id", "--bind", "--transport", "--store-dir"):
@@ -458,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--no-repair", action="store_true")
+    ap.add_argument("--machine", default=None, help="a name for the machine, kept in the summary")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     a.transports = a.transports.split(",")
@@ -472,8 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     if why_not is not None and "netns" in nets:
         print(f"note: network namespaces unavailable ({why_not}); loopback only", file=sys.stderr)
         nets = ["loopback"]
-    summary: dict[str, Any] = {"cpus": os.cpu_count(), "nets": nets, "netns_unavailable": why_not, "repair": [],
-                               "skipped": []}
+    summary: dict[str, Any] = {"cpus": os.cpu_count(), "machine": machine_info(a.machine), "nets": nets,
+                               "netns_unavailable": why_not, "repair": [], "skipped": []}
     records: list[dict[str, Any]] = []
 
     def emit(rec: dict[str, Any]) -> None:
@@ -481,8 +602,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rec), flush=True)
         Path(a.json).write_text(json.dumps(records, indent=1))
 
-    for net in nets:
-        ns = Netns(max(ps)).up() if net == "netns" else None
+    for net in list(nets):
+        ns = None
+        if net == "netns":
+            try:
+                ns = Netns(max(ps)).up()
+            except (subprocess.CalledProcessError, OSError) as e:
+                why = getattr(e, "stderr", None) or str(e)
+                summary["netns_unavailable"] = f"setup failed: {str(why).strip()}"
+                print(f"note: network namespaces could not be set up ({why}); loopback instead", file=sys.stderr)
+                nets.remove("netns")
+                if "loopback" in nets:
+                    continue
+                net = "loopback"
+                nets.append(net)
         try:
             for size in sizes:
                 data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
