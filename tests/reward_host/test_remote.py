@@ -306,3 +306,21 @@ def test_a_missing_secret_file_fails_at_start_with_its_path(tmp_path):
     with pytest.raises(ValueError, match=f"auth_secret_file: cannot read {path}"):
         RemoteBackend(RemoteHttpConfig(endpoints="http://127.0.0.1:9/score",
                                        auth_secret_file=str(path)))
+
+
+def test_jobs_start_in_the_dispatch_order(endpoints):
+    """[reward_host.dispatch] orders the queue; its "workers" are endpoints with a free slot."""
+    from rlfleet.daemons.reward_host.dispatch import EbfDispatch
+
+    e = endpoints("--latency-s", "0.5")  # p0 holds the slot while the rest are queued
+    order = {f"p{i}": float(-i) for i in range(6)}  # the last submitted is the most urgent
+    b = RemoteBackend(RemoteHttpConfig(endpoints=e.url, max_concurrency=1),
+                      dispatch=EbfDispatch(lambda j: order[j.key]))
+    try:
+        for i in range(6):
+            b.submit(job(i))
+        out = collect(b, 6)
+    finally:
+        b.close()
+    # p0 went out at once (the only job then); the rest by priority, one slot at a time.
+    assert [o.key for o in out] == ["p0", "p5", "p4", "p3", "p2", "p1"]
