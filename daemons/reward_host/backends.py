@@ -1,8 +1,9 @@
 """The reward-backend seam: ``[reward_host.backend]``, what scores a trajectory.
 
 ``rule_pool``: the task's rule reward in a pool of local worker processes, each job
-killed after ``timeout_s`` (workers.RewardPool). Later kinds: sandboxed user code,
-remote HTTP endpoints, simulated stages (ARCHITECTURE §5). The reward service drives
+killed after ``timeout_s`` (workers.RewardPool); ``remote_http``: HTTP endpoints
+(remote_config.py, remote.py); ``user_code``: a reward function given as source in the
+spec, run in the sandbox (user_code.py). The reward service drives
 a backend from its one thread: ``submit`` jobs, wait on ``fds`` for at most
 ``next_deadline_in`` seconds, ``poll`` the outcomes.
 
