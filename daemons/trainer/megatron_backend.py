@@ -30,12 +30,14 @@ one. The mask is passed explicitly: megatron-core's default causal mask is built
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +64,20 @@ class MegatronUnavailable(RuntimeError):
     """What the megatron backend needs and this process lacks (megatron-core, CUDA, GPUs)."""
 
 
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Megatron-core's import and build warnings off: "TransformerEngine/apex not installed"
+    (the local spec needs neither) and deprecations of arguments this backend does not pass,
+    dozens per model, on the stderr that is the daemon's JSON log."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
 def megatron_version() -> str:
     """megatron-core's version; MegatronUnavailable (with the install line) without it."""
     try:
-        import warnings
-
-        with warnings.catch_warnings():  # "TE/apex not installed": the local spec needs neither
-            warnings.simplefilter("ignore")
+        with quiet():
             import megatron.core
     except ImportError as exc:
         raise MegatronUnavailable(f"trainer.backend kind 'megatron' needs megatron-core, "
@@ -194,14 +203,16 @@ class MegatronLearner:
         # (evaluation.py), as for the sim backend.
         self.model = None
         torch.manual_seed(seed)
-        ensure_parallel_state(device, seed, tensor_parallel, pipeline_parallel)
+        with quiet():
+            ensure_parallel_state(device, seed, tensor_parallel, pipeline_parallel)
         self.version = 0
         self.gpt, self.optimizer = self._build(_read_hf_weights(self.model_dir))
 
     def _build(self, hf: dict[str, torch.Tensor]) -> tuple[Any, torch.optim.Optimizer]:
         config = transformer_config(self.shape, tensor_parallel=self.tensor_parallel,
                                     pipeline_parallel=self.pipeline_parallel)
-        gpt = build_gpt_model(self.shape, config)
+        with quiet():
+            gpt = build_gpt_model(self.shape, config)
         result = gpt.load_state_dict(mw.hf_to_mcore(hf, self.shape), strict=False)
         # _extra_state entries (TransformerEngine's FP8 metadata slots) stay None here.
         missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
