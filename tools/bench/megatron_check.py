@@ -13,9 +13,12 @@ Recorded: max and mean |logp_megatron - logp_torch| over every real token of the
 the same for the published HF-named tensors after step 1, both learners' step-1 stats
 (loss, grad_norm, ...), step times (step 1, then the median of --timed_steps more steps on
 the same batch), the machine, torch and megatron-core versions. Writes --out as JSON.
-Also step 1's gradients under HF names (max |difference| / max |gradient|). Exits 1 when
-the version-0 log-probs or the gradients differ by more than --tolerance (1e-4), so a
-wrong mapping fails loudly instead of publishing a figure. After the step the weights
+Also step 1's gradients under HF names (max |difference| / max |gradient|), and a control:
+the HF model itself on the megatron learner's device, against the megatron model (same
+device: the mapping's own error) and against the CPU (the devices' float32 arithmetic).
+Exits 1 when the version-0 log-probs differ from the same-device HF model's by more than
+--tolerance (1e-3) or the gradients by more than --grad-tolerance (1e-3, relative: they
+come from two devices), so a wrong mapping fails loudly instead of publishing a figure. After the step the weights
 differ by up to about 2 x lr wherever a gradient is near zero (Adam's first update is
 about lr x sign(gradient)), so the after-step figures are recorded, not judged.
 """
@@ -87,7 +90,8 @@ def rows(groups):
     return batch.input_ids, batch.loss_mask, batch.attention_mask.sum(dim=1)
 
 
-def torch_logprobs(learner, ids, lengths):
+def torch_logprobs(model, ids, lengths, device="cpu"):
+    """An HF model's log-probs [N, T-1] (the torch learner's ``model``, or a copy on the GPU)."""
     import torch
 
     from rlfleet.daemons.trainer import grpo
@@ -96,8 +100,8 @@ def torch_logprobs(learner, ids, lengths):
     with torch.no_grad():
         for n in range(ids.shape[0]):  # one row at a time: no padding in the reference
             ln = int(lengths[n])
-            out[n, :ln - 1] = grpo.token_logprobs(learner.model(input_ids=ids[n:n + 1, :ln]).logits,
-                                                  ids[n:n + 1, :ln])[0][0]
+            row = ids[n:n + 1, :ln].to(device)
+            out[n, :ln - 1] = grpo.token_logprobs(model(input_ids=row).logits, row)[0][0].cpu()
     return out
 
 
@@ -139,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timed-steps", type=int, default=5)
     ap.add_argument("--torch-threads", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tolerance", type=float, default=1e-4)
+    # 1e-3: on the H100 the HF model itself differs from its CPU run by up to 2e-4 on the
+    # least likely tokens (float32 summed in another order); a wrong mapping differs by ~1.
+    ap.add_argument("--tolerance", type=float, default=1e-3)
+    ap.add_argument("--grad-tolerance", type=float, default=1e-3)
     ap.add_argument("--out", default=str(REPO / "tools" / "bench" / "results" / "megatron_h100.json"))
     args = ap.parse_args(argv)
 
@@ -156,18 +163,25 @@ def main(argv: list[str] | None = None) -> int:
     groups = make_batch(ref.vocab_size, args.groups, args.group_size, args.seed)
     ids, mask, lengths = rows(groups)
     # Behaviour log-probs: the policy's own at version 0 (an on-policy first step).
-    before_ref = torch_logprobs(ref, ids, lengths)
+    before_ref = torch_logprobs(ref.model, ids, lengths)
     groups = with_behaviour(groups, before_ref)
     before_mega = megatron_logprobs(mega, ids)
+    # The control: the same HF model on the megatron learner's device. Float32 on a GPU
+    # sums in another order than on the CPU; this separates that from megatron's part.
+    from transformers import AutoModelForCausalLM
+
+    hf_dev = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device).eval()
+    before_hf_dev = torch_logprobs(hf_dev, ids, lengths, args.device)
+    del hf_dev
 
     stats_ref, stats_mega = ref.train_step(groups), mega.train_step(groups)
     grads = grad_diff(ref, mega)
-    after_ref, after_mega = torch_logprobs(ref, ids, lengths), megatron_logprobs(mega, ids)
+    after_ref, after_mega = torch_logprobs(ref.model, ids, lengths), megatron_logprobs(mega, ids)
     t_ref, t_mega = ref.state_tensors(), mega.state_tensors()
     weights = max(float(abs(t_ref[n] - t_mega[n]).max()) for n in t_ref)
     times_ref = [ref.train_step(groups)["step_s"] for _ in range(args.timed_steps)]
     times_mega = [mega.train_step(groups)["step_s"] for _ in range(args.timed_steps)]
-    later = diff(megatron_logprobs(mega, ids), torch_logprobs(ref, ids, lengths), mask)
+    later = diff(megatron_logprobs(mega, ids), torch_logprobs(ref.model, ids, lengths), mask)
 
     keys = ("loss", "grad_norm", "ratio_mean", "clip_frac", "approx_kl", "entropy", "tokens")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
@@ -186,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         "batch": {"groups": args.groups, "group_size": args.group_size, "rows": int(ids.shape[0]),
                   "width": int(ids.shape[1]), "generated_tokens": int(mask.sum()), "lr": args.lr},
         "logprob_diff_before": diff(before_mega, before_ref, mask),
+        "logprob_diff_before_megatron_vs_hf_same_device": diff(before_mega, before_hf_dev, mask),
+        "logprob_diff_before_hf_device_vs_hf_cpu": diff(before_hf_dev, before_ref, mask),
         "logprob_diff_after_step_1": diff(after_mega, after_ref, mask),
         f"logprob_diff_after_step_{1 + args.timed_steps}": later,
         "grad_diff_step_1": grads,
@@ -198,10 +214,12 @@ def main(argv: list[str] | None = None) -> int:
                    "timed_steps": args.timed_steps},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    # Pass: the same function (log-probs at version 0) and the same gradient; the
-    # after-step figures are recorded, not judged (Adam's first step, see grad_diff).
-    result["tolerance"] = args.tolerance
-    result["ok"] = max(result["logprob_diff_before"]["max_abs"], grads["relative"]) <= args.tolerance
+    # Pass: the same function as the HF model on the same device (version 0) and the same
+    # gradient as the torch learner's; the after-step figures are recorded, not judged
+    # (Adam's first step, see grad_diff).
+    same = result["logprob_diff_before_megatron_vs_hf_same_device"]["max_abs"]
+    result["tolerance"] = {"logprob_same_device": args.tolerance, "grad_relative": args.grad_tolerance}
+    result["ok"] = same <= args.tolerance and grads["relative"] <= args.grad_tolerance
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
