@@ -44,6 +44,14 @@ def on_cpu():
         mp.setattr(mp_random.CudaRNGStatesTracker, "fork",
                    lambda self, name=None: contextlib.nullcontext())
         yield
+    # The learners made a process group of one and megatron's parallel state in this
+    # process; later tests (accelerate, TRL) must not find a distributed run.
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
