@@ -27,8 +27,8 @@ $(STAMP): pyproject.toml
 	@$(PY) -m pip install --quiet --upgrade pip
 	@echo "[2/3] torch 2.13.0, the CPU build (the largest download)"
 	@$(PY) -m pip install --quiet torch==2.13.0
-	@echo "[3/3] rlfleet (editable) with transformers, TRL, pyzmq, msgspec, etcd client, pytest, ucxx, matplotlib, ansible-core"
-	@$(PY) -m pip install --quiet -e '.[test,ml,bench,ucx,deploy]'
+	@echo "[3/3] rlfleet (editable) with transformers, TRL, pyzmq, msgspec, etcd client, pytest, ucxx, matplotlib, ansible-core, megatron-core"
+	@$(PY) -m pip install --quiet -e '.[test,ml,bench,ucx,deploy,megatron]'
 	@touch $(STAMP)
 	@echo "setup done: $(VENV)"
 

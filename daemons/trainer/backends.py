@@ -8,14 +8,20 @@
     time_scale = 0.02
     weight_mib = 64
 
-Both build an object with the learner interface the rest of the trainer uses
+    [trainer.backend]
+    kind = "megatron"    # the policy as a megatron-core GPTModel on one GPU:
+    tensor_parallel = 1  # megatron_backend.MegatronLearner (HF weights in and out);
+    pipeline_parallel = 1  # both must be 1 (one process, one GPU) until multi-GPU is built
+
+Each builds an object with the learner interface the rest of the trainer uses
 (worker.py, training.py, checkpointing.py): ``version``, ``vocab_size``,
 ``model`` (None: nothing to evaluate), ``train_step(groups) -> stats``,
 ``state_tensors()``, ``save_checkpoint`` and ``load_checkpoint``.
 
 Registered in pyproject.toml (``rlfleet.trainer_backends``). This module is imported
 whenever a spec is validated, so it holds configs and constants only; ``build``
-imports torch (torch kind) or numpy (sim kind).
+imports torch (torch kind), numpy (sim kind) or megatron-core (megatron kind, the
+optional extra ``rlfleet[megatron]``).
 
 The sim kind's defaults model Laminar's 7B setting (Laminar §8, "Testbed" and
 "Models": Qwen2.5-7B trained on 64 H800 GPUs, 8 per machine, 8 x 400 Gbps between
@@ -52,6 +58,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, StrictInt
 
 from rlfleet.common.registry import Kind, KindConfig, Problem
+from rlfleet.common.spec_fields import PosInt
 
 # -- the sim backend's model (see the module docstring for the sources) ------------------
 SIM_PARAMS = 7.62e9          # Qwen2.5-7B
@@ -157,6 +164,62 @@ class SimBackend(TrainerBackend):
                  f"trainer plus relay.keep_versions ({keep}) in the relay's shared memory take "
                  f"{need / 2**30:.1f} GiB, more than this machine's memory "
                  f"({have / 2**30:.1f} GiB)")]
+
+
+class MegatronBackendConfig(KindConfig):
+    kind: Literal["megatron"] = "megatron"
+    # Model parallelism inside the trainer. The backend runs one process on one GPU, so
+    # check() refuses anything but 1 x 1 with the reason; the keys are where a multi-GPU
+    # build (one process per GPU) will take its sizes.
+    tensor_parallel: PosInt = 1
+    pipeline_parallel: PosInt = 1
+
+
+class MegatronBackend(TrainerBackend):
+    """``megatron_backend.MegatronLearner``: a megatron-core GPTModel on one CUDA GPU,
+    built from the HF model and publishing HF-named tensors, trained with [trainer.loss]."""
+
+    Config = MegatronBackendConfig
+
+    @classmethod
+    def build(cls, config: MegatronBackendConfig, /, *, spec: Any, **_: Any) -> Any:
+        from rlfleet.common.seams import POLICY_LOSSES
+
+        from .megatron_backend import MegatronLearner  # torch, megatron-core
+
+        t = spec.trainer
+        return MegatronLearner(spec.model.path, lr=t.learning_rate,
+                               loss=POLICY_LOSSES.build(t.loss), seed=spec.job.seed,
+                               lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
+                               total_steps=t.max_steps, temperature=1.0,  # as TorchBackend
+                               tensor_parallel=config.tensor_parallel,
+                               pipeline_parallel=config.pipeline_parallel)
+
+    @classmethod
+    def prewarm(cls, config: MegatronBackendConfig, /, *, model_path: str) -> None:
+        from . import megatron_backend
+
+        megatron_backend.megatron_version()
+
+    @classmethod
+    def check(cls, config: MegatronBackendConfig, sections: Mapping[str, BaseModel]) -> list[Problem]:
+        problems: list[Problem] = []
+        if config.tensor_parallel * config.pipeline_parallel != 1:
+            field = "tensor_parallel" if config.tensor_parallel != 1 else "pipeline_parallel"
+            problems.append(((field,), (
+                f"tensor_parallel x pipeline_parallel = {config.tensor_parallel} x "
+                f"{config.pipeline_parallel}: the megatron backend runs one process on one GPU "
+                "(model parallelism needs one process per GPU, not implemented); both must be 1")))
+        model = sections.get("model")
+        read = getattr(model, "config", None)
+        if callable(read):
+            from .megatron_weights import UnsupportedModel, shape_from_hf  # torch-free
+
+            try:
+                shape_from_hf(read())
+            except UnsupportedModel as exc:
+                problems.append(((), f"model.path {getattr(model, 'path', '?')}: {exc}"))
+        return problems
 
 
 def _machine_memory_bytes() -> int | None:

@@ -205,7 +205,7 @@ def test_every_seam_has_its_default_kind_registered():
     assert {r.group: r.names() for r in SEAMS} == {
         "rlfleet.rollout_engines": ["sim", "torch"],  # vllm comes with its own issue
         "rlfleet.policy_losses": ["ppo_clip"],
-        "rlfleet.trainer_backends": ["sim", "torch"],
+        "rlfleet.trainer_backends": ["megatron", "sim", "torch"],
         "rlfleet.reward_backends": ["remote_http", "rule_pool", "user_code"],
         "rlfleet.reward_dispatch": ["ebf", "fifo"],
         "rlfleet.tasks": ["arithmetic", "frozenlake", "sim", "tool_use"],

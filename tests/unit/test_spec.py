@@ -499,8 +499,9 @@ def test_bad_sim_trainer_parameters_name_the_key(tree, line, expected):
 def test_torch_trainer_backend_has_no_sim_keys(tree):
     assert_one_error(MINIMAL + '[trainer.backend]\ntime_scale = 0.1\n',
                      "trainer.backend.time_scale: unknown key")
-    assert_one_error(MINIMAL + '[trainer.backend]\nkind = "megatron"\n',
-                     "trainer.backend.kind: unknown kind 'megatron' (registered: 'sim', 'torch')")
+    assert_one_error(MINIMAL + '[trainer.backend]\nkind = "deepspeed"\n',
+                     "trainer.backend.kind: unknown kind 'deepspeed' (registered: 'megatron', 'sim', "
+                     "'torch')")
 
 
 def test_sim_weights_beyond_the_machines_memory_are_refused(tree, monkeypatch):
