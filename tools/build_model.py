@@ -6,13 +6,15 @@
    saved as tokenizer.json + tokenizer_config.json; AutoTokenizer loads it.
 2. A Qwen2-architecture decoder (hidden 96, 3 layers, tied embeddings, ~0.42M
    parameters, float32: 1.7 MB) initialised from a fixed seed.
-3. A short supervised warm start on generated data from both tasks, so the model knows
-   the formats but leaves headroom for RL: greedy and sampled success of roughly 0.2-0.4
-   on each task. Each task imitates a partly competent demonstrator with one habit, so
+3. A short supervised warm start on generated data from the three tasks, so the model
+   knows the formats but leaves headroom for RL: greedy and sampled success of roughly
+   0.2-0.4 on each task. Each task imitates a partly competent demonstrator with one habit, so
    the model plateaus inside the band while the right behaviour is already in its
    sampling distribution, which is what RL can sharpen: the arithmetic demonstrator
    usually adds column by column and forgets to carry (`no_carry_sum`), the FrozenLake
-   one usually walks blindly down then right (`blind_action`). A dev set is evaluated
+   one usually walks blindly down then right (`blind_action`), the tool-use one
+   guesses a rough product instead of calling the calculator on most problems
+   (`tool_use_examples`). A dev set is evaluated
    every `--eval-every` steps and the latest checkpoint inside the band is kept (see
    `closeness`): the longest-trained imitation of the demonstrators.
 4. A final evaluation of the saved files on the held-out eval sets (n=256, seed 0: the
@@ -36,7 +38,9 @@ import torch
 
 from rlfleet.daemons.tasks import Prompt, Task, get_task
 from rlfleet.daemons.tasks.episodes import evaluate_model
+from rlfleet.common.sandbox import SandboxResult
 from rlfleet.daemons.tasks.frozenlake import ACTIONS, optimal_actions, parse_observation
+from rlfleet.daemons.tasks.tool_use import ToolUseTask, observation_after
 from rlfleet.tools.evaluate import WARMSTART_FILE, load
 
 SPECIAL_TOKENS = ["<pad>", "<eos>"]  # ids 0, 1
@@ -53,7 +57,48 @@ TASKS: dict[str, dict[str, Any]] = {
     # p=0.75 (more holes than gymnasium's default 0.8) so that walking down-then-right
     # blindly, the demonstrator's habit (see frozenlake_examples), fails often.
     "frozenlake": {"size": 4, "p": 0.75, "max_turns": 12},
+    # Two-digit products, which the model cannot compute but the calculator tool can.
+    "tool_use": {"digits": 2, "min_digits": 2, "max_turns": 2, "tool_timeout_s": 5.0},
 }
+
+
+class TrustedToolUse(ToolUseTask):
+    """tool_use whose calls of the form "a*b" (digits only: nothing else can run) are
+    computed here rather than in a sandboxed child: the warm start evaluates thousands
+    of episodes. Any other call still goes to the sandbox."""
+
+    def run_tool(self, expression: str) -> SandboxResult:
+        a, star, b = expression.partition("*")
+        if star and a.isdigit() and b.isdigit() and len(a) + len(b) <= 12:
+            return SandboxResult("", "", 0, f"{int(a) * int(b)}\n", "", 0.0, 0.0, 0, 0, 0)
+        return super().run_tool(expression)
+
+
+def estimate(a: int, b: int) -> str:
+    """The guessing habit: the product of the operands rounded to tens (37*48 -> "2000")."""
+    return str(round(a, -1) * round(b, -1))
+
+
+def tool_use_examples(task: Task, n: int, seed: int, tool_low: float,
+                      tool_high: float) -> list[tuple[str, str]]:
+    """(turn prompt, completion) pairs from a demonstrator that often guesses.
+
+    On the first turn it calls the tool with probability `tool_high` when the first
+    factor ends in 0, 1 or 2 (about 30% of problems), else `tool_low`, and otherwise
+    answers with `estimate` (almost always wrong); after a call it copies the output.
+    Imitating it gives a greedy policy that calls the tool on those problems only, and
+    samples calls on the others: RL can spread the calls to every problem.
+    """
+    rng = random.Random(seed)
+    out = []
+    for p in task.make_prompts("train", n, seed=seed):
+        a, _, b = p.question.partition("*")
+        p_tool = tool_high if int(a) % 10 < 3 else tool_low
+        call = f"<{p.question}>"
+        first = call if rng.random() < p_tool else estimate(int(a), int(b))
+        out.append((task.format_turn(p.question), first))
+        out.append((task.format_turn(observation_after(p.question, call, p.answer)), p.answer))
+    return out
 
 
 def byte_level(ch: str) -> str:
@@ -208,18 +253,20 @@ def measure(model: Any, tokenizer: Any, tasks: dict[str, Task],
 def supervise(model: Any, tokenizer: Any, tasks: dict[str, Task],
               data: dict[str, list[tuple[list[int], int]]], dev: dict[str, list[Prompt]],
               args: argparse.Namespace, t_start: float) -> tuple[int, list[dict[str, Any]]]:
-    """Train on both tasks at once; load the checkpoint closest to the band into `model`.
+    """Train on all tasks at once; load the checkpoint closest to the band into `model`.
 
-    Both tasks are in every batch (training one alone makes the model forget the other
-    within a few hundred steps). Both imitation targets are only partly competent, so
-    both tasks plateau inside the band; training runs `max_steps` and the kept
+    Every task is in every batch (training one alone makes the model forget the others
+    within a few hundred steps). Every imitation target is only partly competent, so
+    every task plateaus inside the band; training runs `max_steps` and the kept
     checkpoint is the best by `closeness`.
     Returns (kept step, history of dev scores).
     """
     rng = random.Random(args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     n_arith = round(args.batch_size * args.arith_share)
-    counts = {"arithmetic": n_arith, "frozenlake": args.batch_size - n_arith}
+    n_tool = round(args.batch_size * args.tool_share)
+    counts = {"arithmetic": n_arith, "tool_use": n_tool,
+              "frozenlake": args.batch_size - n_arith - n_tool}
     history: list[dict[str, Any]] = []
     best: tuple[tuple[float, int], int, dict[str, torch.Tensor]] | None = None
     model.train()
@@ -258,12 +305,15 @@ def warm_start(args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(tokenizer, args.hidden, args.layers, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     tasks = {name: get_task(name, **d) for name, d in TASKS.items()}
+    tasks["tool_use"] = TrustedToolUse(**TASKS["tool_use"])
     data = {
         "arithmetic": encode(tokenizer, arithmetic_examples(
             tasks["arithmetic"], args.arith_examples, args.seed, args.carry_slip)),
         "frozenlake": encode(tokenizer, frozenlake_examples(
             tasks["frozenlake"], args.lake_maps, args.seed, args.explore, args.habit,
             args.label_noise)),
+        "tool_use": encode(tokenizer, tool_use_examples(
+            tasks["tool_use"], args.tool_examples, args.seed, args.tool_low, args.tool_high)),
     }
     # Checkpoints are chosen on another sample of the eval distribution (seed 1) than
     # the one the recorded final numbers come from (seed 0).
@@ -287,6 +337,7 @@ def warm_start(args: argparse.Namespace) -> dict[str, Any]:
         "threads": args.threads, "params": n_params,
         "hyperparameters": {k: getattr(args, k) for k in (
             "hidden", "layers", "lr", "batch_size", "arith_share", "arith_examples", "carry_slip",
+            "tool_share", "tool_examples", "tool_low", "tool_high",
             "lake_maps", "explore", "habit", "label_noise", "eval_every", "dev_n",
             "max_steps", "band_low", "band_high")},
         "tasks": TASKS,
@@ -315,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arith-share", type=float, default=0.5, help="arithmetic batch share")
     p.add_argument("--arith-examples", type=int, default=20000)
     p.add_argument("--carry-slip", type=float, default=0.8, help="no-carry label rate")
+    p.add_argument("--tool-share", type=float, default=0.25, help="tool_use batch share")
+    p.add_argument("--tool-examples", type=int, default=10000)
+    p.add_argument("--tool-low", type=float, default=0.25, help="tool-call rate, most problems")
+    p.add_argument("--tool-high", type=float, default=0.9, help="tool-call rate, a*b with a%%10<3")
     p.add_argument("--lake-maps", type=int, default=2000)
     p.add_argument("--explore", type=float, default=0.3, help="behaviour random-action rate")
     p.add_argument("--habit", type=float, default=0.75, help="hole-blind label rate")

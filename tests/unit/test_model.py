@@ -79,7 +79,7 @@ def test_warmstart_record_is_in_the_band(warmstart):
     for key in ("seed", "steps", "wall_time_s", "tasks"):
         assert key in warmstart, key
     success = warmstart["eval"]["success"]
-    assert set(success) == {f"{t}/{m}" for t in ("arithmetic", "frozenlake")
+    assert set(success) == {f"{t}/{m}" for t in ("arithmetic", "frozenlake", "tool_use")
                             for m in ("greedy", "sample")}
     for key, value in success.items():
         assert 0.1 <= value <= 0.6, f"{key}: {value} outside [0.1, 0.6]"
