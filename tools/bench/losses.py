@@ -126,6 +126,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
                 if finals:
                     ax.plot([i + shift - 0.08, i + shift + 0.08], [statistics.fmean(finals)] * 2, "-", color=colour)
         ax.set_xticks(range(len(losses)), losses)
+        ax.set_xlim(-0.5, len(losses) - 0.5)
         ax.set_ylim(-0.02, 1.02)
         ax.set_ylabel("final held-out success")
         ax.set_title(f"{task}: final held-out success per seed")
