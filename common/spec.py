@@ -213,6 +213,7 @@ class TrainerSection(Section):
     max_steps: PosInt = 100
     checkpoint_every: PosInt = 10
     max_staleness: NonNegInt | None = None  # the bound α in versions; None = unbounded
+    buffer_order: Literal["fifo", "newest", "staleness"] = "fifo"  # trainer/buffer.py, docs/dataflow.md
     # Dynamic filtering: drop groups whose rewards are all equal ("no_signal", accounted), at
     # most this many times a batch's groups per step; 0: off (docs/dataflow.md).
     no_signal_drops_per_batch: Annotated[float, Field(strict=False, ge=0, le=64, allow_inf_nan=False)] = 0.0

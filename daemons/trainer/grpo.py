@@ -127,16 +127,18 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, aggregate: Aggregate,
 
 def clipped_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor,
                  mask: torch.Tensor, clip_eps: float, aggregate: Aggregate = "token",
-                 denominator: float | None = None,
-                 entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                 denominator: float | None = None, entropy: torch.Tensor | None = None,
+                 ratio_cap: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip surrogate with ratio exp(logp - behaviour_logp), to minimise.
 
-    Per token: -min(ratio * A, clip(ratio, 1-eps, 1+eps) * A). ``denominator``
+    Per token: -min(ratio * A, clip(ratio, 1-eps, 1+eps) * A). ``ratio_cap`` c (> 1) is
+    dual-clip PPO (Ye et al. 2020): for A < 0 the objective is max(that, c * A), so a
+    very stale token whose ratio ran away cannot dominate the step. ``denominator``
     overrides the normaliser (the whole batch's token count for "token", its row
     count for "sequence") so that micro-batches add up to the full-batch loss.
 
     Stats (over masked tokens): ratio_mean; clip_frac, the share of tokens where the
-    clipped term was the smaller one (their gradient is zero); approx_kl, the k3
+    clipped term was the smaller one or the dual clip held (their gradient is zero); approx_kl, the k3
     estimate of KL(behaviour || current) = mean(ratio - 1 - log ratio); entropy.
     """
     if aggregate not in ("token", "sequence"):
@@ -146,13 +148,19 @@ def clipped_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: t
     adv = advantages[:, None].expand_as(ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-    per_token = -torch.minimum(unclipped, clipped) * mask
+    objective = torch.minimum(unclipped, clipped)
+    bounded = clipped < unclipped
+    if ratio_cap is not None:
+        dual = (adv < 0) & (objective < ratio_cap * adv)
+        objective = torch.where(dual, ratio_cap * adv, objective)
+        bounded = bounded | dual
+    per_token = -objective * mask
     loss = masked_mean(per_token, mask, aggregate, denominator)
     with torch.no_grad():
         n = max(mask.sum().item(), 1.0)
         stats = {
             "ratio_mean": (ratio * mask).sum().item() / n,
-            "clip_frac": ((clipped < unclipped).float() * mask).sum().item() / n,
+            "clip_frac": (bounded.float() * mask).sum().item() / n,
             "approx_kl": ((ratio - 1.0 - log_ratio) * mask).sum().item() / n,
             "tokens": mask.sum().item(),
         }

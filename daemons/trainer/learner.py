@@ -134,10 +134,15 @@ class Learner:
             logp, entropy = packing.token_logprobs(logits, packed, prows, rows,
                                                    batch.input_ids[rows, 1:width], self.temperature,
                                                    entropy_grad=self.loss.needs_entropy_grad)
+            # A decoupled loss compares against the parameters before this step's first
+            # update: the step accumulates every micro-batch into ONE optimizer update, so
+            # they are the parameters of this very forward pass, detached (no second pass).
+            # Passed only when asked for: a loss written before the keyword existed still works.
+            proximal = {"proximal_logp": logp.detach()} if self.loss.needs_proximal_logp else {}
             loss, stats = self.loss(
                 logp, batch.behaviour_logprobs[rows, :width - 1], batch.advantages[rows],
                 batch.loss_mask[rows, :width - 1], aggregate=self.aggregate,
-                denominator=denominator, entropy=entropy)
+                denominator=denominator, entropy=entropy, **proximal)
             loss.backward()
             losses.append(loss.detach())
             parts.append(stats)

@@ -1,7 +1,8 @@
 """The training thread's loop; one step reads like the algorithm.
 
+    every pass: evict what is beyond the staleness bound α or the buffer's (1 + α) x B (buffer.py)
     whenever B/G complete groups are pending (after_batch filtering: of finished rounds):
-        select (staleness bound, no-signal filter)  -> learner.train_step  -> journal the trained groups
+        take them in buffer_order, select (no-signal filter)  -> learner.train_step  -> journal the trained groups
         -> hand the version to the publisher -> metrics line -> checkpoint every N steps
         -> held-out evaluation when due
 
@@ -16,6 +17,9 @@ i.e. at a step boundary: the step in progress has finished; the last version is
 checkpointed, and no batch is taken until resumed. The intake goes on journaling and
 acknowledging what arrives (nothing is lost); it waits, pending, for the resume.
 
+``RLFLEET_TRAINER_STEP_DELAY_S`` (tests and tools/bench/losses.py only): the loop waits that
+many seconds after every step, a slow trainer, so that staleness really reaches α.
+
 A version is journaled (TRAINED) before it is published, so a restarted trainer's
 versions start above every version the relays have seen. When everything arriving
 is too stale to train, the current version is published again (``republish_if_starved``).
@@ -24,6 +28,7 @@ is too stale to train, the current version is published again (``republish_if_st
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -35,6 +40,7 @@ from typing import Any
 from rlfleet.common.spec import JobSpec
 
 from .batching import INVALID, NO_SIGNAL, STALENESS, in_finished_rounds, select_groups
+from .buffer import capacity_groups, evict_overflow, evict_stale, ordered
 from .checkpointing import Checkpointer
 from .journal import Journal, JournalUnwritable, until_written
 from .metrics_log import PAUSED, MetricsLog, batch_versions, step_line
@@ -43,6 +49,18 @@ log = logging.getLogger("rlfleet.trainer")
 
 REPUBLISH_AFTER_S = 5.0  # of only-stale arrivals before the current version is pushed again
 PAUSE_CHECKPOINT_RETRY_S = 5.0  # paused, its checkpoint refused (leadership unconfirmed): try again after
+STEP_DELAY_ENV = "RLFLEET_TRAINER_STEP_DELAY_S"  # a slowed trainer (module docstring)
+
+
+def step_delay_s() -> float:
+    raw = os.environ.get(STEP_DELAY_ENV, "")
+    try:
+        delay = float(raw) if raw else 0.0
+    except ValueError:
+        delay = -1.0
+    if not 0.0 <= delay < float("inf"):
+        raise ValueError(f"{STEP_DELAY_ENV} must be a number of seconds >= 0, got {raw!r}")
+    return delay
 
 
 @dataclass
@@ -91,6 +109,10 @@ class TrainingLoop:
         self._stop = threading.Event()  # run()'s: ends a wait for the journal
         state.journal = journal
         self._pause_checkpoint_at = 0.0  # the last checkpoint attempt while paused
+        self.step_delay_s = step_delay_s()
+        if self.step_delay_s:
+            log.warning("%s=%g: the trainer waits that long after every step (a test knob)",
+                        STEP_DELAY_ENV, self.step_delay_s, extra={"event": "step_delay"})
 
     def run(self, stop: threading.Event) -> None:
         journal, learner = self.journal, self.learner
@@ -115,18 +137,21 @@ class TrainingLoop:
                 self.wake.clear()
                 continue
             self.wake.clear()
-            ready = journal.complete_groups(g)
+            evicted, complete = self.evict(t.max_staleness, t.batch_size // g, t.buffer_order)
             if t.no_signal_drops_per_batch > 0 and t.filter_schedule == "after_batch":
-                ready = self.in_finished_rounds(ready, t.batch_size // g)
-            complete = [(gid, journal.group(gid)) for gid in ready]
+                # an evicted group has reached the trainer too: its round may be finished
+                received = [gid for gid, _ in complete] + [gid for gid, _, _ in evicted]
+                kept = set(self.in_finished_rounds(received, t.batch_size // g))
+                complete = [(gid, ts) for gid, ts in complete if gid in kept]
             budget = int(t.no_signal_drops_per_batch * (t.batch_size // g)) - no_signal_dropped
             sel = select_groups(complete, t.batch_size // g, learner.version, t.max_staleness,
                                 no_signal_budget=max(0, budget))
             no_signal_dropped += sum(1 for _, reason, _ in sel.drops if reason == NO_SIGNAL)
-            if sel.drops:
-                if not self.journaled(lambda: journal.record_dropped(sel.drops)):
+            drops = evicted + sel.drops
+            if drops:
+                if not self.journaled(lambda: journal.record_dropped(drops)):
                     return  # stopped; nothing was trained
-                for gid, reason, detail in sel.drops:
+                for gid, reason, detail in drops:
                     # no_signal drops are routine (counted in the metrics line), not news
                     log.log(logging.DEBUG if reason == NO_SIGNAL else logging.INFO,
                             "dropped group %s: %s (%s)", gid, reason, detail,
@@ -134,7 +159,7 @@ class TrainingLoop:
             if len(sel.groups) < t.batch_size // g:
                 self.state.status = f"stalled: {journal.write_error}"[:200] if journal.write_error \
                     else "waiting"
-                if any(reason == STALENESS for _, reason, _ in sel.drops):
+                if any(reason == STALENESS for _, reason, _ in drops):
                     stale_since = stale_since or time.monotonic()
                     self.republish_if_starved(stale_since)
                 self.wake.wait(0.5)
@@ -142,7 +167,23 @@ class TrainingLoop:
             stale_since, no_signal_dropped = None, 0
             self.state.status = "training"
             self.step(sel.groups, sel.staleness, time.monotonic() - waited_from)
+            if self.step_delay_s and stop.wait(self.step_delay_s):
+                return
             waited_from = time.monotonic()
+
+    def evict(self, max_staleness: int | None, batch_groups: int,
+              order: str) -> tuple[list[tuple[str, str, str]], list[tuple[str, Any]]]:
+        """(drops, the complete groups left in ``order``): every pending group beyond α, then
+        the complete groups beyond the buffer's (1 + α) batches (buffer.py). Not yet journaled."""
+        journal, version = self.journal, self.learner.version
+        stale = evict_stale([(gid, journal.group(gid)) for gid in journal.group_sizes()], version,
+                            max_staleness) if max_staleness is not None else []
+        gone = {gid for gid, _, _ in stale}
+        g = self.spec().task.group_size
+        complete = ordered([(gid, journal.group(gid)) for gid in journal.complete_groups(g) if gid not in gone],
+                           order, version)
+        overflow = evict_overflow(complete, capacity_groups(batch_groups, max_staleness), order)
+        return stale + overflow, complete[:len(complete) - len(overflow)]
 
     def in_finished_rounds(self, complete: list[str], prompts_per_round: int) -> list[str]:
         """after_batch: only the groups of rounds whose every group has arrived."""

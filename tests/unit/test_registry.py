@@ -204,7 +204,7 @@ def test_build_is_lazy_and_gets_the_context(registry):
 def test_every_seam_has_its_default_kind_registered():
     assert {r.group: r.names() for r in SEAMS} == {
         "rlfleet.rollout_engines": ["sim", "torch"],  # vllm comes with its own issue
-        "rlfleet.policy_losses": ["ppo_clip"],
+        "rlfleet.policy_losses": ["cispo", "decoupled_ppo", "ppo_clip", "tis", "topr"],
         "rlfleet.trainer_backends": ["megatron", "sim", "torch"],
         "rlfleet.reward_backends": ["remote_http", "rule_pool", "user_code"],
         "rlfleet.reward_dispatch": ["ebf", "fifo"],

@@ -108,7 +108,8 @@ def test_defaults(tree):
     assert spec.trainer.batch_size == 32 and spec.trainer.max_staleness is None
     # every seam's table, omitted: today's behaviour
     assert spec.rollout.engine.model_dump() == {"kind": "torch", "max_batch": 32}
-    assert spec.trainer.loss.model_dump() == {"kind": "ppo_clip", "clip_eps": 0.2, "entropy_coef": 0.0}
+    assert spec.trainer.loss.model_dump() == {"kind": "ppo_clip", "clip_eps": 0.2, "entropy_coef": 0.0,
+                                           "ratio_cap": None}
     assert spec.trainer.backend.model_dump() == {"kind": "torch"}
     assert spec.reward_host.backend.model_dump() == {"kind": "rule_pool", "workers": 2, "timeout_s": 10.0}
     assert spec.reward_host.dispatch.kind == "fifo"
