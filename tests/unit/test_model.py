@@ -79,7 +79,7 @@ def test_warmstart_record_is_in_the_band(warmstart):
     for key in ("seed", "steps", "wall_time_s", "tasks"):
         assert key in warmstart, key
     success = warmstart["eval"]["success"]
-    assert set(success) == {f"{t}/{m}" for t in ("arithmetic", "frozenlake", "tool_use")
+    assert set(success) == {f"{t}/{m}" for t in ("arithmetic", "frozenlake")
                             for m in ("greedy", "sample")}
     for key, value in success.items():
         assert 0.1 <= value <= 0.6, f"{key}: {value} outside [0.1, 0.6]"
@@ -106,3 +106,24 @@ def test_model_follows_both_formats(model, tokenizer):
     actions = generate(model, tokenizer, [lake.format_turn(o) for o in obs], 1, greedy=False,
                        generator=gen)
     assert sum(lake.parse_action(a) is not None for a in actions) >= 28, actions
+
+
+TOOLS_MODEL = MODEL.with_name("tiny-qwen2-tools")
+
+
+def test_the_tool_use_model_is_the_same_architecture_warm_started_on_three_tasks():
+    """models/tiny-qwen2-tools (examples/tool_use.toml): same tokenizer and shape as the
+    default model, its record in the band for every task, tool use included."""
+    for name in FILES:
+        assert (TOOLS_MODEL / name).is_file(), name
+    assert (TOOLS_MODEL / "tokenizer.json").read_bytes() == (MODEL / "tokenizer.json").read_bytes()
+    config, tools_config = (json.loads((m / "config.json").read_text()) for m in (MODEL, TOOLS_MODEL))
+    assert config == tools_config
+    record = json.loads((TOOLS_MODEL / "warmstart.json").read_text())
+    success = record["eval"]["success"]
+    assert set(success) == {f"{t}/{m}" for t in ("arithmetic", "frozenlake", "tool_use")
+                            for m in ("greedy", "sample")}
+    for key, value in success.items():
+        assert 0.1 <= value <= 0.6, f"{key}: {value} outside [0.1, 0.6]"
+    assert record["hyperparameters"]["tool_share"] > 0
+
