@@ -630,3 +630,19 @@ def test_validate_command_names_the_key(tree):
     assert done.stdout == ("examples/arithmetic.toml: ok (job arithmetic, task arithmetic, "
                            "engine torch, loss ppo_clip, 8 daemons)\n")
     assert done.stderr == "examples/bad.toml: rollout.engine.kind: unknown kind 'vllm' (registered: 'sim', 'torch')\n"
+
+
+@pytest.mark.skipif(
+    not (REPO / "models" / "tiny-qwen2" / "config.json").exists(),
+    reason="models/tiny-qwen2 not in the repo yet",
+)
+def test_megatron_example_is_arithmetic_with_the_megatron_backend():
+    """examples/arithmetic-megatron.toml is the job the README's full megatron run used: the
+    arithmetic example with only the trainer backend (and the job's name) changed. In place:
+    the megatron backend's check reads the real model's config.json."""
+    base = load_spec(REPO / "examples" / "arithmetic.toml").model_dump()
+    mega = load_spec(REPO / "examples" / "arithmetic-megatron.toml").model_dump()
+    assert mega["trainer"].pop("backend") == {"kind": "megatron", "tensor_parallel": 1, "pipeline_parallel": 1}
+    assert base["trainer"].pop("backend") == {"kind": "torch"}
+    assert (base["job"].pop("name"), mega["job"].pop("name")) == ("arithmetic", "arithmetic-megatron")
+    assert mega == base
