@@ -98,6 +98,32 @@ def build_batch(trajectories: Sequence[ScoredTrajectory], advantages: Sequence[f
                       [r[4] for r in rows], [r[1] for r in rows])
 
 
+def batch_of_groups(groups: Sequence[Sequence[ScoredTrajectory]], pad_id: int,
+                    vocab_size: int) -> TokenBatch:
+    """The batch of one optimizer step on whole GRPO groups (every trainer backend's first
+    move): equal group sizes, group-relative advantages, token ids inside the vocabulary."""
+    if not groups or any(len(g) == 0 for g in groups):
+        raise ValueError("train_step needs at least one group and no empty group")
+    sizes = {len(g) for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"groups of different sizes {sorted(sizes)}: advantages need equal G")
+    rewards = torch.tensor([[st.reward for st in g] for g in groups], dtype=torch.float32)
+    advantages = group_advantages(rewards)
+    flat = [st for g in groups for st in g]
+    batch = build_batch(flat, advantages.flatten().tolist(), pad_id=pad_id)
+    too_big = int(batch.input_ids.max())
+    if too_big >= vocab_size or int(batch.input_ids.min()) < 0:
+        raise ValueError(f"token id {too_big} outside the model's vocabulary ({vocab_size})")
+    return batch
+
+
+def group_stats(groups: Sequence[Sequence[ScoredTrajectory]]) -> dict[str, float]:
+    """What every backend's step reports about its groups, beside its own figures."""
+    rewards = torch.tensor([[st.reward for st in g] for g in groups], dtype=torch.float32)
+    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+            "trajectories": sum(len(g) for g in groups), "groups": len(groups)}
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each next token and the entropy of each next-token distribution.

@@ -239,18 +239,7 @@ class MegatronLearner:
     def train_step(self, groups: Sequence[Sequence[ScoredTrajectory]]) -> dict[str, float]:
         """One optimizer step on whole GRPO groups; returns stats, version advanced by one."""
         started = time.perf_counter()
-        if not groups or any(len(g) == 0 for g in groups):
-            raise ValueError("train_step needs at least one group and no empty group")
-        sizes = {len(g) for g in groups}
-        if len(sizes) != 1:
-            raise ValueError(f"groups of different sizes {sorted(sizes)}: advantages need equal G")
-        rewards = torch.tensor([[st.reward for st in g] for g in groups], dtype=torch.float32)
-        advantages = grpo.group_advantages(rewards)
-        flat = [st for g in groups for st in g]
-        batch = grpo.build_batch(flat, advantages.flatten().tolist(), pad_id=self.pad_id)
-        too_big = int(batch.input_ids.max())
-        if too_big >= self.vocab_size or int(batch.input_ids.min()) < 0:
-            raise ValueError(f"token id {too_big} outside the model's vocabulary ({self.vocab_size})")
+        batch = grpo.batch_of_groups(groups, self.pad_id, self.vocab_size)
 
         self.optimizer.zero_grad(set_to_none=True)
         denominator = batch.n_tokens if self.aggregate == "token" else float(len(batch.row_trajectory))
@@ -284,10 +273,7 @@ class MegatronLearner:
             "loss": loss_total,
             "grad_norm": float(grad_norm),
             "lr": lr,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std(unbiased=False)),
-            "trajectories": len(flat),
-            "groups": len(groups),
+            **grpo.group_stats(groups),
             "rows": len(batch.row_trajectory),
             "step_s": time.perf_counter() - started,
             "version": self.version,
