@@ -104,8 +104,10 @@ class RewardHost(Daemon):
         self.pool.close()
         self.receiver.close()
         s = self.service.stats
+        summary = getattr(self.pool, "summary", None)  # the pipeline's stages and plans
         return (f"scored {s['scored']}, reward errors {s['reward_errors']}, "
-                f"{self.service.in_flight} in flight left to the env-hosts' re-sends")
+                f"{self.service.in_flight} in flight left to the env-hosts' re-sends"
+                + (f"; {summary()}" if summary is not None else ""))
 
     def member_info(self) -> dict[str, Any]:
         service = getattr(self, "service", None)

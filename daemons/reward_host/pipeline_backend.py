@@ -121,6 +121,9 @@ class PipelineBackend(RewardBackend):
         self._out: list[RewardOutcome] = []
         self._history: set[str] = set()  # tenants with a finished batch
         self.closed_batches: list[ClosedBatch] = []  # the last few, for tests and status
+        self.batches_done, self.extra_delay_sum_s, self.extra_delay_max_s = 0, 0.0, 0.0
+        self.worker_seconds = [0.0] * len(self.stages)  # Σ workers held × time, per stage
+        self._held_since = clock()
         self._publish()
 
     # -- RewardBackend ---------------------------------------------------------------------
@@ -167,6 +170,17 @@ class PipelineBackend(RewardBackend):
             s.backend.close()
 
     # -- what the daemon and tests read ---------------------------------------------------
+    def summary(self) -> str:
+        """One sentence for the daemon's exit line: what each stage did and cost, the
+        batches' extra delay, the plans."""
+        self._account(self._clock())
+        stages = ", ".join(
+            f"{s.config.name} {s.workers} workers (ok {s.counts['ok']}, error {s.counts['error']}, "
+            f"timeout {s.counts['timeout']}; {ws:.0f} worker-s)" for s, ws in zip(self.stages, self.worker_seconds))
+        mean = self.extra_delay_sum_s / self.batches_done if self.batches_done else 0.0
+        return (f"stages: {stages}; {self.batches_done} batches done, extra delay mean {mean:.2f} s, "
+                f"max {self.extra_delay_max_s:.2f} s; {self.planner.plans} plans")
+
     def status(self) -> dict[str, dict[str, int]]:
         return {s.config.name: {"workers": s.workers, "busy": len(s.running), "queued": len(s.queue),
                                 **s.counts} for s in self.stages}
@@ -215,6 +229,9 @@ class PipelineBackend(RewardBackend):
 
     def _batch_done(self, closed: ClosedBatch, now: float) -> None:
         EXTRA_DELAY.observe(closed.extra_delay_s)
+        self.batches_done += 1
+        self.extra_delay_sum_s += closed.extra_delay_s
+        self.extra_delay_max_s = max(self.extra_delay_max_s, closed.extra_delay_s)
         self.closed_batches = (self.closed_batches + [closed])[-100:]
         self.planner.add_history(closed.record)
         self._history.add(closed.record.key.tenant)
@@ -235,6 +252,7 @@ class PipelineBackend(RewardBackend):
             PLANS.inc()
             counts, reason = plan.workers, plan.why
         changed = []
+        self._account(now)
         for stage in self.stages:
             c = stage.config
             n = min(max(counts.get(c.name, c.max_workers), c.min_workers), c.max_workers)
@@ -246,6 +264,13 @@ class PipelineBackend(RewardBackend):
         if changed:
             log.info("reward scaling on %s: %s (%s)", why, ", ".join(changed), reason,
                      extra={"event": "reward_plan"})
+
+    def _account(self, now: float) -> None:
+        """Charge every stage its workers held since the last change (busy or idle, as
+        the simulator charges them)."""
+        for j, s in enumerate(self.stages):
+            self.worker_seconds[j] += s.workers * (now - self._held_since)
+        self._held_since = now
 
     def _publish(self) -> None:
         for s in self.stages:

@@ -117,6 +117,9 @@ def test_batches_close_into_history_and_the_plan_scales_a_stage_down_for_real():
         assert backend.status()["judge"]["workers"] < 4  # planned on batch 1's arrival
         collect(backend, 4)
         assert backend.planner.plans >= 2
+        summary = backend.summary()
+        assert summary.startswith("stages: judge ") and "(ok 8, error 0, timeout 0;" in summary, summary
+        assert "2 batches done" in summary or "1 batches done" in summary, summary
     finally:
         backend.close()
 
