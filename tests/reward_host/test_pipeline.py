@@ -5,20 +5,26 @@ EBF and FCFS stage queues, batches closed into history, scaling plans applied fo
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
 
 from rlfleet.common.seams import REWARD_BACKENDS
+from rlfleet.common.sockets import ReliableReceiver, ReliableSender
+from rlfleet.common.wire import Trajectory
+from rlfleet.daemons.reward_host.backends import RewardBackend
 from rlfleet.common.spec import SpecError, load_spec
 from rlfleet.daemons.reward_host.pipeline import PipelineConfig
 from rlfleet.daemons.reward_host.pipeline_backend import PipelineBackend
+from rlfleet.daemons.reward_host.service import RewardService, batch_of
 from rlfleet.daemons.reward_host.workers import RewardJob, RewardPool
 from rlfleet.daemons.tasks import get_task
 
 from tests.integration.helpers import wait_for
 
 from ..unit.test_spec import REPO
+from .fakes import trajectory
 
 PROMPTS = get_task("arithmetic").make_prompts("train", 64, seed=5)
 
@@ -209,3 +215,49 @@ def test_the_example_round_trips_through_its_json_form():
     stages = again.reward_host.backend.stages
     assert [s.worker.kind for s in stages] == ["rule_pool", "sim"]
     assert stages[1].worker.median_s == 0.15 and again == spec
+
+
+# ------------------------------------------------------------------ (tenant, batch) on each job
+class Recording(RewardBackend):
+    """Keeps what it is given; answers nothing."""
+
+    def __init__(self) -> None:
+        self.jobs: list[RewardJob] = []
+
+    def submit(self, job: RewardJob) -> None:
+        self.jobs.append(job)
+
+    def poll(self, timeout: float = 0.0) -> list:
+        return []
+
+    def fds(self) -> list[int]:
+        return []
+
+    def next_deadline_in(self) -> float:
+        return math.inf
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_service_tags_each_job_with_its_tenant_and_estimated_batch():
+    """Prompt ids are the job-wide claim cursor: with 4 prompts per batch, ids 0-3 are
+    batch 0, 4-7 batch 1 (docs/reward.md, the batch estimate)."""
+    assert [batch_of(i, 4) for i in (0, 3, 4, 7, 8, 41)] == [0, 0, 1, 1, 2, 10]
+    receiver = ReliableReceiver("tcp://127.0.0.1:0", expect=Trajectory, name="rh-test")
+    backend = Recording()
+    svc = RewardService(receiver=receiver, pool=backend, task_name="arithmetic", task_kwargs={},
+                        tenant="job-a", prompts_per_batch=4)
+    sender = ReliableSender(receiver.endpoint, resend_after_s=0.2)
+    try:
+        for pid in (1, 5, 9):
+            sender.send(f"p{pid}-g0", trajectory(PROMPTS[pid], pid, 0, "1"))
+        # the sender re-sends from its poll (a first send may go before it is connected)
+        wait_for("three jobs", lambda: sender.poll(0.0) >= 0 and svc.step(0.05) is None
+                 and len(backend.jobs) == 3, timeout_s=10)
+        assert [(j.key, j.tenant, j.batch) for j in backend.jobs] == [
+            ("p1-g0", "job-a", 0), ("p5-g0", "job-a", 1), ("p9-g0", "job-a", 2)]
+    finally:
+        sender.close()
+        svc.outbox.close()
+        receiver.close()
