@@ -29,7 +29,7 @@ ROLE_FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = MappingProxyType({
     "rollout": {"weight_version": (int,), "first_result_at": (int, float)},
     "resource-manager": {"waiting_hosts": (dict,)},
     "env-host": {"in_flight": (int,), "claimed": (int,), "done": (int,), "claim_limit": (int,), "error": (str,)},
-    "reward-host": {"in_flight": (int,), "scored": (int,), "reward_errors": (int,)},
+    "reward-host": {"in_flight": (int,), "scored": (int,), "reward_errors": (int,), "stages": (dict,)},
     "repack-manager": {"rollouts": (int,), "versions": (list,)},
     "agent": {"backend": (str,)},  # a host's node agent (daemons/agent/), not a job role
 })

@@ -3,7 +3,9 @@
 ``rule_pool``: the task's rule reward in a pool of local worker processes, each job
 killed after ``timeout_s`` (workers.RewardPool); ``remote_http``: HTTP endpoints
 (remote_config.py, remote.py); ``user_code``: a reward function given as source in the
-spec, run in the sandbox (user_code.py). The reward service drives
+spec, run in the sandbox (user_code.py); ``pipeline``: stages in order, each served by any
+of these kinds or a simulated worker, with per-stage queues and scaling (pipeline.py,
+ARCHITECTURE §5). The reward service drives
 a backend from its one thread: ``submit`` jobs, wait on ``fds`` for at most
 ``next_deadline_in`` seconds, ``poll`` the outcomes.
 
@@ -41,6 +43,12 @@ class RewardBackend(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+    def resize(self, workers: int) -> None:
+        """Hold ``workers`` workers from now on: a scaling plan applied (the ``pipeline``
+        kind, pipeline.py). A stop lets a running job finish. The default does nothing,
+        which is right for a kind whose concurrency is simply how many jobs its owner
+        hands it at once (the pipeline never hands a stage more than its plan)."""
 
 
 class RulePoolConfig(KindConfig):

@@ -55,10 +55,15 @@ class RewardHost(Daemon):
                                          name=f"{self.options.member_id}<-env-hosts")
         self.addresses["trajectories"] = self.receiver.endpoint
         rh = spec.reward_host
-        self.pool = REWARD_BACKENDS.build(rh.backend, dispatch=REWARD_DISPATCH.build(rh.dispatch))
+        # Prompts per training batch, as the env-hosts claim them (env_host/pacing.py: a
+        # batch-mode round adds its redundant prompts); docs/reward.md, "the batch estimate".
+        per_batch = max(1, spec.trainer.batch_size // spec.task.group_size) + spec.env_host.redundant_prompts
+        self.pool = REWARD_BACKENDS.build(rh.backend, dispatch=REWARD_DISPATCH.build(rh.dispatch),
+                                          batch_requests=per_batch * spec.task.group_size)
         self.service = RewardService(receiver=self.receiver, pool=self.pool,
                                      task_name=spec.task.env.kind, task_kwargs=task_kwargs(spec),
-                                     name=self.options.member_id)
+                                     name=self.options.member_id, tenant=spec.job.name,
+                                     prompts_per_batch=per_batch)
         self._trainer: str | None = None
         self._trainer_lost_at = time.monotonic()
         self._stop_service = threading.Event()
@@ -99,12 +104,18 @@ class RewardHost(Daemon):
         self.pool.close()
         self.receiver.close()
         s = self.service.stats
+        summary = getattr(self.pool, "summary", None)  # the pipeline's stages and plans
         return (f"scored {s['scored']}, reward errors {s['reward_errors']}, "
-                f"{self.service.in_flight} in flight left to the env-hosts' re-sends")
+                f"{self.service.in_flight} in flight left to the env-hosts' re-sends"
+                + (f"; {summary()}" if summary is not None else ""))
 
     def member_info(self) -> dict[str, Any]:
         service = getattr(self, "service", None)
         if service is None:
             return {}
-        return {"in_flight": service.in_flight, "scored": service.stats["scored"],
+        info = {"in_flight": service.in_flight, "scored": service.stats["scored"],
                 "reward_errors": service.stats["reward_errors"]}
+        status = getattr(self.pool, "status", None)  # the pipeline's stages (pipeline_backend.py)
+        if status is not None:
+            info["stages"] = status()
+        return info

@@ -14,6 +14,9 @@
   stream and stays stateless; a missing prompt, or a task other than the job's, is
   scored 0 with ``reward_error`` saying why — never refused, so nothing is lost.
 - Which queued job starts on which idle worker is the pool's Dispatch (dispatch.py).
+- Each job carries (tenant, batch) for batch-aware backends (``pipeline``): the tenant
+  is the job's name, the batch ``batch_of`` its prompt id (docs/reward.md says why that
+  estimate of the trainer's batch is good enough).
 - Stateless: after a crash nothing is lost, because env-hosts re-send everything that
   was not acked, and the trainer drops duplicates by id.
 """
@@ -50,11 +53,20 @@ _COUNTED = {o: HANDLED.labels(outcome=o.removesuffix("s"))
 RECENT_IDS = 100_000  # acked ids remembered to answer late duplicates without re-scoring
 
 
+def batch_of(prompt_id: int, prompts_per_batch: int) -> int:
+    """The training batch a trajectory is estimated to land in. Prompt ids are the job's
+    claim cursor (env_host.pacing): claimed in order, one group each, and the trainer
+    fills its batches from groups in about that order, so ids P·b .. P·(b+1)-1 make
+    batch b; early or late groups shift by a batch at most."""
+    return prompt_id // max(1, prompts_per_batch)
+
+
 class RewardService:
     def __init__(self, *, receiver: ReliableReceiver, pool: RewardBackend, task_name: str,
                  task_kwargs: dict[str, Any], name: str = "reward-host",
-                 resend_after_s: float = 2.0) -> None:
+                 resend_after_s: float = 2.0, tenant: str = "", prompts_per_batch: int = 1) -> None:
         self.receiver, self.pool = receiver, pool
+        self.tenant, self.prompts_per_batch = tenant, prompts_per_batch
         self.task_name, self.task_kwargs = task_name, dict(task_kwargs)
         self.outbox = Outbox(f"{name}->trainer", resend_after_s=resend_after_s)
         self._trainer: str | None = None  # written by the daemon's thread, read here
@@ -144,7 +156,8 @@ class RewardService:
         else:
             assert traj.prompt is not None
             self.pool.submit(RewardJob(tid, self.task_name, self.task_kwargs, traj.prompt,
-                                       [t.action for t in traj.turns]))
+                                       [t.action for t in traj.turns], self.tenant,
+                                       batch_of(traj.prompt_id, self.prompts_per_batch)))
 
     def _on_outcome(self, outcome: RewardOutcome) -> None:
         traj = self._in_flight.get(outcome.key)

@@ -65,6 +65,8 @@ class RewardJob(msgspec.Struct, frozen=True):
     difficulty: dict[str, Any]  # get_task keyword arguments
     prompt: Prompt  # as it arrived in the Trajectory
     texts: list[str]  # the completion of every turn
+    tenant: str = ""  # the job (several may share a reward service; stages.RequestKey)
+    batch: int = 0  # the training batch it is estimated to land in (service.batch_of)
 
 
 class RewardOutcome(msgspec.Struct, frozen=True):
@@ -290,6 +292,14 @@ class RewardPool(RewardBackend):
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
 
+    def resize(self, workers: int) -> None:
+        """Hold ``workers`` processes from now on (a scaling plan, pipeline.py): more are
+        started at once; idle ones beyond it stop now, busy ones once their jobs are
+        answered (a stop never kills a running job)."""
+        self.size = max(0, workers)
+        self._retire()
+        self._fill()
+
     def close(self) -> None:
         self._closed = True
         for w in self._workers:
@@ -311,8 +321,20 @@ class RewardPool(RewardBackend):
         self._fill()
         out = self._collect()
         out += self._reap_timeouts()
+        self._retire()
         self._hand_out()
         return out
+
+    def _retire(self) -> None:
+        """Stop idle workers beyond ``size``, those still starting first (they cost no
+        warm worker). An idle worker has no job, so its SIGKILL loses nothing."""
+        excess = len(self._workers) - self.size
+        if excess <= 0:
+            return
+        idle = sorted((w for w in self._workers if not w.jobs), key=lambda w: w.ready)
+        for w in idle[:excess]:
+            w.kill()
+            self._workers.remove(w)
 
     def _wait(self, timeout: float) -> None:
         fds = self.fds()

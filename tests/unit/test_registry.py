@@ -206,7 +206,7 @@ def test_every_seam_has_its_default_kind_registered():
         "rlfleet.rollout_engines": ["sim", "torch"],  # vllm comes with its own issue
         "rlfleet.policy_losses": ["cispo", "decoupled_ppo", "ppo_clip", "tis", "topr"],
         "rlfleet.trainer_backends": ["megatron", "sim", "torch"],
-        "rlfleet.reward_backends": ["remote_http", "rule_pool", "user_code"],
+        "rlfleet.reward_backends": ["pipeline", "remote_http", "rule_pool", "user_code"],
         "rlfleet.reward_dispatch": ["ebf", "fifo"],
         "rlfleet.tasks": ["arithmetic", "frozenlake", "sim", "tool_use"],
         "rlfleet.env_routers": ["affinity", "group_sticky", "least_loaded"],

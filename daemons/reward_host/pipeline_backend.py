@@ -1,0 +1,289 @@
+"""The ``pipeline`` reward backend at run time (spec: pipeline.py; docs/reward.md).
+
+One object on the reward service's thread, a RewardBackend like any other: the service
+``submit``s a RewardJob and ``poll``s outcomes. Inside, each trajectory goes through the
+stages in order:
+
+    submit ─► queue[0] ─► stage 0's backend ─► queue[1] ─► stage 1's backend ─► outcome
+               (EBF|FCFS)  (≤ workers[0] jobs)   ...
+
+- Per-stage queues (queues.py): EBF orders by the expected completion of the job's batch
+  (the planner's ``expected_done_s``, fixed when queued), FCFS by arrival.
+- A stage's backend is any reward backend kind (or ``sim``) and is never handed more
+  jobs than the stage's current worker count, so the count is the stage's concurrency
+  whatever the kind; ``resize`` lets a kind that owns workers follow it for real
+  (rule_pool starts and stops processes). A stage's ``timeout_s`` is enforced here as
+  well as passed down, so a kind that never answers still frees its slot.
+- Batches (batches.py): jobs carry (tenant, batch); the planner (scaling.py) re-plans on
+  each batch's first arrival and on each batch done, and the plan is applied at once:
+  worker counts clamped to [min_workers, max_workers]. Until a tenant has a finished
+  batch (no history: the planner would see only the requests already here), every stage
+  holds max_workers. ``scaling = "none"``: max_workers always.
+
+Metrics (Prometheus, per stage): workers applied, busy, queue length, requests by outcome,
+plan changes; per batch: the extra delay. ``status()`` is the short form the daemon
+publishes in its member registration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import select
+import time
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from rlfleet.common.seams import REWARD_BACKENDS
+
+from .backends import RewardBackend
+from .batches import BatchTracker, ClosedBatch
+from .pipeline import PipelineConfig, StageConfig
+from .queues import StageQueue, make_queue
+from .scaling import ScalingPlanner
+from .sim_worker import SimWorker
+from .stages import Pipeline, RequestKey, Stage
+from .workers import RewardJob, RewardOutcome
+
+log = logging.getLogger("rlfleet.reward_host")
+
+STAGE_WORKERS = Gauge("rlfleet_reward_stage_workers", "Workers a reward stage holds (the plan applied)", ["stage"])
+STAGE_BUSY = Gauge("rlfleet_reward_stage_busy", "Requests running at a reward stage", ["stage"])
+STAGE_QUEUE = Gauge("rlfleet_reward_stage_queue_length", "Requests waiting for a reward stage", ["stage"])
+STAGE_DONE = Counter("rlfleet_reward_stage_requests_total",
+                     "Requests that left a reward stage, by outcome: ok, error, timeout", ["stage", "outcome"])
+PLAN_CHANGES = Counter("rlfleet_reward_plan_changes_total",
+                       "Scaling plans that changed a stage's worker count", ["stage"])
+PLANS = Counter("rlfleet_reward_plans_total", "Scaling plans computed (batch arrivals and completions)")
+PLAN_SECONDS = Histogram("rlfleet_reward_plan_seconds", "Time to compute one scaling plan",
+                         buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2))
+EXTRA_DELAY = Histogram("rlfleet_reward_batch_extra_delay_seconds",
+                        "Per batch: completion minus its earliest completion T (DistRS Eq. 1-2)",
+                        buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
+
+# A stage's worker kind for the planner's model (stages.WorkerKind: documentation only).
+_MODEL_KIND = {"sim": "accelerator", "remote_http": "remote"}
+
+
+def build_stage(stage: StageConfig) -> RewardBackend:
+    """The stage's backend, holding max_workers (the cold start) with the stage's timeout:
+    its kind's ``timeout_s`` and capacity (``workers``, ``concurrency``) come from the stage."""
+    worker = stage.worker
+    if worker.kind == "sim":
+        return SimWorker(worker)  # type: ignore[arg-type]
+    fields = type(worker).model_fields
+    update: dict[str, Any] = {}
+    if "timeout_s" in fields:
+        update["timeout_s"] = stage.timeout_s
+    for capacity in ("workers", "concurrency"):
+        if capacity in fields:
+            update[capacity] = stage.max_workers
+    return REWARD_BACKENDS.build(worker.model_copy(update=update))  # type: ignore[no-any-return]
+
+
+@dataclasses.dataclass
+class _Stage:
+    config: StageConfig
+    backend: RewardBackend
+    queue: StageQueue
+    workers: int
+    running: dict[str, float] = dataclasses.field(default_factory=dict)  # key -> started at
+
+    def __post_init__(self) -> None:
+        name = self.config.name
+        self.gauges = (STAGE_WORKERS.labels(stage=name), STAGE_BUSY.labels(stage=name),
+                       STAGE_QUEUE.labels(stage=name))
+        self.done = {o: STAGE_DONE.labels(stage=name, outcome=o) for o in ("ok", "error", "timeout")}
+        self.counts = dict.fromkeys(self.done, 0)
+        self.changes = PLAN_CHANGES.labels(stage=name)
+
+
+class PipelineBackend(RewardBackend):
+    def __init__(self, config: PipelineConfig, *, batch_requests: int = 0,
+                 clock: Any = time.monotonic) -> None:
+        self.config, self._clock = config, clock
+        self.model = Pipeline(tuple(Stage(s.name, _MODEL_KIND.get(s.worker.kind, "cpu"),  # type: ignore[arg-type]
+                                          s.cost, s.timeout_s) for s in config.stages))
+        self.planner = ScalingPlanner(self.model, max_delay_s=config.max_extra_delay_s,
+                                      timeout_aware=config.scaling == "timeout_aware",
+                                      policy=config.queue)
+        self.batches = BatchTracker(self.model, expected=batch_requests, idle_s=config.batch_idle_s)
+        self.stages: list[_Stage] = []
+        try:
+            for s in config.stages:
+                self.stages.append(_Stage(s, build_stage(s), make_queue(config.queue), s.max_workers))
+        except BaseException:
+            self.close()
+            raise
+        self._jobs: dict[str, tuple[RewardJob, float]] = {}  # key -> (job, reward so far)
+        self._out: list[RewardOutcome] = []
+        self._history: set[str] = set()  # tenants with a finished batch
+        self.closed_batches: list[ClosedBatch] = []  # the last few, for tests and status
+        self.batches_done, self.extra_delay_sum_s, self.extra_delay_max_s = 0, 0.0, 0.0
+        self.worker_seconds = [0.0] * len(self.stages)  # Σ workers held × time, per stage
+        self._held_since = clock()
+        self._publish()
+
+    # -- RewardBackend ---------------------------------------------------------------------
+    def submit(self, job: RewardJob) -> None:
+        now = self._clock()
+        self._jobs[job.key] = (job, 0.0)
+        if self.batches.arrive(RequestKey(job.tenant, job.batch, job.key), now):
+            self._replan(now, "batch arrival")
+        self._enqueue(0, job)
+        self._pump(now)
+
+    def poll(self, timeout: float = 0.0) -> list[RewardOutcome]:
+        if timeout > 0 and not self._out:
+            self._wait(min(timeout, self.next_deadline_in()))
+        now = self._clock()
+        for j, stage in enumerate(self.stages):
+            for outcome in stage.backend.poll(0.0):
+                if outcome.key in stage.running:  # else a late answer after our timeout
+                    self._stage_outcome(j, outcome, now)
+            for key, started in list(stage.running.items()):
+                if now - started >= stage.config.timeout_s:
+                    self._stage_outcome(j, RewardOutcome(key, 0.0, f"timeout after {stage.config.timeout_s:g}s"),
+                                        now, timed_out=True)
+        for closed in self.batches.close_idle(now):
+            self._batch_done(closed, now)
+        self._pump(now)
+        self._publish()
+        out, self._out = self._out, []
+        return out
+
+    def fds(self) -> list[int]:
+        return [fd for s in self.stages for fd in s.backend.fds()]
+
+    def next_deadline_in(self) -> float:
+        now = self._clock()
+        due = [self.batches.next_idle_in(now)]
+        for s in self.stages:
+            due.append(s.backend.next_deadline_in())
+            due += [started + s.config.timeout_s - now for started in s.running.values()]
+        return max(0.0, min(due))
+
+    def close(self) -> None:
+        for s in self.stages:
+            s.backend.close()
+
+    # -- what the daemon and tests read ---------------------------------------------------
+    def summary(self) -> str:
+        """One sentence for the daemon's exit line: what each stage did and cost, the
+        batches' extra delay, the plans."""
+        self._account(self._clock())
+        stages = ", ".join(
+            f"{s.config.name} {s.workers} workers (ok {s.counts['ok']}, error {s.counts['error']}, "
+            f"timeout {s.counts['timeout']}; {ws:.0f} worker-s)" for s, ws in zip(self.stages, self.worker_seconds))
+        mean = self.extra_delay_sum_s / self.batches_done if self.batches_done else 0.0
+        return (f"stages: {stages}; {self.batches_done} batches done, extra delay mean {mean:.2f} s, "
+                f"max {self.extra_delay_max_s:.2f} s; {self.planner.plans} plans")
+
+    def status(self) -> dict[str, dict[str, int]]:
+        return {s.config.name: {"workers": s.workers, "busy": len(s.running), "queued": len(s.queue),
+                                **s.counts} for s in self.stages}
+
+    # -- internals ---------------------------------------------------------------------------
+    def _enqueue(self, j: int, job: RewardJob) -> None:
+        batch = self.batches.batch_of(job.key)
+        self.stages[j].queue.push(job, self.planner.expected_done_s(batch, self.batches.arrived_at(batch)))
+
+    def _pump(self, now: float) -> None:
+        """Hand queued jobs to stages with free workers, queue order."""
+        for j, stage in enumerate(self.stages):
+            while len(stage.queue) and len(stage.running) < stage.workers:
+                job = stage.queue.pop()
+                stage.running[job.key] = now
+                self.batches.start(job.key, j, now)
+                stage.backend.submit(job)
+
+    def _stage_outcome(self, j: int, outcome: RewardOutcome, now: float, timed_out: bool = False) -> None:
+        stage = self.stages[j]
+        started = stage.running.pop(outcome.key)
+        job, reward = self._jobs[outcome.key]
+        kind = "timeout" if timed_out or outcome.error.startswith("timeout") else (
+            "error" if outcome.error else "ok")
+        stage.done[kind].inc()
+        stage.counts[kind] += 1
+        seconds = min(now - started, stage.config.timeout_s)
+        last = outcome.error or j == len(self.stages) - 1
+        self.batches.stage_done(outcome.key, seconds, queued_next=not last)
+        if stage.config.worker.kind != "sim":
+            reward = outcome.reward
+        if last:
+            error = f"stage {stage.config.name!r}: {outcome.error}" if outcome.error else ""
+            self._finish(RewardOutcome(outcome.key, 0.0 if error else reward, error), now)
+        else:
+            self._jobs[outcome.key] = (job, reward)
+            self._enqueue(j + 1, job)
+
+    def _finish(self, outcome: RewardOutcome, now: float) -> None:
+        job, _ = self._jobs.pop(outcome.key)
+        arrived = self.batches.arrived_at(self.batches.batch_of(job.key))
+        self._out.append(RewardOutcome(outcome.key, outcome.reward, outcome.error, now - arrived))
+        closed = self.batches.finish(outcome.key, now)
+        if closed is not None:
+            self._batch_done(closed, now)
+
+    def _batch_done(self, closed: ClosedBatch, now: float) -> None:
+        EXTRA_DELAY.observe(closed.extra_delay_s)
+        self.batches_done += 1
+        self.extra_delay_sum_s += closed.extra_delay_s
+        self.extra_delay_max_s = max(self.extra_delay_max_s, closed.extra_delay_s)
+        self.closed_batches = (self.closed_batches + [closed])[-100:]
+        self.planner.add_history(closed.record)
+        self._history.add(closed.record.key.tenant)
+        self._replan(now, f"batch {closed.record.key.tenant}/{closed.record.key.batch} done")
+
+    def _replan(self, now: float, why: str) -> None:
+        """Algorithm 2 then 1 over the open batches; the counts applied at once."""
+        if self.config.scaling == "none":
+            return
+        active = self.batches.active(now)
+        if any(a.key.tenant not in self._history for a in active):
+            counts = {s.config.name: s.config.max_workers for s in self.stages}
+            reason = "a tenant without history: max_workers"
+        else:
+            started = time.perf_counter()
+            plan = self.planner.plan(now, active)
+            PLAN_SECONDS.observe(time.perf_counter() - started)
+            PLANS.inc()
+            counts, reason = plan.workers, plan.why
+        changed = []
+        self._account(now)
+        for stage in self.stages:
+            c = stage.config
+            n = min(max(counts.get(c.name, c.max_workers), c.min_workers), c.max_workers)
+            if n != stage.workers:
+                changed.append(f"{c.name} {stage.workers}->{n}")
+                stage.workers = n
+                stage.changes.inc()
+                stage.backend.resize(n)
+        if changed:
+            log.info("reward scaling on %s: %s (%s)", why, ", ".join(changed), reason,
+                     extra={"event": "reward_plan"})
+
+    def _account(self, now: float) -> None:
+        """Charge every stage its workers held since the last change (busy or idle, as
+        the simulator charges them)."""
+        for j, s in enumerate(self.stages):
+            self.worker_seconds[j] += s.workers * (now - self._held_since)
+        self._held_since = now
+
+    def _publish(self) -> None:
+        for s in self.stages:
+            workers, busy, queued = s.gauges
+            workers.set(s.workers)
+            busy.set(len(s.running))
+            queued.set(len(s.queue))
+
+    def _wait(self, timeout: float) -> None:
+        fds = self.fds()
+        if math.isinf(timeout) and not fds:
+            return
+        if fds:
+            select.select(fds, [], [], None if math.isinf(timeout) else timeout)
+        else:
+            time.sleep(timeout)

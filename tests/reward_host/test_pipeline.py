@@ -1,0 +1,263 @@
+"""The ``pipeline`` reward backend in process: stages in order, errors named by stage,
+EBF and FCFS stage queues, batches closed into history, scaling plans applied for real
+(rule_pool processes started and stopped), and the spec's errors for bad stages."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+from rlfleet.common.seams import REWARD_BACKENDS
+from rlfleet.common.sockets import ReliableReceiver, ReliableSender
+from rlfleet.common.wire import Trajectory
+from rlfleet.daemons.reward_host.backends import RewardBackend
+from rlfleet.common.spec import SpecError, load_spec
+from rlfleet.daemons.reward_host.pipeline import PipelineConfig
+from rlfleet.daemons.reward_host.pipeline_backend import PipelineBackend
+from rlfleet.daemons.reward_host.service import RewardService, batch_of
+from rlfleet.daemons.reward_host.workers import RewardJob, RewardPool
+from rlfleet.daemons.tasks import get_task
+
+from tests.integration.helpers import wait_for
+
+from ..unit.test_spec import REPO
+from .fakes import trajectory
+
+PROMPTS = get_task("arithmetic").make_prompts("train", 64, seed=5)
+
+
+def job(i: int, batch: int = 0, right: bool = True, tenant: str = "t") -> RewardJob:
+    p = PROMPTS[i % len(PROMPTS)]
+    return RewardJob(f"p{i}-g0", "arithmetic", {}, p, [p.answer if right else "x"], tenant, batch)
+
+
+def pipeline(*stages: dict, expected: int = 0, **keys) -> PipelineBackend:
+    config = PipelineConfig.model_validate({"kind": "pipeline", "stages": list(stages), **keys})
+    return REWARD_BACKENDS.build(config, batch_requests=expected)
+
+
+def sim(name: str, median_s: float = 0.005, **keys) -> dict:
+    return {"name": name, "timeout_s": keys.pop("timeout_s", 5.0), "cost": keys.pop("cost", 1.0),
+            "min_workers": keys.pop("min_workers", 1), "max_workers": keys.pop("max_workers", 4),
+            "worker": {"kind": "sim", "median_s": median_s, "sigma": keys.pop("sigma", 0.0), **keys}}
+
+
+def collect(backend: PipelineBackend, n: int, timeout_s: float = 30.0) -> list:
+    out: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < n and time.monotonic() < deadline:
+        out += backend.poll(0.05)
+    assert len(out) == n, f"{len(out)} outcomes of {n} in {timeout_s} s"
+    return out
+
+
+def test_a_trajectory_passes_every_stage_and_keeps_the_rule_reward_through_a_sim_stage():
+    backend = pipeline({"name": "check", "timeout_s": 10.0, "max_workers": 2, "worker": {"kind": "rule_pool"}},
+                       sim("judge"))
+    try:
+        for i in range(6):
+            backend.submit(job(i, right=i % 2 == 0))
+        out = {o.key: o for o in collect(backend, 6)}
+        assert {k: (o.reward, o.error) for k, o in out.items()} == {
+            f"p{i}-g0": (1.0 if i % 2 == 0 else 0.0, "") for i in range(6)}
+        status = backend.status()
+        assert status["check"]["ok"] == status["judge"]["ok"] == 6, status
+    finally:
+        backend.close()
+
+
+def test_a_stage_timeout_or_error_ends_the_trajectory_naming_the_stage():
+    backend = pipeline(sim("fast"), sim("slow", median_s=5.0, timeout_s=0.2),
+                       sim("never", median_s=0.001))
+    try:
+        backend.submit(job(1))
+        (outcome,) = collect(backend, 1)
+        assert (outcome.reward, outcome.error) == (0.0, "stage 'slow': timeout after 0.2s")
+        assert backend.status()["never"]["ok"] == 0 and backend.status()["slow"]["timeout"] == 1
+    finally:
+        backend.close()
+    backend = pipeline(sim("judge", fail_rate=0.999))
+    try:
+        backend.submit(job(2))
+        (outcome,) = collect(backend, 1)
+        assert outcome.error == "stage 'judge': sim: injected failure"
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("queue,expected", [
+    ("ebf", ["p0-g0", "p1-g0", "p9-g0", "p10-g0", "p11-g0"]),   # batch 0's late job before batch 1's
+    ("fcfs", ["p0-g0", "p9-g0", "p10-g0", "p1-g0", "p11-g0"]),
+])
+def test_stage_queues_order_earliest_batch_first_or_by_arrival(queue, expected):
+    backend = pipeline(sim("judge", median_s=0.02, min_workers=1, max_workers=1), queue=queue, scaling="none")
+    try:
+        backend.submit(job(0, batch=0))  # starts at once; the rest wait for the one worker
+        backend.submit(job(9, batch=1))
+        backend.submit(job(10, batch=1))
+        backend.submit(job(1, batch=0))
+        backend.submit(job(11, batch=1))
+        assert [o.key for o in collect(backend, 5)] == expected
+    finally:
+        backend.close()
+
+
+def test_batches_close_into_history_and_the_plan_scales_a_stage_down_for_real():
+    """Cold start: max_workers (no history). After batch 0 is done the planner sees
+    how long its requests ran, and one fast batch does not need four sim workers (the
+    timeout, 0.5 s, is inside D: a request that waits cannot make its batch late)."""
+    backend = pipeline(sim("judge", median_s=0.01, min_workers=1, max_workers=4, timeout_s=0.5),
+                       expected=4, max_extra_delay_s=2.0)
+    try:
+        assert backend.status()["judge"]["workers"] == 4
+        for i in range(4):
+            backend.submit(job(i, batch=0))
+        collect(backend, 4)
+        (closed,) = backend.closed_batches
+        assert len(closed.record) == 4 and closed.extra_delay_s >= 0
+        for i in range(4, 8):
+            backend.submit(job(i, batch=1))
+        assert backend.status()["judge"]["workers"] < 4  # planned on batch 1's arrival
+        collect(backend, 4)
+        assert backend.planner.plans >= 2
+        summary = backend.summary()
+        assert summary.startswith("stages: judge ") and "(ok 8, error 0, timeout 0;" in summary, summary
+        assert "2 batches done" in summary or "1 batches done" in summary, summary
+    finally:
+        backend.close()
+
+
+def test_an_idle_batch_closes_without_its_expected_count():
+    backend = pipeline(sim("judge"), expected=100, batch_idle_s=0.1)
+    try:
+        backend.submit(job(0))
+        collect(backend, 1)
+        wait_for("the idle batch to close", lambda: backend.poll(0.02) == [] and backend.closed_batches,
+                 timeout_s=5)
+        assert len(backend.closed_batches[0].record) == 1
+    finally:
+        backend.close()
+
+
+def test_rule_pool_resize_starts_and_stops_processes_letting_a_running_job_finish():
+    pool = RewardPool(1, 10.0, reward_fn="tests.reward_host.scorers:faulty")
+    try:
+        pool.resize(3)
+        wait_for("three ready workers", lambda: pool.poll(0.02) == [] and pool.ready == 3, timeout_s=60)
+        p = PROMPTS[0]
+        pool.submit(RewardJob("slow", "arithmetic", {}, p, ["slow"]))  # sleeps 0.3 s in its worker
+        wait_for("the job to start", lambda: pool.poll(0.01) == [] and pool.busy == 1, timeout_s=10)
+        pool.resize(0)
+        assert len(pool.pids()) == 1  # the idle two stopped; the busy one runs on
+        outcomes = []
+        wait_for("the running job's outcome", lambda: outcomes.extend(pool.poll(0.05)) or outcomes, timeout_s=10)
+        assert [(o.key, o.error) for o in outcomes] == [("slow", "")]
+        wait_for("the last worker to stop", lambda: pool.poll(0.01) == [] and pool.pids() == [], timeout_s=5)
+    finally:
+        pool.close()
+
+
+def test_scaling_none_holds_max_workers():
+    backend = pipeline(sim("judge", min_workers=1, max_workers=3), scaling="none", expected=2)
+    try:
+        for b in range(3):
+            for i in range(2):
+                backend.submit(job(2 * b + i, batch=b))
+            collect(backend, 2)
+        assert backend.status()["judge"]["workers"] == 3 and backend.planner.plans == 0
+    finally:
+        backend.close()
+
+
+# ------------------------------------------------------------------ the spec
+BASE = (REPO / "examples" / "arithmetic-multistage.toml").read_text().replace(
+    'path = "../models/tiny-qwen2"', f'path = "{REPO / "models" / "tiny-qwen2"}"')
+
+
+def errors_of(tmp_path, text: str) -> list[str]:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    return [e.removeprefix(f"{path}: ") for e in info.value.errors]
+
+
+@pytest.mark.parametrize("old,new,error", [
+    ('worker = { kind = "rule_pool" }', 'worker = { kind = "gpu" }',
+     "reward_host.backend.stages[0].worker: kind: unknown kind 'gpu' (registered: 'remote_http', 'rule_pool', 'user_code', 'sim')"),
+    ('worker = { kind = "rule_pool" }', 'worker = { kind = "pipeline" }',
+     "reward_host.backend.stages[0].worker: kind 'pipeline' cannot serve a stage (a stage is one worker kind)"),
+    ('worker = { kind = "rule_pool" }', 'worker = { kind = "rule_pool", workers = 3 }',
+     "reward_host.backend.stages[0].worker: workers: set on the stage (timeout_s, min_workers, max_workers), "
+     "which passes it down to its worker"),
+    ("min_workers = 1\nmax_workers = 2", "min_workers = 3\nmax_workers = 2",
+     "reward_host.backend.stages[0]: min_workers (3) above max_workers (2)"),
+    ('name = "judge"', 'name = "check"',
+     "reward_host.backend.stages: stage name 'check' used twice: each stage needs its own"),
+    ("timeout_s = 2.0", "timeout_s = 0", "reward_host.backend.stages[1].timeout_s: must be > 0, got 0"),
+    ("median_s = 0.15", "median_s = -1", "reward_host.backend.stages[1].worker: median_s: must be > 0, got -1"),
+    ('queue = "ebf"', 'queue = "lifo"', "reward_host.backend.queue: must be one of 'ebf', 'fcfs', got 'lifo'"),
+])
+def test_bad_stage_configs_are_spec_errors(tmp_path, old, new, error):
+    assert old in BASE
+    assert errors_of(tmp_path, BASE.replace(old, new, 1)) == [error]
+
+
+def test_the_example_round_trips_through_its_json_form():
+    """The spec travels through etcd as JSON: each stage's worker keeps its own keys."""
+    from rlfleet.common.spec import parse_spec
+
+    spec = load_spec(REPO / "examples" / "arithmetic-multistage.toml")
+    again = parse_spec(json.loads(json.dumps(spec.to_dict())))
+    stages = again.reward_host.backend.stages
+    assert [s.worker.kind for s in stages] == ["rule_pool", "sim"]
+    assert stages[1].worker.median_s == 0.15 and again == spec
+
+
+# ------------------------------------------------------------------ (tenant, batch) on each job
+class Recording(RewardBackend):
+    """Keeps what it is given; answers nothing."""
+
+    def __init__(self) -> None:
+        self.jobs: list[RewardJob] = []
+
+    def submit(self, job: RewardJob) -> None:
+        self.jobs.append(job)
+
+    def poll(self, timeout: float = 0.0) -> list:
+        return []
+
+    def fds(self) -> list[int]:
+        return []
+
+    def next_deadline_in(self) -> float:
+        return math.inf
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_service_tags_each_job_with_its_tenant_and_estimated_batch():
+    """Prompt ids are the job-wide claim cursor: with 4 prompts per batch, ids 0-3 are
+    batch 0, 4-7 batch 1 (docs/reward.md, the batch estimate)."""
+    assert [batch_of(i, 4) for i in (0, 3, 4, 7, 8, 41)] == [0, 0, 1, 1, 2, 10]
+    receiver = ReliableReceiver("tcp://127.0.0.1:0", expect=Trajectory, name="rh-test")
+    backend = Recording()
+    svc = RewardService(receiver=receiver, pool=backend, task_name="arithmetic", task_kwargs={},
+                        tenant="job-a", prompts_per_batch=4)
+    sender = ReliableSender(receiver.endpoint, resend_after_s=0.2)
+    try:
+        for pid in (1, 5, 9):
+            sender.send(f"p{pid}-g0", trajectory(PROMPTS[pid], pid, 0, "1"))
+        # the sender re-sends from its poll (a first send may go before it is connected)
+        wait_for("three jobs", lambda: sender.poll(0.0) >= 0 and svc.step(0.05) is None
+                 and len(backend.jobs) == 3, timeout_s=10)
+        assert [(j.key, j.tenant, j.batch) for j in backend.jobs] == [
+            ("p1-g0", "job-a", 0), ("p5-g0", "job-a", 1), ("p9-g0", "job-a", 2)]
+    finally:
+        sender.close()
+        svc.outbox.close()
+        receiver.close()
