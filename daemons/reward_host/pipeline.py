@@ -6,6 +6,7 @@
     scaling = "timeout_aware"    # "none" (max_workers always) | "history" | "timeout_aware"
     max_extra_delay_s = 1.0      # D: the extra batch delay the plan may add (DistRS Eq. 5)
     batch_idle_s = 5.0           # a batch with nothing in the pipeline for this long is done
+    scale_down_after_s = 0.0     # > 0: give workers back only after plans asked for fewer this long
 
     [[reward_host.backend.stages]]
     name = "check"
@@ -142,6 +143,10 @@ class PipelineConfig(KindConfig):
     scaling: Literal["none", "history", "timeout_aware"] = "timeout_aware"
     max_extra_delay_s: NonNegFloat = 1.0
     batch_idle_s: PosFloat = 5.0
+    # A stage gives workers back only after plans asked for fewer this long: plans come
+    # at every batch arrival and completion, and following each one at once can start and
+    # stop a process every few seconds. Scaling up is immediate. 0 (default): follow each plan.
+    scale_down_after_s: NonNegFloat = 0.0
 
     @field_validator("stages")
     @classmethod

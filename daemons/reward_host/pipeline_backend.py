@@ -27,6 +27,7 @@ publishes in its member registration.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -83,6 +84,17 @@ def build_stage(stage: StageConfig) -> RewardBackend:
     return REWARD_BACKENDS.build(worker.model_copy(update=update))  # type: ignore[no-any-return]
 
 
+def held_count(plans: collections.deque[tuple[float, int]], now: float, planned: int,
+               hold_s: float) -> int:
+    """The worker count to apply: the largest plan of the last ``hold_s`` seconds, so a
+    stage scales up at once and down only once the higher plans are that old. ``plans``
+    (time, count), oldest first, is updated in place."""
+    plans.append((now, planned))
+    while plans and plans[0][0] < now - hold_s:
+        plans.popleft()
+    return max(n for _, n in plans)
+
+
 @dataclasses.dataclass
 class _Stage:
     config: StageConfig
@@ -90,6 +102,7 @@ class _Stage:
     queue: StageQueue
     workers: int
     running: dict[str, float] = dataclasses.field(default_factory=dict)  # key -> started at
+    plans: collections.deque[tuple[float, int]] = dataclasses.field(default_factory=collections.deque)
 
     def __post_init__(self) -> None:
         name = self.config.name
@@ -255,7 +268,8 @@ class PipelineBackend(RewardBackend):
         self._account(now)
         for stage in self.stages:
             c = stage.config
-            n = min(max(counts.get(c.name, c.max_workers), c.min_workers), c.max_workers)
+            planned = min(max(counts.get(c.name, c.max_workers), c.min_workers), c.max_workers)
+            n = held_count(stage.plans, now, planned, self.config.scale_down_after_s)
             if n != stage.workers:
                 changed.append(f"{c.name} {stage.workers}->{n}")
                 stage.workers = n

@@ -173,6 +173,11 @@ class RemoteBackend(RewardBackend):
             raise ValueError(f"max_concurrency: must be >= 1, got {n}")
         self._loop.call_soon_threadsafe(self._set_limit, n)
 
+    def resize(self, workers: int) -> None:
+        """A pipeline stage's plan (pipeline_backend.py): ``workers`` requests at once
+        over all endpoints, spread evenly (rounded up, at least one each)."""
+        self.set_max_concurrency(max(1, -(-workers // len(self.endpoints))))
+
     def stats(self) -> list[dict[str, Any]]:
         """Per endpoint: url, circuit state, in_flight, limit, requests, failures (a
         snapshot read across threads: each number is current, not all at one instant)."""

@@ -16,7 +16,7 @@ from rlfleet.common.wire import Trajectory
 from rlfleet.daemons.reward_host.backends import RewardBackend
 from rlfleet.common.spec import SpecError, load_spec
 from rlfleet.daemons.reward_host.pipeline import PipelineConfig
-from rlfleet.daemons.reward_host.pipeline_backend import PipelineBackend
+from rlfleet.daemons.reward_host.pipeline_backend import PipelineBackend, held_count
 from rlfleet.daemons.reward_host.service import RewardService, batch_of
 from rlfleet.daemons.reward_host.workers import RewardJob, RewardPool
 from rlfleet.daemons.tasks import get_task
@@ -126,6 +126,37 @@ def test_batches_close_into_history_and_the_plan_scales_a_stage_down_for_real():
         summary = backend.summary()
         assert summary.startswith("stages: judge ") and "(ok 8, error 0, timeout 0;" in summary, summary
         assert "2 batches done" in summary or "1 batches done" in summary, summary
+    finally:
+        backend.close()
+
+
+def test_a_stage_scales_up_at_once_and_down_only_after_the_hold():
+    import collections
+
+    plans: collections.deque = collections.deque()
+    assert held_count(plans, 0.0, 4, hold_s=10) == 4
+    assert held_count(plans, 3.0, 1, hold_s=10) == 4  # 4 was asked for 3 s ago: keep it
+    assert held_count(plans, 5.0, 6, hold_s=10) == 6  # more: at once
+    assert held_count(plans, 14.0, 2, hold_s=10) == 6  # 6 (t=5) is 9 s old
+    assert held_count(plans, 15.5, 2, hold_s=10) == 2  # every higher plan is older than 10 s
+    assert held_count(collections.deque(), 1.0, 3, hold_s=0) == 3
+
+
+def test_with_a_hold_the_plan_after_one_fast_batch_keeps_the_workers():
+    """The same two batches as above with a 10 s hold: the planner asks for fewer judges
+    on batch 1's arrival, but the stage keeps its four for now."""
+    backend = pipeline(sim("judge", median_s=0.01, min_workers=1, max_workers=4, timeout_s=0.5),
+                       expected=4, max_extra_delay_s=2.0, scale_down_after_s=10.0)
+    try:
+        for i in range(4):
+            backend.submit(job(i, batch=0))
+        collect(backend, 4)
+        for i in range(4, 8):
+            backend.submit(job(i, batch=1))
+        collect(backend, 4)
+        planned = [n for _, n in backend.stages[0].plans]
+        assert min(planned) < 4, planned  # the planner did ask for fewer...
+        assert backend.status()["judge"]["workers"] == 4  # ...and the stage held on
     finally:
         backend.close()
 

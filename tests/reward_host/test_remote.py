@@ -301,6 +301,18 @@ def test_a_lowered_limit_applies_to_new_requests(endpoints, backends):
     assert e.stats()["max_in_flight"] == 2 and b.stats()[0]["limit"] == 2
 
 
+def test_a_pipeline_plan_resizes_the_limit_over_all_endpoints(endpoints, backends):
+    """As a pipeline stage: 5 workers planned over 2 endpoints is 3 at once on each."""
+    e1, e2 = endpoints("--latency-s", "0.1"), endpoints("--latency-s", "0.1")
+    b = backends(endpoints=[e1.url, e2.url], max_concurrency=8)
+    b.resize(5)
+    for i in range(24):
+        b.submit(job(i))
+    assert len(collect(b, 24)) == 24
+    assert [s["limit"] for s in b.stats()] == [3, 3]
+    assert max(e1.stats()["max_in_flight"], e2.stats()["max_in_flight"]) <= 3
+
+
 def test_a_missing_secret_file_fails_at_start_with_its_path(tmp_path):
     path = tmp_path / "nope"
     with pytest.raises(ValueError, match=f"auth_secret_file: cannot read {path}"):
