@@ -4,6 +4,7 @@ environment, and the plot."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -78,3 +79,32 @@ def test_plot_and_argument_checks(tmp_path):
         bench.main(["--losses", "grpo", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         bench.main(["--conditions", "hot", "--out", str(tmp_path)])
+
+
+def test_resume_runs_only_the_missing_runs_seed_major(tmp_path, monkeypatch):
+    ran = []
+
+    def run_task(task, seed, budget_s, examples, overrides):
+        ran.append((overrides["trainer.loss"]["kind"], seed, "trainer.max_staleness" in overrides,
+                    os.environ.get(STEP_DELAY_ENV)))
+        return fake_run(task=task, seed=seed)
+
+    monkeypatch.setattr(bench, "run_task", run_task)
+    monkeypatch.delenv(STEP_DELAY_ENV, raising=False)
+    argv = ["--losses", "ppo_clip,tis", "--tasks", "arithmetic", "--seeds", "2", "--out", str(tmp_path),
+            "--examples", str(REPO / "examples")]
+    assert bench.main(argv) == 0
+    # seed-major: both losses and both conditions at seed 0 before any seed 1; the stress
+    # runs wait the task's own delay
+    assert [(loss, seed, stress) for loss, seed, stress, _ in ran[:4]] == [
+        ("ppo_clip", 0, False), ("tis", 0, False), ("ppo_clip", 0, True), ("tis", 0, True)]
+    assert {d for _, _, stress, d in ran if stress} == {repr(bench.STRESS_DELAY_S["arithmetic"])}
+    assert len(ran) == 8
+    # cut short after 3 runs: --resume keeps them and runs the other 5
+    data = json.loads((tmp_path / "losses.json").read_text())
+    data["records"] = data["records"][:3]
+    (tmp_path / "losses.json").write_text(json.dumps(data))
+    ran.clear()
+    assert bench.main(argv + ["--resume"]) == 0
+    assert len(ran) == 5 and ran[0][:3] == ("tis", 0, True)
+    assert len(json.loads((tmp_path / "losses.json").read_text())["records"]) == 8
