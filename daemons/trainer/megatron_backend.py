@@ -156,6 +156,18 @@ def ensure_parallel_state(device: str, seed: int, tensor_parallel: int = 1,
             tp.model_parallel_cuda_manual_seed(seed)
 
 
+def release_parallel_state() -> None:
+    """Undo ensure_parallel_state: megatron's parallel state, then the process group. A
+    group left to the interpreter's exit is torn down in an arbitrary order (NCCL warns of
+    a leak, and can hang on a GPU); a learner built after this makes both again."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def causal_mask(width: int, device: torch.device | str) -> torch.Tensor:
     """[1, 1, W, W] bool, True where a query may NOT attend (megatron's convention)."""
     return torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1)[None, None]
@@ -224,6 +236,11 @@ class MegatronLearner:
         optimizer = torch.optim.AdamW(gpt.parameters(), lr=self.lr, weight_decay=self.weight_decay,
                                       fused=True)
         return gpt, optimizer
+
+    def close(self) -> None:
+        """The trainer's worker calls it when it stops (leadership lost, daemon stopping)."""
+        self.gpt = self.optimizer = None
+        release_parallel_state()
 
     # -- training -------------------------------------------------------------------
     def forward_logprobs(self, input_ids: torch.Tensor, entropy_grad: bool = False

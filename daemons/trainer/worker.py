@@ -201,6 +201,10 @@ class TrainingWorker:
                 self._publisher.close()
             if self._journal is not None:
                 self._journal.close()
+            # A learner that holds process-wide state (megatron's process group) gives it back.
+            close = getattr(self._loop.learner if self._loop is not None else None, "close", None)
+            if close is not None:
+                close()
             if not self.state.error:
                 self.state.status = "stopped"
 

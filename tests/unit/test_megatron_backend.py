@@ -46,12 +46,7 @@ def on_cpu():
         yield
     # The learners made a process group of one and megatron's parallel state in this
     # process; later tests (accelerate, TRL) must not find a distributed run.
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    mb.release_parallel_state()
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +148,18 @@ def test_one_step_matches_the_torch_learner(on_cpu):
     out = ours.state_tensors()
     assert set(out) == set(theirs)
     assert max(float(np.abs(out[n] - theirs[n]).max()) for n in out) < 1e-5
+
+
+def test_close_gives_back_the_process_group_and_a_new_learner_makes_it_again(on_cpu):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    first = mb.MegatronLearner(TINY, lr=1e-2, seed=0, device="cpu")
+    assert dist.is_initialized() and parallel_state.model_parallel_is_initialized()
+    first.close()
+    assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
+    second = mb.MegatronLearner(TINY, lr=1e-2, seed=0, device="cpu")
+    assert dist.is_initialized() and second.train_step(turn_batch())["version"] == 1
 
 
 def test_checkpoints_are_hf_folders_and_resume_gives_the_same_next_step(on_cpu, tmp_path):
