@@ -108,3 +108,16 @@ def test_resume_runs_only_the_missing_runs_seed_major(tmp_path, monkeypatch):
     assert bench.main(argv + ["--resume"]) == 0
     assert len(ran) == 5 and ran[0][:3] == ("tis", 0, True)
     assert len(json.loads((tmp_path / "losses.json").read_text())["records"]) == 8
+
+
+def test_the_readme_table_from_a_finished_run(tmp_path, capsys):
+    records = [bench.record_of("tis", stress, 8, 0.1, fake_run(seed=seed, final=final,
+                                                              staleness={"7": 30, "8": 60, "2": 10}))
+               for stress in (False, True) for seed, final in ((0, 0.5), (1, 0.7))]
+    (tmp_path / "losses.json").write_text(json.dumps({"records": records}))
+    assert bench.main(["--table", str(tmp_path / "losses.json")]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "| loss | arithmetic, default | arithmetic, α = 8 slowed | staleness under stress |"
+    # mean 0.6, population std 0.1; under stress 2 x 90 of 200 trajectories at staleness >= 7
+    assert lines[2] == ("| `tis` | 0.600 ± 0.100 (min 0.500, n=2) | 0.600 ± 0.100 (min 0.500, n=2) "
+                        "| max 8, 90 % at ≥ 7 |")

@@ -97,6 +97,13 @@ def record_of(loss: str, stress: bool, alpha: int | None, delay_s: float, run: d
             "run_dir": run["run_dir"], "run_wall_s": run["run_wall_s"]}
 
 
+def load_records(path: Path) -> list[dict[str, Any]]:
+    records = json.loads(path.read_text())["records"]
+    for r in records:  # JSON keeps the histogram's ages as strings
+        r["staleness"] = {int(k): v for k, v in r["staleness"].items()}
+    return records
+
+
 def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per (loss, task, default|stress): final mean, spread and worst seed; the staleness reached."""
     out: dict[str, Any] = {}
@@ -114,6 +121,33 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
             "first_mean": round(statistics.fmean(r["first"] for r in rs), 3),
             "staleness": dict(sorted(ages.items())), "staleness_max": max(ages, default=0)}
     return out
+
+
+def markdown_table(records: list[dict[str, Any]]) -> str:
+    """The README's table: per loss, each task x condition as mean ± std (min) of the final
+    held-out success over its seeds, and the staleness reached under stress."""
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    losses = [x for x in LOSSES if any(r["loss"] == x for r in records)]
+    cols = [(t, c) for t in tasks for c in (False, True)]
+    head = ["loss"] + [f"{t}, {'α = 8 slowed' if c else 'default'}" for t, c in cols] + ["staleness under stress"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    summary = summarise(records)
+    for loss in losses:
+        cells = [f"`{loss}`"]
+        for task, stress in cols:
+            s = summary.get(f"{loss}/{task}/{'stress' if stress else 'default'}")
+            cells.append("—" if s is None else
+                         f"{s['final_mean']:.3f} ± {s['final_std']:.3f} (min {s['final_min']:.3f}, n={s['seeds']})")
+        ages: Counter[int] = Counter()
+        for r in records:
+            if r["loss"] == loss and r["stress"]:
+                ages.update(r["staleness"])
+        total = sum(ages.values())
+        at_top = sum(v for k, v in ages.items() if k >= max(ages, default=0) - 1)
+        cells.append(f"max {max(ages, default=0)}, {100 * at_top / total:.0f} % at ≥ {max(ages) - 1}"
+                     if total else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
@@ -178,7 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the records (a JSON list) here")
     ap.add_argument("--resume", action="store_true",
                     help="keep the records already in OUT/losses.json and run only the missing ones")
+    ap.add_argument("--table", type=Path, default=None, metavar="LOSSES_JSON",
+                    help="print the README table of a finished run's losses.json and exit")
     args = ap.parse_args(argv)
+    if args.table is not None:
+        print(markdown_table(load_records(args.table)))
+        return 0
     from rlfleet.common.seams import POLICY_LOSSES
 
     losses = [x.strip() for x in args.losses.split(",") if x.strip()]
@@ -191,9 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = []
     if args.resume and (args.out / "losses.json").exists():
-        records = json.loads((args.out / "losses.json").read_text())["records"]
-        for r in records:  # JSON keeps the histogram's ages as strings
-            r["staleness"] = {int(k): v for k, v in r["staleness"].items()}
+        records = load_records(args.out / "losses.json")
         print(f"resuming: {len(records)} runs already in {args.out / 'losses.json'}", flush=True)
     done = {(r["loss"], r["task"], r["seed"], r["stress"]) for r in records}
     # Seed-major: a bench cut short still has every loss and condition at the seeds it reached.
