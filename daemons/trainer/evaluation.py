@@ -31,11 +31,18 @@ def evaluation_off(spec: JobSpec, learner: Any) -> str | None:
     """Why held-out evaluation cannot run for this job, or None when it can. It needs a
     policy to generate with (the sim backend has none) and the model's tokenizer (a bare
     weights folder has none)."""
-    if getattr(learner, "model", None) is None:
+    if getattr(learner, "model", None) is None and not hasattr(learner, "eval_policy"):
         return (f"the {spec.trainer.backend.kind} trainer backend has no policy to generate with")
     if not (Path(spec.model.path) / "tokenizer.json").exists():
         return f"no tokenizer in {spec.model.path}"
     return None
+
+
+def policy_to_evaluate(learner: Any) -> Any:
+    """The HF module evaluation generates with: the torch learner's own model, or for a
+    learner whose model is not an HF one (megatron) the copy its ``eval_policy()`` makes."""
+    make = getattr(learner, "eval_policy", None)
+    return make() if make is not None else learner.model
 
 
 class Evaluator:

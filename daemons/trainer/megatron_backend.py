@@ -211,9 +211,9 @@ class MegatronLearner:
         self.vocab_size: int = self.shape.vocab
         pad = hf_config.get("pad_token_id")
         self.pad_id: int = int(pad) if pad is not None else 0
-        # No HF module to generate with: held-out evaluation is off for this backend
-        # (evaluation.py), as for the sim backend.
+        # Not an HF module: evaluation generates with eval_policy()'s HF copy instead.
         self.model = None
+        self._eval_model: Any = None
         torch.manual_seed(seed)
         with quiet():
             ensure_parallel_state(device, seed, tensor_parallel, pipeline_parallel)
@@ -237,9 +237,25 @@ class MegatronLearner:
                                       fused=True)
         return gpt, optimizer
 
+    def eval_policy(self) -> Any:
+        """An HF model with the current weights, for held-out evaluation (evaluation.py):
+        generation is HF's. Built once from the model folder, refreshed from state_tensors()
+        at each call (the same tensors the relay sends, so it is what rollouts would run)."""
+        if self._eval_model is None:
+            from transformers import AutoModelForCausalLM
+
+            self._eval_model = AutoModelForCausalLM.from_pretrained(
+                str(self.model_dir), dtype=torch.float32).to(self.device).eval()
+        state = {name: torch.from_numpy(a) for name, a in self.state_tensors().items()}
+        result = self._eval_model.load_state_dict(state, strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise mw.UnsupportedModel(f"HF model and megatron weights disagree: missing "
+                                      f"{result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]}")
+        return self._eval_model
+
     def close(self) -> None:
         """The trainer's worker calls it when it stops (leadership lost, daemon stopping)."""
-        self.gpt = self.optimizer = None
+        self.gpt = self.optimizer = self._eval_model = None
         release_parallel_state()
 
     # -- training -------------------------------------------------------------------

@@ -42,6 +42,7 @@ from rlfleet.common.spec import JobSpec
 from .batching import INVALID, NO_SIGNAL, STALENESS, in_finished_rounds, select_groups
 from .buffer import capacity_groups, evict_overflow, evict_stale, ordered
 from .checkpointing import Checkpointer
+from .evaluation import policy_to_evaluate
 from .journal import Journal, JournalUnwritable, until_written
 from .metrics_log import PAUSED, MetricsLog, batch_versions, step_line
 
@@ -287,4 +288,4 @@ class TrainingLoop:
 
     def maybe_evaluate(self) -> None:
         if self.evaluator is not None and self.evaluator.due(self.state.version):
-            self.evaluator.run(self.learner.model, self.state.version)
+            self.evaluator.run(policy_to_evaluate(self.learner), self.state.version)

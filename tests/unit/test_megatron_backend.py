@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
 from rlfleet.common.seams import TRAINER_BACKENDS  # noqa: E402
-from rlfleet.common.spec import parse_spec  # noqa: E402
+from rlfleet.common.spec import load_spec, parse_spec  # noqa: E402
 from rlfleet.common.wire import Float32Array, Int32Array, ScoredTrajectory, Trajectory, Turn  # noqa: E402
 from rlfleet.daemons.trainer import megatron_backend as mb  # noqa: E402
 from rlfleet.daemons.trainer import megatron_weights as mw  # noqa: E402
@@ -148,6 +149,27 @@ def test_one_step_matches_the_torch_learner(on_cpu):
     out = ours.state_tensors()
     assert set(out) == set(theirs)
     assert max(float(np.abs(out[n] - theirs[n]).max()) for n in out) < 1e-5
+
+
+def test_held_out_evaluation_generates_with_an_hf_copy_of_the_current_weights(on_cpu):
+    from rlfleet.daemons.trainer.evaluation import evaluation_off, policy_to_evaluate
+
+    ours = mb.MegatronLearner(TINY, lr=1e-2, seed=0, device="cpu")
+    spec = load_spec(REPO / "examples" / "arithmetic-megatron.toml")
+    assert evaluation_off(spec, ours) is None
+    ours.train_step(turn_batch())
+    ids = torch.randint(1, 36, (3, 10), generator=torch.Generator().manual_seed(5))
+    hf = policy_to_evaluate(ours)
+    with torch.no_grad():
+        theirs = torch_logprobs(SimpleNamespace(model=hf), ids)
+        mine = ours.forward_logprobs(ids)[0]
+    assert float((mine - theirs).abs().max()) < 1e-4  # the copy is the stepped policy
+    ours.train_step(turn_batch())
+    with torch.no_grad():  # refreshed at each call: the same module, the newer weights
+        again = torch_logprobs(SimpleNamespace(model=policy_to_evaluate(ours)), ids)
+        assert policy_to_evaluate(ours) is hf
+        assert float((again - ours.forward_logprobs(ids)[0]).abs().max()) < 1e-4
+        assert float((again - theirs).abs().max()) > 1e-4
 
 
 def test_close_gives_back_the_process_group_and_a_new_learner_makes_it_again(on_cpu):
