@@ -81,9 +81,9 @@ class _Job:
     """A job's progress: queued (in the dispatch), running, backoff (a timer), retry
     (waiting for a slot, ahead of the dispatch); ``waiters``: submits sharing it."""
 
-    def __init__(self, job: RewardJob, now: float, deadline: float) -> None:
+    def __init__(self, job: RewardJob, now: float, deadline: float, body: bytes) -> None:
         self.job, self.submitted, self.deadline = job, now, deadline
-        self.body = job_body(job)
+        self.body = body
         self.phase = "queued"
         self.waiters = 1
         self.attempts = 0
@@ -109,10 +109,11 @@ class RemoteBackend(RewardBackend):
     """Scores jobs on HTTP endpoints (see the module docstring). One owner thread."""
 
     def __init__(self, config: RemoteHttpConfig, *, dispatch: Dispatch | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, batch_requests: int = 0) -> None:
         """``dispatch``: the order in which queued jobs start (dispatch.py; default
-        FifoDispatch). Its "workers" are endpoint indices with a free slot."""
-        self.config = config
+        FifoDispatch). Its "workers" are endpoint indices with a free slot.
+        ``batch_requests``: trajectories per training batch, told to a shared service."""
+        self.config, self.batch_requests = config, batch_requests
         self._headers = {"content-type": "application/json"}
         if config.auth_secret_file:
             self._headers[config.auth_header.lower()] = _read_secret(config.auth_secret_file)
@@ -233,7 +234,8 @@ class RemoteBackend(RewardBackend):
             st.waiters += 1
             return
         now = self._loop.time()
-        st = self._jobs[job.key] = _Job(job, now, now + self.config.total_timeout_s)
+        st = self._jobs[job.key] = _Job(job, now, now + self.config.total_timeout_s,
+                                        job_body(job, self.batch_requests))
         st.timer = self._loop.call_at(st.deadline, self._expire, st)
         self.dispatch.add(job)
         self._pump()

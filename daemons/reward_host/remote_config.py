@@ -152,7 +152,8 @@ class RemoteHttp(Kind):
     Config = RemoteHttpConfig
 
     @classmethod
-    def build(cls, config: RemoteHttpConfig, /, *, dispatch: Any = None, **_: Any) -> Any:
+    def build(cls, config: RemoteHttpConfig, /, *, dispatch: Any = None, batch_requests: int = 0,
+              **_: Any) -> Any:
         from .remote import RemoteBackend
 
-        return RemoteBackend(config, dispatch=dispatch)
+        return RemoteBackend(config, dispatch=dispatch, batch_requests=batch_requests)
