@@ -118,8 +118,14 @@ class Scorer:
         return pending.answer
 
     def stats(self) -> dict[str, Any]:
+        """The scorer thread's last snapshot of the pipeline, with the request counts
+        (kept by the handlers) as they are now."""
         with self._lock:
-            return json.loads(json.dumps(self._snapshot))  # a copy the caller may keep
+            stats = json.loads(json.dumps(self._snapshot))  # a copy the caller may keep
+            stats.setdefault("tenants", {})
+            for tenant, counts in self._counts.items():
+                stats["tenants"].setdefault(tenant, _tenant_figures(None))["requests"] = dict(counts)
+            return stats
 
     def close(self) -> None:
         """Stop the loop; waiting requests get 503 (their callers retry elsewhere or later)."""
@@ -172,8 +178,6 @@ class Scorer:
                     pending.done.set()
             snapshot["pending"] = len(self._pending)
             snapshot["answers_kept"] = len(self._answers)
-            for tenant, counts in self._counts.items():
-                snapshot["tenants"].setdefault(tenant, _tenant_figures(None))["requests"] = dict(counts)
             self._snapshot = snapshot
 
     def _figures(self) -> dict[str, Any]:
