@@ -302,3 +302,16 @@ worker = { kind = "pipeline" }
     assert cli("--spec", str(good), "--listen", "nohost").returncode == 2
     missing = cli("--spec", str(tmp_path / "none.toml"), "--check")
     assert missing.returncode == 2 and "none.toml: cannot read" in missing.stderr
+
+
+def test_the_shipped_example_loads():
+    from rlfleet.common.spec import load_spec
+    from rlfleet.daemons.reward_host.shared_spec import load_service_spec
+
+    folder = Path(__file__).resolve().parents[2] / "examples" / "shared-reward"
+    service = load_service_spec(folder / "service.toml")
+    assert [s.name for s in service.pipeline.stages] == ["check", "judge"]
+    for name in ("a", "b"):
+        spec = load_spec(folder / f"job-{name}.toml")
+        assert spec.job.name == f"shared-{name}"
+        assert spec.reward_host.backend.endpoints == ("http://127.0.0.1:8800/score",)
