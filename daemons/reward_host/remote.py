@@ -11,7 +11,8 @@ Threads:
 
 The protocol (docs/reward.md, "Remote endpoints"): one POST per attempt to the
 endpoint's URL with the JSON body ``{"trajectory_id", "task", "task_kwargs", "prompt",
-"completions"}`` and the header ``Idempotency-Key: <trajectory id>`` (plus
+"completions", "tenant", "batch", "batch_requests"}`` (the last three for a shared reward
+service, shared_service.py; other endpoints ignore them) and the header ``Idempotency-Key: <trajectory id>`` (plus
 ``X-Rlfleet-Attempt`` and the optional auth header); the answer ``200 {"reward": <finite
 number>, "info": {...}}``. An endpoint must answer a repeated key with the result it
 gave, without scoring again: a retry after a lost answer, or the same trajectory
@@ -47,7 +48,7 @@ from prometheus_client import Counter, Gauge
 
 from .backends import RewardBackend
 from .dispatch import Dispatch, FifoDispatch
-from .remote_config import RemoteHttpConfig
+from .remote_config import RemoteHttpConfig, read_secret
 from .remote_policy import Breaker, backoff_s, error_text, job_body, read_reward, retry_after, retryable
 from .workers import RewardJob, RewardOutcome
 
@@ -116,7 +117,7 @@ class RemoteBackend(RewardBackend):
         self.config, self.batch_requests = config, batch_requests
         self._headers = {"content-type": "application/json"}
         if config.auth_secret_file:
-            self._headers[config.auth_header.lower()] = _read_secret(config.auth_secret_file)
+            self._headers[config.auth_header.lower()] = read_secret(config.auth_secret_file)
         b = config.breaker
         self.endpoints = [Endpoint(url, config.max_concurrency, Breaker(b.failures, b.open_s,
                                                                         b.half_open_probes))
@@ -430,14 +431,3 @@ def _drain(fd: int) -> None:
     except (BlockingIOError, OSError):
         pass
 
-
-def _read_secret(path: str) -> str:
-    """The auth header's value: the file's content without the trailing newline."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = f.read().strip()
-    except OSError as exc:
-        raise ValueError(f"auth_secret_file: cannot read {path}: {exc.strerror}") from None
-    if not value or any(c in value for c in "\r\n\0"):
-        raise ValueError(f"auth_secret_file: {path} must hold one non-empty line (the header value)")
-    return value

@@ -42,6 +42,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from .pipeline_backend import PipelineBackend
+from .remote_config import read_secret
 from .shared_protocol import BadRequest, ScoreRequest, read_request, split_key
 from .shared_spec import ServiceSpec
 
@@ -305,23 +306,11 @@ class Server(ThreadingHTTPServer):
         self.scorer, self.auth = scorer, auth
 
 
-def read_token(path: str) -> str:
-    """The Authorization value asked for: the file's content without the trailing newline."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = f.read().strip()
-    except OSError as exc:
-        raise ValueError(f"auth_secret_file: cannot read {path}: {exc.strerror}") from None
-    if not value or any(c in value for c in "\r\n\0"):
-        raise ValueError(f"auth_secret_file: {path} must hold one non-empty line (the header value)")
-    return value
-
-
 def serve(spec: ServiceSpec, host: str, port: int, stop: threading.Event,
           on_listening: Any = None) -> str:
     """Run the service until ``stop`` is set; ``on_listening(url)`` once it accepts.
     Returns the exit line: what was scored, per tenant, and the pipeline's summary."""
-    auth = read_token(spec.service.auth_secret_file) if spec.service.auth_secret_file else None
+    auth = read_secret(spec.service.auth_secret_file) if spec.service.auth_secret_file else None
     scorer = Scorer(spec)
     try:
         server = Server((host, port), scorer, auth)
