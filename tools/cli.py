@@ -353,6 +353,7 @@ def submit(spec_file: str, etcd: str) -> None:
 from rlfleet.tools.etcd_cmd import etcd_group  # noqa: E402  (docs/etcd-maintenance.md)
 from rlfleet.tools.node_cmd import node  # noqa: E402
 from rlfleet.tools.pause_cmd import pause, resume  # noqa: E402  (docs/maintenance-mode.md)
+from rlfleet.tools.reward_service_cmd import reward_service  # noqa: E402  (docs/reward.md)
 from rlfleet.tools.switchover_cmd import switchover  # noqa: E402  (docs/switchover.md)
 
 main.add_command(node)
@@ -360,6 +361,7 @@ main.add_command(switchover)
 main.add_command(pause)
 main.add_command(resume)
 main.add_command(etcd_group)
+main.add_command(reward_service)
 
 if __name__ == "__main__":
     main()

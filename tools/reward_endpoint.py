@@ -8,6 +8,7 @@ prints ``listening on http://HOST:PORT/score`` once it accepts requests. The pro
 the backend's (daemons/reward_host/remote.py, docs/reward.md "Remote endpoints"):
 
     POST /score   {"trajectory_id", "task", "task_kwargs", "prompt", "completions"}
+                  (a shared reward service's "tenant", "batch", "batch_requests": ignored)
                   header Idempotency-Key: <trajectory id>
         200 {"reward": r, "info": {"scored_by": pid, "cached": bool}}
         400 a body that is not the protocol, 401 a wrong auth header,

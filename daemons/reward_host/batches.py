@@ -47,6 +47,9 @@ class ClosedBatch:
 class BatchTracker:
     def __init__(self, pipeline: Pipeline, *, expected: int, idle_s: float) -> None:
         self.pipeline, self.expected, self.idle_s = pipeline, expected, idle_s
+        # A shared service's tenants have batches of their own sizes (each caller says
+        # its own); a tenant not in here has ``expected``.
+        self.expected_by_tenant: dict[str, int] = {}
         self._batches: dict[BatchKey, _Batch] = {}
         self._where: dict[str, tuple[BatchKey, _Request]] = {}
 
@@ -92,7 +95,8 @@ class BatchTracker:
         batch.finished += 1
         batch.last_change_s = batch.last_done_s = now
         # all done, not only `expected` of them: more than estimated may be in the pipeline
-        if self.expected and batch.finished >= self.expected and batch.finished == len(batch.requests):
+        expected = self.expected_by_tenant.get(key.tenant, self.expected)
+        if expected and batch.finished >= expected and batch.finished == len(batch.requests):
             return self._close(key)
         return None
 

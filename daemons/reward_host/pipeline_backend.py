@@ -113,6 +113,22 @@ class _Stage:
         self.changes = PLAN_CHANGES.labels(stage=name)
 
 
+@dataclasses.dataclass
+class TenantFigures:
+    """One tenant's (job's) share of the pipeline: its batches done, their extra delay,
+    and the plans computed while a batch of it was open (the planner saw it)."""
+
+    batches: int = 0
+    extra_delay_sum_s: float = 0.0
+    extra_delay_max_s: float = 0.0
+    plans: int = 0
+
+    def batch_done(self, extra_delay_s: float) -> None:
+        self.batches += 1
+        self.extra_delay_sum_s += extra_delay_s
+        self.extra_delay_max_s = max(self.extra_delay_max_s, extra_delay_s)
+
+
 class PipelineBackend(RewardBackend):
     def __init__(self, config: PipelineConfig, *, batch_requests: int = 0,
                  clock: Any = time.monotonic) -> None:
@@ -135,6 +151,7 @@ class PipelineBackend(RewardBackend):
         self._history: set[str] = set()  # tenants with a finished batch
         self.closed_batches: list[ClosedBatch] = []  # the last few, for tests and status
         self.batches_done, self.extra_delay_sum_s, self.extra_delay_max_s = 0, 0.0, 0.0
+        self.tenants: dict[str, TenantFigures] = {}  # several jobs may share one pipeline
         self.worker_seconds = [0.0] * len(self.stages)  # Σ workers held × time, per stage
         self._held_since = clock()
         self._publish()
@@ -181,6 +198,14 @@ class PipelineBackend(RewardBackend):
     def close(self) -> None:
         for s in self.stages:
             s.backend.close()
+
+    def expect(self, tenant: str, batch_requests: int) -> None:
+        """A tenant's batches hold ``batch_requests`` trajectories (0: closed when idle);
+        a shared service (shared_service.py) learns it from each tenant's requests."""
+        if batch_requests > 0:
+            self.batches.expected_by_tenant[tenant] = batch_requests
+        else:
+            self.batches.expected_by_tenant.pop(tenant, None)
 
     # -- what the daemon and tests read ---------------------------------------------------
     def summary(self) -> str:
@@ -246,6 +271,7 @@ class PipelineBackend(RewardBackend):
         self.extra_delay_sum_s += closed.extra_delay_s
         self.extra_delay_max_s = max(self.extra_delay_max_s, closed.extra_delay_s)
         self.closed_batches = (self.closed_batches + [closed])[-100:]
+        self._tenant(closed.record.key.tenant).batch_done(closed.extra_delay_s)
         self.planner.add_history(closed.record)
         self._history.add(closed.record.key.tenant)
         self._replan(now, f"batch {closed.record.key.tenant}/{closed.record.key.batch} done")
@@ -264,6 +290,8 @@ class PipelineBackend(RewardBackend):
             PLAN_SECONDS.observe(time.perf_counter() - started)
             PLANS.inc()
             counts, reason = plan.workers, plan.why
+            for tenant in {a.key.tenant for a in active}:
+                self._tenant(tenant).plans += 1
         changed = []
         self._account(now)
         for stage in self.stages:
@@ -278,6 +306,12 @@ class PipelineBackend(RewardBackend):
         if changed:
             log.info("reward scaling on %s: %s (%s)", why, ", ".join(changed), reason,
                      extra={"event": "reward_plan"})
+
+    def _tenant(self, tenant: str) -> TenantFigures:
+        figures = self.tenants.get(tenant)
+        if figures is None:
+            figures = self.tenants[tenant] = TenantFigures()
+        return figures
 
     def _account(self, now: float) -> None:
         """Charge every stage its workers held since the last change (busy or idle, as

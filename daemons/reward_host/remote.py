@@ -11,7 +11,8 @@ Threads:
 
 The protocol (docs/reward.md, "Remote endpoints"): one POST per attempt to the
 endpoint's URL with the JSON body ``{"trajectory_id", "task", "task_kwargs", "prompt",
-"completions"}`` and the header ``Idempotency-Key: <trajectory id>`` (plus
+"completions", "tenant", "batch", "batch_requests"}`` (the last three for a shared reward
+service, shared_service.py; other endpoints ignore them) and the header ``Idempotency-Key: <trajectory id>`` (plus
 ``X-Rlfleet-Attempt`` and the optional auth header); the answer ``200 {"reward": <finite
 number>, "info": {...}}``. An endpoint must answer a repeated key with the result it
 gave, without scoring again: a retry after a lost answer, or the same trajectory
@@ -47,7 +48,7 @@ from prometheus_client import Counter, Gauge
 
 from .backends import RewardBackend
 from .dispatch import Dispatch, FifoDispatch
-from .remote_config import RemoteHttpConfig
+from .remote_config import RemoteHttpConfig, read_secret
 from .remote_policy import Breaker, backoff_s, error_text, job_body, read_reward, retry_after, retryable
 from .workers import RewardJob, RewardOutcome
 
@@ -81,9 +82,9 @@ class _Job:
     """A job's progress: queued (in the dispatch), running, backoff (a timer), retry
     (waiting for a slot, ahead of the dispatch); ``waiters``: submits sharing it."""
 
-    def __init__(self, job: RewardJob, now: float, deadline: float) -> None:
+    def __init__(self, job: RewardJob, now: float, deadline: float, body: bytes) -> None:
         self.job, self.submitted, self.deadline = job, now, deadline
-        self.body = job_body(job)
+        self.body = body
         self.phase = "queued"
         self.waiters = 1
         self.attempts = 0
@@ -109,13 +110,14 @@ class RemoteBackend(RewardBackend):
     """Scores jobs on HTTP endpoints (see the module docstring). One owner thread."""
 
     def __init__(self, config: RemoteHttpConfig, *, dispatch: Dispatch | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, batch_requests: int = 0) -> None:
         """``dispatch``: the order in which queued jobs start (dispatch.py; default
-        FifoDispatch). Its "workers" are endpoint indices with a free slot."""
-        self.config = config
+        FifoDispatch). Its "workers" are endpoint indices with a free slot.
+        ``batch_requests``: trajectories per training batch, told to a shared service."""
+        self.config, self.batch_requests = config, batch_requests
         self._headers = {"content-type": "application/json"}
         if config.auth_secret_file:
-            self._headers[config.auth_header.lower()] = _read_secret(config.auth_secret_file)
+            self._headers[config.auth_header.lower()] = read_secret(config.auth_secret_file)
         b = config.breaker
         self.endpoints = [Endpoint(url, config.max_concurrency, Breaker(b.failures, b.open_s,
                                                                         b.half_open_probes))
@@ -233,7 +235,8 @@ class RemoteBackend(RewardBackend):
             st.waiters += 1
             return
         now = self._loop.time()
-        st = self._jobs[job.key] = _Job(job, now, now + self.config.total_timeout_s)
+        st = self._jobs[job.key] = _Job(job, now, now + self.config.total_timeout_s,
+                                        job_body(job, self.batch_requests))
         st.timer = self._loop.call_at(st.deadline, self._expire, st)
         self.dispatch.add(job)
         self._pump()
@@ -428,14 +431,3 @@ def _drain(fd: int) -> None:
     except (BlockingIOError, OSError):
         pass
 
-
-def _read_secret(path: str) -> str:
-    """The auth header's value: the file's content without the trailing newline."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = f.read().strip()
-    except OSError as exc:
-        raise ValueError(f"auth_secret_file: cannot read {path}: {exc.strerror}") from None
-    if not value or any(c in value for c in "\r\n\0"):
-        raise ValueError(f"auth_secret_file: {path} must hold one non-empty line (the header value)")
-    return value

@@ -148,11 +148,25 @@ class RemoteHttpConfig(KindConfig):
         return self
 
 
+def read_secret(path: str) -> str:
+    """An auth header's value: the file's content without the trailing newline (the
+    remote_http backend's header, the shared reward service's expected one); read at start."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"auth_secret_file: cannot read {path}: {exc.strerror}") from None
+    if not value or any(c in value for c in "\r\n\0"):
+        raise ValueError(f"auth_secret_file: {path} must hold one non-empty line (the header value)")
+    return value
+
+
 class RemoteHttp(Kind):
     Config = RemoteHttpConfig
 
     @classmethod
-    def build(cls, config: RemoteHttpConfig, /, *, dispatch: Any = None, **_: Any) -> Any:
+    def build(cls, config: RemoteHttpConfig, /, *, dispatch: Any = None, batch_requests: int = 0,
+              **_: Any) -> Any:
         from .remote import RemoteBackend
 
-        return RemoteBackend(config, dispatch=dispatch)
+        return RemoteBackend(config, dispatch=dispatch, batch_requests=batch_requests)

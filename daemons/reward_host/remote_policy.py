@@ -70,10 +70,15 @@ class Breaker:
             self.state, self.open_until, self.consecutive = "open", now + self.open_s, 0
 
 
-def job_body(job: RewardJob) -> bytes:
+def job_body(job: RewardJob, batch_requests: int = 0) -> bytes:
+    """The request body. ``tenant``, ``batch`` and ``batch_requests`` (the job's name, the
+    estimated training batch, trajectories per batch) are for a shared reward service
+    (shared_service.py), which schedules several jobs' batches; an endpoint that does
+    not know them ignores them."""
     return msgspec.json.encode({"trajectory_id": job.key, "task": job.task,
                                 "task_kwargs": job.difficulty, "prompt": job.prompt.to_dict(),
-                                "completions": list(job.texts)})
+                                "completions": list(job.texts), "tenant": job.tenant,
+                                "batch": job.batch, "batch_requests": batch_requests})
 
 
 def read_reward(content: bytes) -> float:

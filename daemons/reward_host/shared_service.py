@@ -1,0 +1,338 @@
+"""The shared reward service: several jobs' reward-hosts score on ONE pipeline, so its
+stage queues order all their batches (EBF across tenants) and one planner sizes the
+stages for all of them (DistRS Algorithm 2 over every tenant's open batches).
+
+    job A's reward-host ─┐  POST /score (remote_http)
+                         ├──► HTTP handlers ──► Scorer thread: PipelineBackend ──► answers
+    job B's reward-host ─┘     (one thread each)    (stages, queues, planner)
+
+``rlfleet reward-service --spec SERVICE.toml --listen HOST:PORT`` (tools/reward_service_cmd.py;
+spec: shared_spec.py; docs/reward.md "Shared reward service"). Each job keeps its own
+reward-host with ``[reward_host.backend] kind = "remote_http"`` pointing here: dedup,
+acks and delivery to its trainer stay per job, and the service is a remote endpoint
+that speaks the same protocol plus ``tenant``, ``batch`` and ``batch_requests``
+(shared_protocol.py).
+
+Threads: the HTTP server's, one per connection, which read and check a request and wait
+for its answer; ``reward-scorer``, which alone touches the PipelineBackend (it is
+single-threaded by design) and the answers, taking requests from an inbox announced on
+a pipe that it selects on with the stages' fds.
+
+Idempotent by (tenant, trajectory id): a key answered gets the same answer (200 with the
+reward, or 422 with the stage's error) without running again; a copy that arrives while
+the first is in the pipeline waits for that one. The record lives in memory
+(``results_kept`` answers): a kill loses it with the queues, the running requests and
+the planner's history, and the callers' retries score those trajectories again on the
+restarted service (each reward-host still forwards one outcome per trajectory).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import select
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+
+from .pipeline_backend import PipelineBackend
+from .remote_config import read_secret
+from .shared_protocol import BadRequest, ScoreRequest, read_request, split_key
+from .shared_spec import ServiceSpec
+
+log = logging.getLogger("rlfleet.reward_service")
+
+REQUESTS = Counter("rlfleet_reward_service_requests_total",
+                   "Score requests by tenant and answer: scored, error (422), repeated (answered "
+                   "from the record), joined (waited for a copy in the pipeline), busy (503)",
+                   ["tenant", "answer"])
+
+_ANSWERS = ("scored", "error", "repeated", "joined", "busy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    status: int
+    body: bytes
+
+
+@dataclasses.dataclass
+class _Pending:
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    answer: Answer | None = None
+
+
+class Scorer:
+    """The pipeline behind the HTTP handlers (see the module docstring)."""
+
+    def __init__(self, spec: ServiceSpec) -> None:
+        self.spec = spec
+        self.backend = PipelineBackend(spec.pipeline)
+        self._lock = threading.Lock()
+        self._inbox: collections.deque[ScoreRequest] = collections.deque()
+        self._pending: dict[tuple[str, str], _Pending] = {}
+        self._answers: collections.OrderedDict[tuple[str, str], Answer] = collections.OrderedDict()
+        self._counts: dict[str, dict[str, int]] = {}
+        self._expect: dict[str, int] = {}  # tenant -> batch_requests told to the pipeline
+        self._snapshot: dict[str, Any] = {}
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._rfd, False)
+        os.set_blocking(self._wfd, False)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reward-scorer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the handlers' side ----------------------------------------------------------------
+    def score(self, request: ScoreRequest) -> Answer:
+        ident = request.ident
+        with self._lock:
+            answer = self._answers.get(ident)
+            if answer is not None:
+                self._count(request.tenant, "repeated")
+                return answer
+            pending = self._pending.get(ident)
+            if pending is not None:
+                self._count(request.tenant, "joined")
+            elif len(self._pending) >= self.spec.service.max_pending or self._stop.is_set():
+                self._count(request.tenant, "busy")
+                why = "shutting down" if self._stop.is_set() else \
+                    f"{len(self._pending)} trajectories pending (max_pending)"
+                return _error(503, f"busy: {why}; retry")
+            else:
+                pending = self._pending[ident] = _Pending()
+                self._inbox.append(request)
+                _wake(self._wfd)
+        if not pending.done.wait(self.spec.service.answer_within_s) or pending.answer is None:
+            return _error(503, f"not answered within answer_within_s="
+                               f"{self.spec.service.answer_within_s:g}; retry: the same key gets its answer")
+        return pending.answer
+
+    def stats(self) -> dict[str, Any]:
+        """The scorer thread's last snapshot of the pipeline, with the request counts
+        (kept by the handlers) as they are now."""
+        with self._lock:
+            stats = json.loads(json.dumps(self._snapshot))  # a copy the caller may keep
+            stats.setdefault("tenants", {})
+            for tenant, counts in self._counts.items():
+                stats["tenants"].setdefault(tenant, _tenant_figures(None))["requests"] = dict(counts)
+            return stats
+
+    def close(self) -> None:
+        """Stop the loop; waiting requests get 503 (their callers retry elsewhere or later)."""
+        self._stop.set()
+        _wake(self._wfd)
+        self._thread.join(10)
+        with self._lock:
+            for pending in self._pending.values():
+                pending.answer = _error(503, "the reward service is stopping; retry")
+                pending.done.set()
+        self.backend.close()
+
+    # -- the scorer thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._step()
+        except Exception:
+            log.exception("reward service: the scorer thread failed")
+            raise
+
+    def _step(self) -> None:
+        wait = min(self.backend.next_deadline_in(), 0.5)
+        select.select([self._rfd, *self.backend.fds()], [], [], wait)
+        with self._lock:
+            _drain(self._rfd)
+            requests, self._inbox = self._inbox, collections.deque()
+        for request in requests:
+            if self._expect.get(request.tenant) != request.batch_requests:
+                self._expect[request.tenant] = request.batch_requests
+                self.backend.expect(request.tenant, request.batch_requests)
+            self.backend.submit(request.job)
+        outcomes = self.backend.poll(0.0)
+        snapshot = self._figures()
+        with self._lock:
+            for outcome in outcomes:
+                ident = split_key(outcome.key)
+                if outcome.error:
+                    answer = _error(422, outcome.error)
+                else:
+                    answer = Answer(200, json.dumps({"reward": outcome.reward, "info": {
+                        "tenant": ident[0], "seconds": round(outcome.seconds, 4)}}).encode())
+                self._count(ident[0], "error" if outcome.error else "scored")
+                self._answers[ident] = answer
+                while len(self._answers) > self.spec.service.results_kept:
+                    self._answers.popitem(last=False)
+                pending = self._pending.pop(ident, None)
+                if pending is not None:
+                    pending.answer = answer
+                    pending.done.set()
+            snapshot["pending"] = len(self._pending)
+            snapshot["answers_kept"] = len(self._answers)
+            self._snapshot = snapshot
+
+    def _figures(self) -> dict[str, Any]:
+        b = self.backend
+        return {"stages": b.status(), "plans": b.planner.plans, "batches_done": b.batches_done,
+                "open_batches": len(b.batches),
+                "tenants": {t: _tenant_figures(f) for t, f in b.tenants.items()}}
+
+    def _count(self, tenant: str, answer: str) -> None:  # under self._lock
+        counts = self._counts.setdefault(tenant, dict.fromkeys(_ANSWERS, 0))
+        counts[answer] += 1
+        REQUESTS.labels(tenant=tenant, answer=answer).inc()
+
+
+def _tenant_figures(f: Any) -> dict[str, Any]:
+    if f is None:
+        return {"batches": 0, "extra_delay_mean_s": 0.0, "extra_delay_max_s": 0.0, "plans": 0}
+    return {"batches": f.batches, "plans": f.plans, "extra_delay_max_s": round(f.extra_delay_max_s, 4),
+            "extra_delay_mean_s": round(f.extra_delay_sum_s / f.batches, 4) if f.batches else 0.0}
+
+
+def _error(status: int, message: str) -> Answer:
+    return Answer(status, json.dumps({"error": message}).encode())
+
+
+def _wake(fd: int) -> None:
+    try:
+        os.write(fd, b"\0")
+    except BlockingIOError:
+        pass  # the pipe is full: the loop is woken already
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+# ----------------------------------------------------------------------------- HTTP
+class Handler(BaseHTTPRequestHandler):
+    server: Server
+    protocol_version = "HTTP/1.1"  # keep-alive: the callers' pools hold their connections
+    timeout = 30  # socket timeout: a caller that stops sending mid-body frees its thread
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 — the base's name
+        pass  # one line per request would swamp the log; the metrics count them
+
+    def _answer(self, answer: Answer, content_type: str = "application/json") -> None:
+        self.send_response(answer.status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(answer.body)))
+        if answer.status == 503:
+            self.send_header("Retry-After", "1")
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(answer.body)
+
+    def _authorized(self) -> bool:
+        token = self.server.auth
+        if token is None:
+            return True
+        given = self.headers.get("Authorization", "")
+        if hmac.compare_digest(given.encode(), token.encode()):
+            return True
+        self.close_connection = True  # the body is not read: the connection cannot go on
+        self._answer(_error(401, "wrong or missing Authorization header"))
+        return False
+
+    def do_GET(self) -> None:  # noqa: N802 — http.server's name
+        if not self._authorized():
+            return
+        if self.path == "/_stats":
+            self._answer(Answer(200, json.dumps(self.server.scorer.stats()).encode()))
+        elif self.path == "/metrics":
+            self._answer(Answer(200, generate_latest()), CONTENT_TYPE_LATEST)
+        else:
+            self._answer(_error(404, f"no route GET {self.path[:100]}"))
+
+    def do_POST(self) -> None:  # noqa: N802
+        if not self._authorized():
+            return
+        try:
+            raw = self._body()
+            if self.path != "/score":
+                raise BadRequest(f"no route POST {self.path[:100]} (scoring is POST /score)", 404)
+            request = read_request(raw, self.headers.get("Idempotency-Key"))
+        except BadRequest as exc:
+            self._answer(_error(exc.status, exc.message))
+            return
+        self._answer(self.server.scorer.score(request))
+
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise BadRequest("Content-Length required (a chunked body is not accepted)", 411)
+        length = self.headers.get("Content-Length")
+        try:
+            n = int(length or "")
+        except ValueError:
+            self.close_connection = True
+            raise BadRequest(f"Content-Length required: a byte count, got {length!r}", 411) from None
+        limit = self.server.scorer.spec.service.max_body_bytes
+        if n < 0:
+            self.close_connection = True
+            raise BadRequest(f"Content-Length must be >= 0, got {n}")
+        if n > limit:
+            self.close_connection = True  # unread: the rest of the stream is not a request
+            raise BadRequest(f"body of {n} bytes; at most max_body_bytes={limit}", 413)
+        raw = self.rfile.read(n)
+        if len(raw) != n:
+            self.close_connection = True
+            raise BadRequest(f"body ended after {len(raw)} of {n} bytes")
+        return raw
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True  # a waiting request must not keep a stopping process alive
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], scorer: Scorer, auth: str | None) -> None:
+        super().__init__(address, Handler)
+        self.scorer, self.auth = scorer, auth
+
+
+def serve(spec: ServiceSpec, host: str, port: int, stop: threading.Event,
+          on_listening: Any = None) -> str:
+    """Run the service until ``stop`` is set; ``on_listening(url)`` once it accepts.
+    Returns the exit line: what was scored, per tenant, and the pipeline's summary."""
+    auth = read_secret(spec.service.auth_secret_file) if spec.service.auth_secret_file else None
+    scorer = Scorer(spec)
+    try:
+        server = Server((host, port), scorer, auth)
+    except BaseException:
+        scorer.close()
+        raise
+    scorer.start()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                              name="reward-http", daemon=True)
+    thread.start()
+    bound_host, bound_port = server.server_address[:2]
+    if on_listening is not None:
+        on_listening(f"http://{bound_host}:{bound_port}/score")
+    try:
+        while not stop.wait(1.0):
+            if not scorer.alive():
+                raise RuntimeError("the scorer thread died (logged above); stopping")
+    finally:
+        server.shutdown()
+        server.server_close()
+        scorer.close()
+    tenants = scorer.stats().get("tenants", {})
+    per_tenant = "; ".join(f"{t or '(none)'}: {f.get('requests', {})}, {f['batches']} batches"
+                           for t, f in sorted(tenants.items()))
+    return f"{per_tenant}; {scorer.backend.summary()}"
