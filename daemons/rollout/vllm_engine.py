@@ -36,6 +36,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import warnings
 import weakref
@@ -109,6 +110,22 @@ class VllmEngine(Engine):
         self._answers: list[GenerateResult] = []
         self._ids: set[str] = set()  # waiting or running
         self._token_times: deque[tuple[float, int]] = deque()
+        # vLLM's CPU attention plans its work for the thread count of the thread that builds
+        # the engine and checks it again where the kernel runs ("Check failed:
+        # input->metadata->thread_num == thread_num (2 vs. 1)"); the rollout builds the engine
+        # in its main thread and steps it in the engine thread, whose OpenMP count starts at
+        # the machine's default. Each new calling thread gets the builder's count.
+        import torch
+
+        self._threads, self._thread_set = torch.get_num_threads(), {threading.get_ident()}
+
+    def _same_threads(self) -> None:
+        if threading.get_ident() not in self._thread_set:
+            import torch
+
+            # torch._C's: vLLM's CPU worker replaces torch.set_num_threads with a no-op
+            torch._C.set_num_threads(self._threads)
+            self._thread_set.add(threading.get_ident())
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, max_batch: int, max_len: int | None = None,
@@ -208,6 +225,7 @@ class VllmEngine(Engine):
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[GenerateResult]:
+        self._same_threads()
         out, self._answers = self._answers, []
         while self.waiting:
             self._submit(self.waiting.popleft(), out)
@@ -271,6 +289,7 @@ class VllmEngine(Engine):
             plan[name] = arr
         import torch
 
+        self._same_threads()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # from_numpy of a read-only view: only read
             weights = [(name, torch.from_numpy(np.asarray(arr)))
@@ -280,6 +299,22 @@ class VllmEngine(Engine):
         # and the reload redoes that processing. In process, the list is passed as is.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                           "is_checkpoint_format": True})
+        self.llm.apply_model(_repack_output_layer)
         # Cached prefixes hold the old weights' keys and values.
         self.llm.reset_prefix_cache()
         self.weight_version = version
+
+
+def _repack_output_layer(model: Any) -> None:
+    """Pack the output layer's weight for vLLM's CPU GEMM again after a reload.
+
+    On CPU the output layer computes logits with a copy of its weight packed at load
+    time. A tied output layer receives no tensor of its own in a reload (its weight is
+    the embedding's, which vLLM does reload), so the reload leaves its old packed copy:
+    logits from the old weights (log-probs off by ~0.35 in tests/rollout/test_vllm_engine.py
+    before this). Packing again from the current weight is what a first load does."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead) and module.weight.numel() and module.quant_method:
+            module.quant_method.process_weights_after_loading(module)
