@@ -419,6 +419,23 @@ def test_absurd_max_batch_is_refused(tree):
                      "rollout.engine.max_batch: expected an integer, got 1000000000.0")
 
 
+def test_vllm_engine_table(tree):
+    Path("examples/v.toml").write_text(MINIMAL + '[rollout.engine]\nkind = "vllm"\nkv_cache_mib = 64\n')
+    assert load_spec("examples/v.toml").rollout.engine.model_dump() == {
+        "kind": "vllm", "max_batch": 32, "kv_cache_mib": 64}
+    assert_one_error(MINIMAL + '[rollout.engine]\nkind = "vllm"\nkv_cache_mib = 0\n',
+                     "rollout.engine.kv_cache_mib: must be > 0, got 0")
+    assert_one_error(MINIMAL + '[rollout.engine]\nkind = "vllm"\nmax_batch = 5000\n',
+                     "rollout.engine.max_batch: must be <= 4096, got 5000")
+    # vLLM's CPU attention runs a few head sizes; a model it cannot pad to one is refused here
+    (tree / "models" / "tiny-qwen2" / "config.json").write_text(json.dumps({
+        "model_type": "gemma", "num_attention_heads": 4, "hidden_size": 96}))
+    errors = errors_of(MINIMAL + '[rollout.engine]\nkind = "vllm"\n')
+    assert len(errors) == 1 and errors[0].startswith("examples/bad.toml: rollout.engine.kind: ")
+    assert errors[0].endswith("the model has 24, and padding heads is implemented for ['llama', 'qwen2'], "
+                              "not 'gemma'")
+
+
 def big_model(tree: Path) -> Path:
     """A config.json of a 70B-class model (80 layers, 8 KV heads x 128 dims, 32k context)."""
     model = tree / "models" / "big"

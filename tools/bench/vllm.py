@@ -24,6 +24,7 @@ Writes DIR/vllm.json and DIR/vllm.png (tokens/s per batch for both engines).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -171,12 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     torch_engine = TorchEngine.from_pretrained(args.model, max_batch=max(batches))
     torch_start_s = time.perf_counter() - started
     engines = {"vllm" if args.dtype == "float32" else f"vllm-{args.dtype}": vllm, "torch": torch_engine}
-    eos = {name: e.eos for name, e in engines.items()}
-    for e in engines.values():
-        e.eos = set()  # every request makes exactly --new-tokens tokens
+    # EOS off: every request makes exactly --new-tokens tokens (vLLM also stops on the
+    # model's EOS by itself, hence ignore_eos besides no stop_token_ids)
+    eos, sampling = torch_engine.eos, vllm._sampling
+    torch_engine.eos = vllm.eos = set()
+    vllm._sampling = functools.partial(sampling, ignore_eos=True)
     tps = tokens_per_s(engines, batches, args.prompt_len, args.new_tokens, args.repeats, vocab)
-    for name, e in engines.items():
-        e.eos = eos[name]
+    torch_engine.eos, vllm.eos, vllm._sampling = eos, set(eos), sampling
     tensors = load_file(str(args.model / "model.safetensors"))
     loads = {name: load_seconds(e, tensors, args.loads) for name, e in engines.items()}
     trainer = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32).eval()
