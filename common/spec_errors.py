@@ -2,7 +2,7 @@
 
     trainer.batch_size: must be > 0, got -4
     trainer.batch_sise: unknown key (did you mean 'batch_size'?)
-    rollout.engine.kind: unknown kind 'vllm' (registered: 'torch')
+    rollout.engine.kind: unknown kind 'sglang' (registered: 'sim', 'torch', 'vllm')
 
 ``describe(err, model)`` takes one pydantic error of ``model`` and returns the path
 as the spec writes it (pydantic's union tags dropped) and the phrase.

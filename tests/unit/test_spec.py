@@ -202,7 +202,7 @@ def test_misspelled_section(tree):
         ("[rollout]\ntemperature = nan", "rollout.temperature: must be a finite number, got nan"),
         ("[rollout]\ntemperature = inf", "rollout.temperature: must be a finite number, got inf"),
         ("[rollout]\ntop_p = 1.5", "rollout.top_p: must be <= 1, got 1.5"),
-        ('[rollout.engine]\nkind = "gpu"', "rollout.engine.kind: unknown kind 'gpu' (registered: 'sim', 'torch')"),
+        ('[rollout.engine]\nkind = "gpu"', "rollout.engine.kind: unknown kind 'gpu' (registered: 'sim', 'torch', 'vllm')"),
         ("[rollout.engine]\nmax_batch = 0", "rollout.engine.max_batch: must be > 0, got 0"),
         ('[rollout.engine]\nmax_batch = "8"', "rollout.engine.max_batch: expected an integer, got '8'"),
         ("[trainer.loss]\nclip_eps = 0", "trainer.loss.clip_eps: must be > 0, got 0"),
@@ -408,8 +408,8 @@ def test_parse_spec_rejects_non_table():
 # ------------------------------------------- specs that validated and then failed late
 # Each of these used to validate and then crash-loop a daemon or train nothing.
 def test_unregistered_engine_is_refused_with_the_registered_kinds(tree):
-    assert_one_error(MINIMAL + '[rollout.engine]\nkind = "vllm"\n',
-                     "rollout.engine.kind: unknown kind 'vllm' (registered: 'sim', 'torch')")
+    assert_one_error(MINIMAL + '[rollout.engine]\nkind = "sglang"\n',
+                     "rollout.engine.kind: unknown kind 'sglang' (registered: 'sim', 'torch', 'vllm')")
 
 
 def test_absurd_max_batch_is_refused(tree):
@@ -417,6 +417,23 @@ def test_absurd_max_batch_is_refused(tree):
                      "rollout.engine.max_batch: must be <= 4096, got 1000000000")
     assert_one_error(MINIMAL + "[rollout.engine]\nmax_batch = 1e9\n",
                      "rollout.engine.max_batch: expected an integer, got 1000000000.0")
+
+
+def test_vllm_engine_table(tree):
+    Path("examples/v.toml").write_text(MINIMAL + '[rollout.engine]\nkind = "vllm"\nkv_cache_mib = 64\n')
+    assert load_spec("examples/v.toml").rollout.engine.model_dump() == {
+        "kind": "vllm", "max_batch": 32, "kv_cache_mib": 64}
+    assert_one_error(MINIMAL + '[rollout.engine]\nkind = "vllm"\nkv_cache_mib = 0\n',
+                     "rollout.engine.kv_cache_mib: must be > 0, got 0")
+    assert_one_error(MINIMAL + '[rollout.engine]\nkind = "vllm"\nmax_batch = 5000\n',
+                     "rollout.engine.max_batch: must be <= 4096, got 5000")
+    # vLLM's CPU attention runs a few head sizes; a model it cannot pad to one is refused here
+    (tree / "models" / "tiny-qwen2" / "config.json").write_text(json.dumps({
+        "model_type": "gemma", "num_attention_heads": 4, "hidden_size": 96}))
+    errors = errors_of(MINIMAL + '[rollout.engine]\nkind = "vllm"\n')
+    assert len(errors) == 1 and errors[0].startswith("examples/bad.toml: rollout.engine.kind: ")
+    assert errors[0].endswith("the model has 24, and padding heads is implemented for ['llama', 'qwen2'], "
+                              "not 'gemma'")
 
 
 def big_model(tree: Path) -> Path:
@@ -598,7 +615,7 @@ def test_group_of_one_learns_nothing(tree):
      "(arithmetic: digits + 2, frozenlake: 1)"),
     ("[rollout]\nmax_batch = 32", "rollout.max_batch: moved to [rollout.engine] max_batch"),
     ('[rollout]\nengine = "torch"',
-     "rollout.engine: now a table: write [rollout.engine] with kind = one of 'sim', 'torch' (got 'torch'); "
+     "rollout.engine: now a table: write [rollout.engine] with kind = one of 'sim', 'torch', 'vllm' (got 'torch'); "
      "engine keys such as max_batch go there too"),
     ("[trainer]\nclip_eps = 0.2", "trainer.clip_eps: moved to [trainer.loss] clip_eps (kind = 'ppo_clip')"),
     ("[reward_host]\nworkers = 2", "reward_host.workers: moved to [reward_host.backend] workers"),
@@ -622,14 +639,14 @@ def test_validate_command_names_the_key(tree):
     import subprocess
     import sys
 
-    Path("examples/bad.toml").write_text(MINIMAL + '[rollout.engine]\nkind = "vllm"\n')
+    Path("examples/bad.toml").write_text(MINIMAL + '[rollout.engine]\nkind = "sglang"\n')
     done = subprocess.run([sys.executable, "-m", "rlfleet.tools.cli", "job", "validate",
                            "examples/arithmetic.toml", "examples/bad.toml"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert done.stdout == ("examples/arithmetic.toml: ok (job arithmetic, task arithmetic, "
                            "engine torch, loss ppo_clip, 8 daemons)\n")
-    assert done.stderr == "examples/bad.toml: rollout.engine.kind: unknown kind 'vllm' (registered: 'sim', 'torch')\n"
+    assert done.stderr == "examples/bad.toml: rollout.engine.kind: unknown kind 'sglang' (registered: 'sim', 'torch', 'vllm')\n"
 
 
 @pytest.mark.skipif(
