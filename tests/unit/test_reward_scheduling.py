@@ -107,6 +107,12 @@ def test_fewer_workers_than_busy_take_effect_as_requests_finish():
         def on_batch_done(self, sim, batch, now):
             return [0]
 
+        def long_running_after_s(self, batch, stage):
+            return None
+
+        def on_long_running(self, sim, batch, now):
+            raise AssertionError("never asked: long_running_after_s is None")
+
     from rlfleet.daemons.reward_host.reward_sim import PipelineSim
     sim = PipelineSim(ONE, [0], "fcfs")
     sim.add_batch(A, [SimRequest(A, 0.0, (2.0,)), SimRequest(A, 0.0, (4.0,))], 4.0)
