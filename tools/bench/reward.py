@@ -2,10 +2,11 @@
 
     python -m rlfleet.tools.bench.reward --json OUT.json --plot OUT.png [--seeds 0,1,2]
 
-What runs: the policy objects the reward-host will use (reward_host/queues.py EBF/FCFS
+What runs: the policy objects the reward-host uses (reward_host/queues.py EBF/FCFS
 queues, reward_host/scaling.py ScalingPlanner called on every batch arrival and
-completion) driving the discrete-event simulator reward_host/reward_sim.py — not yet the
-daemon with real workers. Worker start-up is taken as instant (DistRS hides it behind
+completion and when a running request outlives its tenant's history, with a window of
+``--window`` finished batches per tenant) driving the discrete-event simulator
+reward_host/reward_sim.py — not the daemon with real workers. Worker start-up is taken as instant (DistRS hides it behind
 the trainer's "rollout started" hint, §4). Time is simulated, so the workload keeps the
 paper's seconds (no time scaling) and the delays compare directly with its figures.
 
@@ -35,7 +36,8 @@ D = 2 s (paper: "at most a few seconds").
 
 Also (DistRS §6.3 Fig. 14): two batches 100 s apart, CPU workers plentiful, a sweep over
 GPU workers with fixed counts, EBF against FCFS; the fewest GPUs at which each keeps the
-mean extra delay within ``--sweep-delay-s``.
+mean extra delay within ``--sweep-delay-s``, and the fewest with which any order at all
+could (``gpu_floor``): no scheduler can beat FCFS by more than FCFS's count over that.
 """
 
 from __future__ import annotations
