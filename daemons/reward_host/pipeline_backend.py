@@ -15,7 +15,9 @@ stages in order:
   (rule_pool starts and stops processes). A stage's ``timeout_s`` is enforced here as
   well as passed down, so a kind that never answers still frees its slot.
 - Batches (batches.py): jobs carry (tenant, batch); the planner (scaling.py) re-plans on
-  each batch's first arrival and on each batch done, and the plan is applied at once:
+  each batch's first arrival, on each batch done, and when a running job outlives the
+  planner's ``long_running_after_s`` for its stage (once per job and stage), and the plan
+  is applied at once:
   worker counts clamped to [min_workers, max_workers]. Until a tenant has a finished
   batch (no history: the planner would see only the requests already here), every stage
   holds max_workers. ``scaling = "none"``: max_workers always.
@@ -102,6 +104,7 @@ class _Stage:
     queue: StageQueue
     workers: int
     running: dict[str, float] = dataclasses.field(default_factory=dict)  # key -> started at
+    long_due: dict[str, float] = dataclasses.field(default_factory=dict)  # key -> when it turns long
     plans: collections.deque[tuple[float, int]] = dataclasses.field(default_factory=collections.deque)
 
     def __post_init__(self) -> None:
@@ -179,6 +182,11 @@ class PipelineBackend(RewardBackend):
                                         now, timed_out=True)
         for closed in self.batches.close_idle(now):
             self._batch_done(closed, now)
+        long = [key for s in self.stages for key, due in s.long_due.items() if due <= now]
+        if long:
+            for s in self.stages:
+                s.long_due = {k: due for k, due in s.long_due.items() if due > now}
+            self._replan(now, f"{len(long)} long-running request(s)")
         self._pump(now)
         self._publish()
         out, self._out = self._out, []
@@ -193,6 +201,7 @@ class PipelineBackend(RewardBackend):
         for s in self.stages:
             due.append(s.backend.next_deadline_in())
             due += [started + s.config.timeout_s - now for started in s.running.values()]
+            due += [t - now for t in s.long_due.values()]
         return max(0.0, min(due))
 
     def close(self) -> None:
@@ -235,11 +244,15 @@ class PipelineBackend(RewardBackend):
                 job = stage.queue.pop()
                 stage.running[job.key] = now
                 self.batches.start(job.key, j, now)
+                after = self.planner.long_running_after_s(self.batches.batch_of(job.key), j)
+                if after is not None and self.config.scaling != "none":
+                    stage.long_due[job.key] = now + after
                 stage.backend.submit(job)
 
     def _stage_outcome(self, j: int, outcome: RewardOutcome, now: float, timed_out: bool = False) -> None:
         stage = self.stages[j]
         started = stage.running.pop(outcome.key)
+        stage.long_due.pop(outcome.key, None)
         job, reward = self._jobs[outcome.key]
         kind = "timeout" if timed_out or outcome.error.startswith("timeout") else (
             "error" if outcome.error else "ok")

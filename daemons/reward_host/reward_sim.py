@@ -16,9 +16,11 @@ Two uses, one engine:
   wait: started at ``ts`` in stage k it may still finish as late as ts + Σ_{j≥k} T_j, and
   if that passes the deadline the worker counts are refused.
 - replay (the benchmark): a ``Controller`` is asked for new worker counts at every batch
-  arrival and completion, as the reward service will ask its planner. Fewer workers than
-  are busy take effect as the busy ones finish (a running request is never killed to
-  scale down). Worker-seconds are charged for every worker held, busy or idle.
+  arrival and completion, and when a running request passes the controller's
+  ``long_running_after_s`` for its batch and stage, as the reward service asks its
+  planner. Fewer workers than are busy take effect as the busy ones finish (a running
+  request is never killed to scale down). Worker-seconds are charged for every worker
+  held, busy or idle.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from typing import Protocol
 from .queues import QueuePolicy, make_queue
 from .stages import ActiveBatch, BatchKey, Pipeline
 
-_BATCH, _FINISH, _ARRIVE = 0, 1, 2  # same-time order: plan first, free workers, then queue
+# same-time order: plan first, free workers, then queue; a long runner's plan sees all that
+_BATCH, _FINISH, _ARRIVE, _LONG = 0, 1, 2, 3
 _EPS = 1e-9
 
 
@@ -72,6 +75,12 @@ class Controller(Protocol):
 
     def on_batch_done(self, sim: PipelineSim, batch: BatchKey, now: float) -> Sequence[int] | None: ...
 
+    def long_running_after_s(self, batch: BatchKey, stage: int) -> float | None:
+        """Seconds at ``stage`` after which a running request of ``batch`` asks for a plan
+        (``on_long_running``); None: never."""
+
+    def on_long_running(self, sim: PipelineSim, batch: BatchKey, now: float) -> Sequence[int] | None: ...
+
 
 class PipelineSim:
     def __init__(self, pipeline: Pipeline, workers: Sequence[int], policy: QueuePolicy,
@@ -109,6 +118,7 @@ class PipelineSim:
         self._ws = [0.0] * m
         self._busy_s = [0.0] * m
         self._last_t: float | None = None
+        self._controller: Controller | None = None
 
     # -- input ----------------------------------------------------------------------------
     def add_batch(self, key: BatchKey, requests: Sequence[SimRequest], priority: float) -> None:
@@ -179,14 +189,18 @@ class PipelineSim:
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, controller: Controller | None = None) -> SimResult:
         guard = self.guard
-        events, m = self._events, len(self.target)
+        self._controller = controller
+        events = self._events
         while events:
             t, kind, _, x, j = heapq.heappop(events)
             self._account(t)
             self.now = t
-            if kind == _BATCH:
+            if kind == _BATCH or kind == _LONG:
                 if controller is not None:
-                    plan = controller.on_batch_arrival(self, self.batches[x], t)
+                    if kind == _BATCH:
+                        plan = controller.on_batch_arrival(self, self.batches[x], t)
+                    else:
+                        plan = controller.on_long_running(self, self.batches[self._batch_of[x]], t)
                     if plan is not None:
                         self.set_workers(plan)
                 continue
@@ -246,6 +260,10 @@ class PipelineSim:
         self._since[i] = t
         s = self._service[i][j - self._offset[i]]
         self._push(t + min(s, self._timeouts[j]), _FINISH, i, j)
+        if self._controller is not None:
+            after = self._controller.long_running_after_s(self.batches[self._batch_of[i]], j)
+            if after is not None and min(s, self._timeouts[j]) > after:  # still running then
+                self._push(t + after, _LONG, i, j)
         return None
 
     def _start_queued(self, j: int) -> str | None:

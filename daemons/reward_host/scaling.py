@@ -24,8 +24,15 @@ The ``history``-only variant drops that check (the paper's "History-Based", Fig.
 
 The service calls ``on_batch_arrival`` when a batch's first request arrives and
 ``on_batch_done`` when its last one finishes (with the batch's record, which becomes that
-tenant's history); each returns a ``Plan``. ``expected_done_s`` is the EBF priority of a
-batch (queues.EbfQueue). ``zero_queue_workers`` is the ZQ-Dedicated baseline (§6.1).
+tenant's history); each returns a ``Plan``. It also calls ``on_long_running`` when a
+request has run at a stage for ``long_running_after_s`` (the longest its tenant's history
+shows a request finishing there within the timeout): from that moment Algorithm 2 can
+only take it for a long runner (a sample that ran longer, or its timeout), so a plan
+made then sees the worker it will hold and keeps room for the requests that would
+otherwise queue behind it (ours, not the paper's: DistRS re-plans at batch boundaries
+and "periodically", §4; a plan made before the request showed itself counted on a
+normal running time). ``expected_done_s`` is the EBF priority of a batch
+(queues.EbfQueue). ``zero_queue_workers`` is the ZQ-Dedicated baseline (§6.1).
 """
 
 from __future__ import annotations
@@ -128,12 +135,27 @@ class ScalingPlanner:
         self.timeout_aware, self.policy = timeout_aware, policy
         self._history: dict[str, collections.deque[BatchRecord]] = collections.defaultdict(
             lambda: collections.deque(maxlen=window))
+        self._long_after: dict[str, tuple[float | None, ...]] = {}  # tenant -> per stage
         self._rng = random.Random(seed)
         self.plans = 0
 
     # -- the service's calls ------------------------------------------------------------------
     def add_history(self, record: BatchRecord) -> None:
-        self._history[record.key.tenant].append(record)
+        history = self._history[record.key.tenant]
+        history.append(record)
+        longest: list[float | None] = []
+        for k, timeout in enumerate(self.pipeline.timeouts):
+            normal = [s[k] for rec in history for s in rec.service_s if len(s) > k and s[k] < timeout]
+            longest.append(max(normal) if normal else None)
+        self._long_after[record.key.tenant] = tuple(longest)
+
+    def long_running_after_s(self, batch: BatchKey, stage: int) -> float | None:
+        """How long a request of ``batch`` may run at ``stage`` before it has outlived
+        every request of its tenant's history that finished there within the timeout
+        (None: no such request in the history, so Algorithm 2 already takes any running
+        request there to its timeout). The service calls ``on_long_running`` then."""
+        longest = self._long_after.get(batch.tenant)
+        return None if longest is None else longest[stage]
 
     def expected_done_s(self, batch: BatchKey, arrived_at_s: float) -> float:
         """The batch's expected completion AT + T_history (Eq. 1-2): its EBF priority. A
@@ -149,6 +171,11 @@ class ScalingPlanner:
     def on_batch_done(self, now: float, record: BatchRecord, active: Sequence[ActiveBatch]) -> Plan:
         self.add_history(record)
         return self.plan(now, [a for a in active if a.key != record.key])
+
+    def on_long_running(self, now: float, active: Sequence[ActiveBatch]) -> Plan:
+        """A request outlived ``long_running_after_s`` at its stage: re-plan with it
+        estimated as a long runner (Algorithm 2, Running_k)."""
+        return self.plan(now, active)
 
     # -- Algorithm 2 then 1 -------------------------------------------------------------------------
     def plan(self, now: float, active: Sequence[ActiveBatch]) -> Plan:

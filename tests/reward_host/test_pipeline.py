@@ -130,6 +130,32 @@ def test_batches_close_into_history_and_the_plan_scales_a_stage_down_for_real():
         backend.close()
 
 
+def test_a_job_that_outlives_its_history_asks_for_a_plan_once():
+    """Batch 0's judge jobs take 10 ms, so from then on a judge job running longer than
+    that is a long runner to the planner: each job of batch 1, which takes 0.8 s here, is
+    re-planned for once (in one poll or several), and none is left watched."""
+    backend = pipeline(sim("judge", median_s=0.01, min_workers=1, max_workers=4, timeout_s=2.0),
+                       expected=2, max_extra_delay_s=2.0)
+    try:
+        for i in range(2):
+            backend.submit(job(i, batch=0))
+        collect(backend, 2)
+        longest = backend.planner.long_running_after_s(backend.closed_batches[0].record.key, 0)
+        assert longest is not None and longest < 0.8
+        backend.stages[0].backend.latency_s = lambda: 0.8  # batch 1's jobs run long
+        for i in range(2, 4):
+            backend.submit(job(i, batch=1))
+        plans = backend.planner.plans  # batch 1's arrival
+        stage = backend.stages[0]
+        assert stage.long_due and stage.long_due.keys() == stage.running.keys()  # as many as the plan runs
+        collect(backend, 2)
+        # each job turns long once (both in one poll, or one poll each), then batch 1 is done
+        assert plans + 2 <= backend.planner.plans <= plans + 3
+        assert backend.stages[0].long_due == {}
+    finally:
+        backend.close()
+
+
 def test_a_stage_scales_up_at_once_and_down_only_after_the_hold():
     import collections
 

@@ -107,6 +107,12 @@ def test_fewer_workers_than_busy_take_effect_as_requests_finish():
         def on_batch_done(self, sim, batch, now):
             return [0]
 
+        def long_running_after_s(self, batch, stage):
+            return None
+
+        def on_long_running(self, sim, batch, now):
+            raise AssertionError("never asked: long_running_after_s is None")
+
     from rlfleet.daemons.reward_host.reward_sim import PipelineSim
     sim = PipelineSim(ONE, [0], "fcfs")
     sim.add_batch(A, [SimRequest(A, 0.0, (2.0,)), SimRequest(A, 0.0, (4.0,))], 4.0)
@@ -186,3 +192,54 @@ def test_algorithm_2_with_two_tenants():
     after = planner.on_batch_done(112.0, done, [ActiveBatch(A, 100.0, running=((0, 2.0),))] + active[1:])
     assert after.workers == {"run": 1}
     assert planner.on_batch_done(120.0, BatchRecord(A, (0.0,), ((4.0,),)), []).workers == {"run": 0}
+
+
+def test_long_running_after_is_the_longest_normal_time_of_the_tenants_history():
+    planner = ScalingPlanner(TWO, max_delay_s=0.0, window=2)
+    assert planner.long_running_after_s(A, 0) is None  # no history
+    # compile: 2, 3 and a timeout (10, not a normal time); run: 1, and 5 is its timeout
+    planner.add_history(BatchRecord(BatchKey("job-a", -2), (0.0, 0.0, 0.0), ((2.0, 1.0), (3.0, 5.0), (10.0,))))
+    assert planner.long_running_after_s(A, 0) == 3.0 and planner.long_running_after_s(A, 1) == 1.0
+    planner.add_history(BatchRecord(BatchKey("job-a", -1), (0.0,), ((4.0,),)))
+    assert planner.long_running_after_s(A, 0) == 4.0  # the window holds both batches
+    planner.add_history(BatchRecord(BatchKey("job-a", 0), (0.0,), ((1.0,),)))
+    assert planner.long_running_after_s(A, 0) == 4.0 and planner.long_running_after_s(A, 1) is None  # -2 left
+    assert planner.long_running_after_s(B, 0) is None  # per tenant
+
+
+def test_a_long_runner_replans_and_is_then_estimated_to_its_timeout():
+    # history: three requests ran 4 s, none timed out (timeout 100 s). Now two are
+    # running: one 1 s in (a sample of 4: 3 s left), one 5 s in, past every normal time.
+    planner = ScalingPlanner(ONE, max_delay_s=0.0, timeout_aware=True, seed=3)
+    planner.add_history(BatchRecord(BatchKey("job-a", -1), (0.0, 0.0, 10.0), ((4.0,),) * 3))
+    assert planner.long_running_after_s(A, 0) == 4.0
+    active = [ActiveBatch(A, 0.0, running=((0, 1.0), (0, 5.0)))]
+    # estimate at 5: 3 s left, to its timeout (95 s left), and the future one at 10 (4 s).
+    # T = max(14, 100) = 100 and the one at 10 may not wait (10 + 100 > 100): 3 workers
+    # would let it run at once, 2 do too (the 3 s one is done at 8): 2.
+    assert planner.on_long_running(5.0, active).workers == {"run": 2}
+
+
+def test_the_simulator_asks_for_a_plan_when_a_request_turns_long():
+    asked = []
+
+    class Watch:
+        def on_batch_arrival(self, sim, batch, now):
+            return [2]
+
+        def on_batch_done(self, sim, batch, now):
+            return [0]
+
+        def long_running_after_s(self, batch, stage):
+            return 3.0
+
+        def on_long_running(self, sim, batch, now):
+            asked.append((batch, now, sim.active()[0].running))
+            return None
+
+    from rlfleet.daemons.reward_host.reward_sim import PipelineSim
+    sim = PipelineSim(ONE, [0], "fcfs")
+    sim.add_batch(A, [SimRequest(A, 0.0, (2.0,)), SimRequest(A, 1.0, (6.0,))], 7.0)
+    sim.run(Watch())
+    # the 2 s one never turns long; the 6 s one, started at 1, does at 4 (3 s in)
+    assert asked == [(A, 4.0, ((0, 3.0),))]

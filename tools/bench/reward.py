@@ -2,10 +2,11 @@
 
     python -m rlfleet.tools.bench.reward --json OUT.json --plot OUT.png [--seeds 0,1,2]
 
-What runs: the policy objects the reward-host will use (reward_host/queues.py EBF/FCFS
+What runs: the policy objects the reward-host uses (reward_host/queues.py EBF/FCFS
 queues, reward_host/scaling.py ScalingPlanner called on every batch arrival and
-completion) driving the discrete-event simulator reward_host/reward_sim.py — not yet the
-daemon with real workers. Worker start-up is taken as instant (DistRS hides it behind
+completion and when a running request outlives its tenant's history, with a window of
+``--window`` finished batches per tenant) driving the discrete-event simulator
+reward_host/reward_sim.py — not the daemon with real workers. Worker start-up is taken as instant (DistRS hides it behind
 the trainer's "rollout started" hint, §4). Time is simulated, so the workload keeps the
 paper's seconds (no time scaling) and the delays compare directly with its figures.
 
@@ -35,7 +36,8 @@ D = 2 s (paper: "at most a few seconds").
 
 Also (DistRS §6.3 Fig. 14): two batches 100 s apart, CPU workers plentiful, a sweep over
 GPU workers with fixed counts, EBF against FCFS; the fewest GPUs at which each keeps the
-mean extra delay within ``--sweep-delay-s``.
+mean extra delay within ``--sweep-delay-s``, and the fewest with which any order at all
+could (``gpu_floor``): no scheduler can beat FCFS by more than FCFS's count over that.
 """
 
 from __future__ import annotations
@@ -116,9 +118,11 @@ def workload(seed: int, args: argparse.Namespace) -> tuple[dict[str, BatchRecord
 class PlannerController:
     """What the reward service will do: a plan on every batch arrival and completion."""
 
-    def __init__(self, planner: ScalingPlanner, requests: dict[BatchKey, list[SimRequest]]) -> None:
-        self.planner, self.requests = planner, requests
+    def __init__(self, planner: ScalingPlanner, requests: dict[BatchKey, list[SimRequest]], *,
+                 replan_long: bool = True) -> None:
+        self.planner, self.requests, self.replan_long = planner, requests, replan_long
         self.plan_s: list[float] = []
+        self.long_plans = 0
 
     def on_batch_arrival(self, sim: PipelineSim, batch: BatchKey, now: float) -> list[int]:
         t = time.perf_counter()
@@ -130,6 +134,16 @@ class PlannerController:
         t = time.perf_counter()
         plan = self.planner.on_batch_done(now, record_of(batch, self.requests[batch]), sim.active())
         self.plan_s.append(time.perf_counter() - t)
+        return plan.counts(PIPELINE)
+
+    def long_running_after_s(self, batch: BatchKey, stage: int) -> float | None:
+        return self.planner.long_running_after_s(batch, stage) if self.replan_long else None
+
+    def on_long_running(self, sim: PipelineSim, batch: BatchKey, now: float) -> list[int]:
+        t = time.perf_counter()
+        plan = self.planner.on_long_running(now, sim.active())
+        self.plan_s.append(time.perf_counter() - t)
+        self.long_plans += 1
         return plan.counts(PIPELINE)
 
 
@@ -146,6 +160,12 @@ class ZeroQueueController:
         self.history = record_of(batch, self.requests[batch])
         return [0] * len(PIPELINE)
 
+    def long_running_after_s(self, batch: BatchKey, stage: int) -> None:
+        return None  # ZQ plans once per batch
+
+    def on_long_running(self, sim: PipelineSim, batch: BatchKey, now: float) -> None:
+        return None
+
 
 def replay(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     seeds, batches = workload(seed, args)
@@ -156,7 +176,7 @@ def replay(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     for key, reqs in sorted(batches, key=lambda b: (b[0].tenant, b[0].batch)):
         priority[key] = reqs[0].arrival_s + previous[key.tenant].earliest_done_s(PIPELINE)
         previous[key.tenant] = record_of(key, reqs)
-    results, plan_s = [], []
+    results, plan_s, long_plans = [], [], 0
     if policy == "dedicated":
         for tenant in seeds:
             sim = PipelineSim(PIPELINE, [0] * len(PIPELINE), "fcfs")
@@ -167,15 +187,15 @@ def replay(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     else:
         queue = "fcfs" if policy == "fcfs" else "ebf"
         planner = ScalingPlanner(PIPELINE, max_delay_s=args.max_delay_s, timeout_aware=policy != "history",
-                                 policy=queue, seed=seed)
+                                 policy=queue, window=args.window, seed=seed)
         for record in seeds.values():
             planner.add_history(record)
         sim = PipelineSim(PIPELINE, [0] * len(PIPELINE), queue)
         for key, reqs in batches:
             sim.add_batch(key, reqs, priority[key])
-        controller = PlannerController(planner, requests)
+        controller = PlannerController(planner, requests, replan_long=args.replan_long)
         results.append(sim.run(controller))
-        plan_s = controller.plan_s
+        plan_s, long_plans = controller.plan_s, controller.long_plans
     delays = [d for r in results for d in r.extra_delay_s().values()]
     per_stage = [sum(r.worker_seconds[j] for r in results) for j in range(len(PIPELINE))]
     busy = [sum(r.busy_seconds[j] for r in results) for j in range(len(PIPELINE))]
@@ -190,6 +210,7 @@ def replay(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "batches": len(delays),
         "timed_out_requests": sum(r.failed for r in results),
         "plans": len(plan_s),
+        "plans_on_long_running": long_plans,
         "plan_ms_mean": 1e3 * statistics.fmean(plan_s) if plan_s else 0.0,
         "plan_ms_max": 1e3 * max(plan_s) if plan_s else 0.0,
     }
@@ -208,7 +229,8 @@ def sweep(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     rb = draw_batch(rng, b, 100.0, args.batch, 0.5, args.rollout_s)
     hist = record_of(a, draw_batch(rng, a, 0.0, args.batch, 0.5, args.rollout_s)).earliest_done_s(PIPELINE)
     batches = [(a, ra, 0.0 + hist), (b, rb, 100.0 + hist)]
-    out: dict[str, Any] = {"gpus": list(range(1, args.sweep_max_gpus + 1))}
+    out: dict[str, Any] = {"gpus": list(range(1, args.sweep_max_gpus + 1)),
+                           "floor_gpus": gpu_floor([ra, rb], 2 * args.sweep_delay_s)}
     for policy in ("ebf", "fcfs"):
         curve = []
         for n in out["gpus"]:
@@ -220,6 +242,30 @@ def sweep(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def gpu_floor(batches: Sequence[list[SimRequest]], slack_s: float) -> int:
+    """The fewest GPUs with which any order at all (clairvoyant, even preemptive) could
+    finish every batch within ``slack_s`` of its T, with CPU plentiful: for each set of
+    batches and each time t, the GPU work released at or after t must fit in n × (the
+    set's latest deadline − t). A mean delay ≤ x over two batches needs each ≤ 2x, so
+    ``slack_s`` = 2x gives a lower bound for the sweep's threshold."""
+    jobs = []  # (release at the GPU, work, batch index)
+    deadline = []
+    for b, reqs in enumerate(batches):
+        deadline.append(max(q.arrival_s + PIPELINE.run_s(q.service_s) for q in reqs) + slack_s)
+        for q in reqs:
+            if PIPELINE.visits(q.service_s) == 2:
+                jobs.append((q.arrival_s + q.service_s[0], min(q.service_s[1], PIPELINE.stages[1].timeout_s), b))
+    need = 0.0
+    for subset in ({0}, {1}, {0, 1}):
+        dl = max(deadline[b] for b in subset)
+        mine = sorted((r, w) for r, w, b in jobs if b in subset)
+        work = sum(w for _, w in mine)
+        for r, w in mine:  # work released at or after r
+            need = max(need, work / (dl - r))
+            work -= w
+    return math.ceil(need - 1e-9)
+
+
 # -- the report -------------------------------------------------------------------------------------
 def spread(values: Sequence[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "std": statistics.pstdev(values) if len(values) > 1 else 0.0,
@@ -229,7 +275,7 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     seeds = [int(s) for s in args.seeds.split(",")]
     config = {k: getattr(args, k) for k in ("tenants", "iterations", "batch", "period_s", "rollout_s",
-                                            "stagger_s", "max_delay_s")}
+                                            "stagger_s", "max_delay_s", "window", "replan_long")}
     config["stages"] = [{"name": s.name, "worker_kind": s.worker_kind, "cost": s.cost, "timeout_s": s.timeout_s}
                         for s in PIPELINE.stages]
     records = []
@@ -267,6 +313,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                    if None not in ebf_min + fcfs_min else None)
     for policy, key in (("fcfs", "fcfs"), ("ebf_timeout", "ebf")):
         by[policy]["fig14_sweep"] = {"gpus": sweeps[0]["gpus"], "delay_mean_s": [s[key] for s in sweeps],
+                                     "any_order_floor_gpus": [s["floor_gpus"] for s in sweeps],
                                      "min_gpus": [s[f"{key}_min_gpus"] for s in sweeps],
                                      "delay_bound_s": args.sweep_delay_s}
     distrs, hist, fcfs = by["ebf_timeout"], by["history"], by["fcfs"]
@@ -340,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollout-s", type=float, default=400.0, help="the longest rollout (max generation length)")
     p.add_argument("--stagger-s", type=float, default=60.0, help="tenants start within this window")
     p.add_argument("--max-delay-s", type=float, default=2.0, help="D, the planner's extra-delay bound")
+    p.add_argument("--window", type=int, default=3,
+                   help="finished batches per tenant the planner samples from (Future requests: the last)")
+    p.add_argument("--no-replan-long", dest="replan_long", action="store_false",
+                   help="plan on batch arrivals and completions only (DistRS), not also on long runners")
     p.add_argument("--sweep-max-gpus", type=int, default=60)
     p.add_argument("--sweep-delay-s", type=float, default=3.0, help="the Fig. 14 sweep's 'low delay'")
     p.add_argument("--json", dest="json_out", default=None)
