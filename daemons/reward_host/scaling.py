@@ -132,7 +132,7 @@ class ScalingPlanner:
         if window < 1:
             raise ValueError(f"window: must be >= 1, got {window}")
         self.pipeline, self.max_delay_s = pipeline, max_delay_s
-        self.timeout_aware, self.policy = timeout_aware, policy
+        self.timeout_aware, self.policy, self.window = timeout_aware, policy, window
         self._history: dict[str, collections.deque[BatchRecord]] = collections.defaultdict(
             lambda: collections.deque(maxlen=window))
         self._long_after: dict[str, tuple[float | None, ...]] = {}  # tenant -> per stage

@@ -257,10 +257,25 @@ def errors_of(tmp_path, text: str) -> list[str]:
     ("timeout_s = 2.0", "timeout_s = 0", "reward_host.backend.stages[1].timeout_s: must be > 0, got 0"),
     ("median_s = 0.15", "median_s = -1", "reward_host.backend.stages[1].worker: median_s: must be > 0, got -1"),
     ('queue = "ebf"', 'queue = "lifo"', "reward_host.backend.queue: must be one of 'ebf', 'fcfs', got 'lifo'"),
+    ('queue = "ebf"', 'queue = "ebf"\nhistory_batches = 0',
+     "reward_host.backend.history_batches: must be >= 1, got 0"),
 ])
 def test_bad_stage_configs_are_spec_errors(tmp_path, old, new, error):
     assert old in BASE
     assert errors_of(tmp_path, BASE.replace(old, new, 1)) == [error]
+
+
+def test_the_planner_keeps_history_batches_per_tenant():
+    backend = pipeline(sim("judge"), history_batches=5)
+    try:
+        assert backend.planner.window == 5
+    finally:
+        backend.close()
+    backend = pipeline(sim("judge"))
+    try:
+        assert backend.planner.window == 3  # the default: what the bench measured
+    finally:
+        backend.close()
 
 
 def test_the_example_round_trips_through_its_json_form():
