@@ -83,7 +83,9 @@ def test_every_group_is_trained_dropped_with_a_reason_or_pending(worker):
     send(sender, [
         *pair(4, 0),  # staleness 2 > 1: dropped whole
         *pair(5, 2), *pair(6, 1),
-        scored(7, 0, 0.0, dropped_reason="env_error"), scored(7, 1, 1.0),  # dropped upstream
+        # dropped upstream; fresh, so the reason cannot depend on which copy arrives first (a
+        # stale p7-g1 arriving alone, under load, would be evicted as staleness before g0)
+        scored(7, 0, 0.0, dropped_reason="env_error", version=2), scored(7, 1, 1.0, version=2),
         scored(8, 0, 1.0, tokens=(7, 999)),  # token outside the vocabulary: dropped as invalid
         scored(9, 0, 0.0, reward_error="reward worker died"),
     ])
