@@ -193,8 +193,11 @@ def test_the_trainer_host_rebooted_resumes_from_its_checkpoint(cluster):
     t0 = time.monotonic()
     lab_cli("start", "--name", LAB, "h1", timeout=200)
     # (a lab host shares the kernel's boot id: a process started after the power-off is the new one)
-    back = wait_for("the trainer registered again after the reboot", lambda: (t := trainer()) and
-                    float(t.get("started", 0)) > powered_off_at and t, timeout_s=300, every_s=1)
+    # ... and resumed: until then its record says version 0 (a loaded machine shows it)
+    back = wait_for("the trainer registered again after the reboot, resumed", lambda: (t := trainer()) and
+                    float(t.get("started", 0)) > powered_off_at
+                    and "version" in t and t.get("training") not in ("starting", "resuming") and t,
+                    timeout_s=300, every_s=1)
     assert int(back["version"]) >= checkpoint, (checkpoint, back)  # resumed, not from step 0
     advances(10, 300, "after the trainer host's reboot")
     figures["trainer_reboot_to_training_s"] = round(time.monotonic() - t0, 1)
