@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import warnings
 from collections import deque
 from collections.abc import Mapping
@@ -65,7 +64,7 @@ import torch
 from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array
 
 from . import lean_model
-from .engine_api import (MAX_SEED, BadRequest, Engine, EngineStats, error_result,  # noqa: F401 (re-exported)
+from .engine_api import (MAX_SEED, BadRequest, Engine, EngineStats, TokenRate, error_result,  # noqa: F401 (re-exported)
                          validate_request)
 from .engines import default_max_len
 from .forward import LeanForward, ModelForward, pick_forward
@@ -152,7 +151,7 @@ class TorchEngine(Engine):
         self.waiting: deque[GenerateRequest] = deque()
         self._answers: list[GenerateResult] = []  # refused requests, handed out by step()
         self._ids: set[str] = set()  # request ids waiting or running
-        self._token_times: deque[tuple[float, int]] = deque()
+        self._token_rate = TokenRate()
         if isinstance(model, LeanModel):  # parameters only: the lean pass is its forward
             self.forward: ModelForward | LeanForward = LeanForward(model, self.cache, self.max_len)
         else:
@@ -232,16 +231,10 @@ class TorchEngine(Engine):
         return bool(self.running or self.waiting or self._answers)
 
     def stats(self) -> EngineStats:
-        now = time.monotonic()
-        while self._token_times and self._token_times[0][0] < now - 5.0:
-            self._token_times.popleft()
-        # Over the last 5 s, or since the first of those tokens (but at least 0.1 s).
-        window = max(now - self._token_times[0][0], 0.1) if self._token_times else 1.0
-        tokens = sum(n for _, n in self._token_times)
         return EngineStats(weight_version=self.weight_version, running=len(self.running),
                            waiting=len(self.waiting), kv_used=sum(s.cached for s in self.running),
                            kv_total=self.max_batch * self.max_len,
-                           tokens_per_s=tokens / window)
+                           tokens_per_s=self._token_rate.per_s())
 
     # -- the step ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -251,7 +244,7 @@ class TorchEngine(Engine):
         admitted = self._admit()
         if decoding or admitted:
             self._advance(decoding, admitted)
-            self._token_times.append((time.monotonic(), decoding + len(admitted)))
+            self._token_rate.add(decoding + len(admitted))
         out += self._collect_finished()
         return out
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import abc
 import math
+import time
+from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -30,6 +32,26 @@ class EngineStats:
     kv_used: int
     kv_total: int
     tokens_per_s: float
+
+
+class TokenRate:
+    """Generated tokens per second over the last ``window_s`` wall seconds, or since the
+    first of those tokens (but at least 0.1 s, so one early step does not read as a burst)."""
+
+    def __init__(self, window_s: float = 5.0):
+        self.window_s = window_s
+        self._steps: deque[tuple[float, int]] = deque()
+
+    def add(self, tokens: int, now: float | None = None) -> None:
+        self._steps.append((time.monotonic() if now is None else now, tokens))
+
+    def per_s(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        while self._steps and self._steps[0][0] < now - self.window_s:
+            self._steps.popleft()
+        if not self._steps:
+            return 0.0
+        return sum(n for _, n in self._steps) / max(now - self._steps[0][0], 0.1)
 
 
 class Engine(abc.ABC):

@@ -52,7 +52,7 @@ import numpy as np
 
 from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array
 
-from .engine_api import BadRequest, Engine, EngineStats, error_result, validate_request
+from .engine_api import BadRequest, Engine, EngineStats, TokenRate, error_result, validate_request
 from .engines import default_max_len
 from .vllm_layout import VllmLayout, checkpoint_shapes, prepare
 
@@ -111,7 +111,7 @@ class VllmEngine(Engine):
         self.running: dict[str, _Seq] = {}  # handed to vLLM, not finished
         self._answers: list[GenerateResult] = []
         self._ids: set[str] = set()  # waiting or running
-        self._token_times: deque[tuple[float, int]] = deque()
+        self._token_rate = TokenRate()
         # vLLM's CPU attention plans its work for the thread count of the thread that builds
         # the engine and checks it again where the kernel runs ("Check failed:
         # input->metadata->thread_num == thread_num (2 vs. 1)"); the rollout builds the engine
@@ -214,11 +214,6 @@ class VllmEngine(Engine):
         return bool(self.running or self.waiting or self._answers)
 
     def stats(self) -> EngineStats:
-        now = time.monotonic()
-        while self._token_times and self._token_times[0][0] < now - 5.0:
-            self._token_times.popleft()
-        window = max(now - self._token_times[0][0], 0.1) if self._token_times else 1.0
-        tokens = sum(n for _, n in self._token_times)
         pool = self._scheduler.kv_cache_manager.block_pool
         block = self._scheduler.cache_config.block_size
         blocks = pool.num_gpu_blocks - 1  # vLLM keeps one null block
@@ -226,7 +221,7 @@ class VllmEngine(Engine):
                            running=len(self._scheduler.running),
                            waiting=len(self.waiting) + len(self._scheduler.waiting),
                            kv_used=(blocks - pool.get_num_free_blocks()) * block,
-                           kv_total=blocks * block, tokens_per_s=tokens / window)
+                           kv_total=blocks * block, tokens_per_s=self._token_rate.per_s())
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[GenerateResult]:
@@ -254,7 +249,7 @@ class VllmEngine(Engine):
                     result = error_result(o.request_id, f"vLLM finished the request with "
                                           f"{c.finish_reason!r} ({c.stop_reason!r})", seq.version)
                 out.append(result)
-        self._token_times.append((time.monotonic(), made))
+        self._token_rate.add(made)
         return out
 
     def _submit(self, r: GenerateRequest, out: list[GenerateResult]) -> None:
