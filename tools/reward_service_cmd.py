@@ -56,6 +56,7 @@ def reward_service(spec_file: str, listen: str, check: bool, log_level: str) -> 
         return
 
     from rlfleet.common.logs import setup_json_logging
+    from rlfleet.daemons.reward_host.answer_journal import JournalUnusable
     from rlfleet.daemons.reward_host.shared_service import serve
 
     setup_json_logging(log_level, role="reward-service", id=f"reward-service-{os.getpid()}")
@@ -68,6 +69,9 @@ def reward_service(spec_file: str, listen: str, check: bool, log_level: str) -> 
     except ValueError as exc:  # an unreadable auth_secret_file
         click.echo(str(exc), err=True)
         sys.exit(Exit.BAD_SPEC)
+    except JournalUnusable as exc:  # taken by another service, or not writable
+        click.echo(str(exc), err=True)
+        sys.exit(Exit.FAILURE)
     except OSError as exc:  # the address is taken or not ours
         click.echo(f"--listen {listen}: {exc.strerror or exc}", err=True)
         sys.exit(Exit.FAILURE)

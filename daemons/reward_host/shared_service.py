@@ -20,10 +20,12 @@ a pipe that it selects on with the stages' fds.
 
 Idempotent by (tenant, trajectory id): a key answered gets the same answer (200 with the
 reward, or 422 with the stage's error) without running again; a copy that arrives while
-the first is in the pipeline waits for that one. The record lives in memory
-(``results_kept`` answers): a kill loses it with the queues, the running requests and
-the planner's history, and the callers' retries score those trajectories again on the
-restarted service (each reward-host still forwards one outcome per trajectory).
+the first is in the pipeline waits for that one. The record keeps ``results_kept``
+answers. With ``answers_journal`` set it is also on disk (answer_journal.py), written
+before any caller sees the answer, so a restarted service answers those keys from it. A
+kill still loses the queues, the running requests and the planner's history: the
+callers' retries score those trajectories on the restarted service (without the journal,
+the answered ones too; each reward-host forwards one outcome per trajectory either way).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
+from .answer_journal import AnswerJournal
 from .pipeline_backend import PipelineBackend
 from .remote_config import read_secret
 from .shared_protocol import BadRequest, ScoreRequest, read_request, split_key
@@ -73,11 +76,14 @@ class Scorer:
 
     def __init__(self, spec: ServiceSpec) -> None:
         self.spec = spec
+        self.journal = AnswerJournal(spec.service.answers_journal, spec.service.results_kept) \
+            if spec.service.answers_journal else None
         self.backend = PipelineBackend(spec.pipeline)
         self._lock = threading.Lock()
         self._inbox: collections.deque[ScoreRequest] = collections.deque()
         self._pending: dict[tuple[str, str], _Pending] = {}
-        self._answers: collections.OrderedDict[tuple[str, str], Answer] = collections.OrderedDict()
+        self._answers: collections.OrderedDict[tuple[str, str], Answer] = collections.OrderedDict(
+            (ident, Answer(*entry)) for ident, entry in (self.journal.loaded.items() if self.journal else ()))
         self._counts: dict[str, dict[str, int]] = {}
         self._expect: dict[str, int] = {}  # tenant -> batch_requests told to the pipeline
         self._snapshot: dict[str, Any] = {}
@@ -132,12 +138,15 @@ class Scorer:
         """Stop the loop; waiting requests get 503 (their callers retry elsewhere or later)."""
         self._stop.set()
         _wake(self._wfd)
-        self._thread.join(10)
+        if self._thread.ident is not None:  # not started when the port could not be bound
+            self._thread.join(10)
         with self._lock:
             for pending in self._pending.values():
                 pending.answer = _error(503, "the reward service is stopping; retry")
                 pending.done.set()
         self.backend.close()
+        if self.journal is not None:
+            self.journal.close()
 
     # -- the scorer thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -159,17 +168,20 @@ class Scorer:
                 self._expect[request.tenant] = request.batch_requests
                 self.backend.expect(request.tenant, request.batch_requests)
             self.backend.submit(request.job)
-        outcomes = self.backend.poll(0.0)
+        answered = []
+        for outcome in self.backend.poll(0.0):
+            ident = split_key(outcome.key)
+            if outcome.error:
+                answered.append((ident, _error(422, outcome.error)))
+            else:
+                answered.append((ident, Answer(200, json.dumps({"reward": outcome.reward, "info": {
+                    "tenant": ident[0], "seconds": round(outcome.seconds, 4)}}).encode())))
+        if self.journal is not None:  # on disk before any caller sees it
+            self.journal.append([(ident, (a.status, a.body)) for ident, a in answered])
         snapshot = self._figures()
         with self._lock:
-            for outcome in outcomes:
-                ident = split_key(outcome.key)
-                if outcome.error:
-                    answer = _error(422, outcome.error)
-                else:
-                    answer = Answer(200, json.dumps({"reward": outcome.reward, "info": {
-                        "tenant": ident[0], "seconds": round(outcome.seconds, 4)}}).encode())
-                self._count(ident[0], "error" if outcome.error else "scored")
+            for ident, answer in answered:
+                self._count(ident[0], "error" if answer.status != 200 else "scored")
                 self._answers[ident] = answer
                 while len(self._answers) > self.spec.service.results_kept:
                     self._answers.popitem(last=False)
@@ -180,6 +192,9 @@ class Scorer:
             snapshot["pending"] = len(self._pending)
             snapshot["answers_kept"] = len(self._answers)
             self._snapshot = snapshot
+        # Outside the lock: only this thread changes the record, the handlers only read it.
+        if self.journal is not None and self.journal.needs_rewrite:
+            self.journal.rewrite((ident, (a.status, a.body)) for ident, a in self._answers.items())
 
     def _figures(self) -> dict[str, Any]:
         b = self.backend

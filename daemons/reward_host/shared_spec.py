@@ -7,6 +7,7 @@ the service: shared_service.py, docs/reward.md "Shared reward service")::
     max_pending = 4096            # trajectories accepted and not answered yet; more: 503
     answer_within_s = 120         # a request still waiting then gets 503 (retry: same answer)
     results_kept = 200000         # answers remembered per (tenant, trajectory id)
+    answers_journal = "/var/lib/rlfleet/reward-service/answers.jsonl"  # optional: kept on disk too
 
     [pipeline]                    # the [reward_host.backend] table of kind "pipeline"
     queue = "ebf"
@@ -55,6 +56,9 @@ class ServiceSection(Section):
     # stays in the pipeline, and the retry (same key) gets its answer when it comes.
     answer_within_s: PosFloat = 120.0
     results_kept: PosInt = 200_000
+    # Answers also on disk (answer_journal.py), so a restart after kill -9 does not score
+    # again what was answered; unset, the record is in memory only.
+    answers_journal: Annotated[StrictStr | None, AfterValidator(_absolute)] = None
 
 
 class ServiceSpec(BaseModel):

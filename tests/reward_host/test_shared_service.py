@@ -252,6 +252,39 @@ def test_auth_token_file(service, tmp_path):
     assert svc.stats({"Authorization": "Bearer s3cret"})["tenants"]["t"]["requests"]["scored"] == 1
 
 
+def test_answers_journaled_survive_kill_9_and_are_not_scored_again(service, tmp_path):
+    journal = tmp_path / "state" / "answers.jsonl"
+    svc = service(service=f'answers_journal = "{journal}"')
+    first = {i: post(svc.url, body(i, "job-a", right=i % 2 == 0, batch=0, batch_requests=6)) for i in range(6)}
+    bad = {**body(9, "job-a"), "task": "no-such-task"}
+    first["bad"] = post(svc.url, bad)
+    assert [status for status, _ in first.values()] == [200] * 6 + [422]
+    svc.kill9()
+    svc.start()  # same port, same journal
+    for i in range(6):
+        assert post(svc.url, body(i, "job-a", right=i % 2 == 0, batch=0, batch_requests=6)) == first[i]
+    assert post(svc.url, bad) == first["bad"]
+    assert post(svc.url, body(7, "job-a", batch=1, batch_requests=1))[0] == 200  # a new one is scored
+    stats = svc.stats()
+    assert stats["tenants"]["job-a"]["requests"] == {"scored": 1, "error": 0, "repeated": 7,
+                                                     "joined": 0, "busy": 0}
+    assert stats["stages"]["check"]["ok"] == 1 and stats["answers_kept"] == 8
+    # A second service on the same journal is refused before it listens.
+    other = subprocess.run([sys.executable, "-m", "rlfleet.tools.cli", "reward-service", "--spec",
+                            str(svc.spec), "--listen", "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
+    assert other.returncode == 1 and other.stdout == ""
+    assert other.stderr.strip().endswith(f"answers_journal {journal}: in use by another reward service")
+
+
+def test_a_taken_port_is_refused_with_the_reason(service):
+    svc = service()
+    taken = subprocess.run([sys.executable, "-m", "rlfleet.tools.cli", "reward-service", "--spec",
+                            str(svc.spec), "--listen", f"127.0.0.1:{svc.port}"],
+                           capture_output=True, text=True, timeout=60)
+    assert taken.returncode == 1 and taken.stdout == ""
+    assert taken.stderr.strip().splitlines()[-1] == f"--listen 127.0.0.1:{svc.port}: Address already in use"
+
+
 def test_the_reference_endpoint_accepts_the_new_fields():
     endpoint = Endpoint()
     try:
@@ -278,6 +311,7 @@ def test_the_spec_is_checked_like_a_job_spec(tmp_path):
 [service]
 max_pending = 0
 auth_secret_file = "token"
+answers_journal = "answers.jsonl"
 [pipeline]
 queue = "lifo"
 [[pipeline.stages]]
@@ -295,6 +329,7 @@ worker = { kind = "pipeline" }
         f"{bad}: servic: unknown section (did you mean 'service'?)",
         f"{bad}: service.auth_secret_file: must be an absolute path, got 'token'",
         f"{bad}: service.max_pending: must be > 0, got 0",
+        f"{bad}: service.answers_journal: must be an absolute path, got 'answers.jsonl'",
         f"{bad}: pipeline.stages[0].worker: timeout_s: set on the stage (timeout_s, min_workers, "
         "max_workers), which passes it down to its worker",
         f"{bad}: pipeline.stages[1].worker: kind 'pipeline' cannot serve a stage (a stage is one worker kind)",
