@@ -82,6 +82,7 @@ class Scorer:
         self._lock = threading.Lock()
         self._inbox: collections.deque[ScoreRequest] = collections.deque()
         self._pending: dict[tuple[str, str], _Pending] = {}
+        self._pending_by_tenant: dict[str, int] = {}
         self._answers: collections.OrderedDict[tuple[str, str], Answer] = collections.OrderedDict(
             (ident, Answer(*entry)) for ident, entry in (self.journal.loaded.items() if self.journal else ()))
         self._counts: dict[str, dict[str, int]] = {}
@@ -110,19 +111,30 @@ class Scorer:
             pending = self._pending.get(ident)
             if pending is not None:
                 self._count(request.tenant, "joined")
-            elif len(self._pending) >= self.spec.service.max_pending or self._stop.is_set():
+            elif why := self._full(request.tenant):
                 self._count(request.tenant, "busy")
-                why = "shutting down" if self._stop.is_set() else \
-                    f"{len(self._pending)} trajectories pending (max_pending)"
                 return _error(503, f"busy: {why}; retry")
             else:
                 pending = self._pending[ident] = _Pending()
+                self._pending_by_tenant[request.tenant] = self._pending_by_tenant.get(request.tenant, 0) + 1
                 self._inbox.append(request)
                 _wake(self._wfd)
         if not pending.done.wait(self.spec.service.answer_within_s) or pending.answer is None:
             return _error(503, f"not answered within answer_within_s="
                                f"{self.spec.service.answer_within_s:g}; retry: the same key gets its answer")
         return pending.answer
+
+    def _full(self, tenant: str) -> str:  # under self._lock
+        """Why a new trajectory of ``tenant`` cannot be taken now, or ""."""
+        service = self.spec.service
+        if self._stop.is_set():
+            return "shutting down"
+        if len(self._pending) >= service.max_pending:
+            return f"{len(self._pending)} trajectories pending (max_pending)"
+        mine = self._pending_by_tenant.get(tenant, 0)
+        if service.max_pending_per_tenant is not None and mine >= service.max_pending_per_tenant:
+            return f"tenant {tenant!r} has {mine} trajectories pending (max_pending_per_tenant)"
+        return ""
 
     def stats(self) -> dict[str, Any]:
         """The scorer thread's last snapshot of the pipeline, with the request counts
@@ -186,6 +198,8 @@ class Scorer:
                 while len(self._answers) > self.spec.service.results_kept:
                     self._answers.popitem(last=False)
                 pending = self._pending.pop(ident, None)
+                if pending is not None:
+                    self._pending_by_tenant[ident[0]] -= 1
                 if pending is not None:
                     pending.answer = answer
                     pending.done.set()

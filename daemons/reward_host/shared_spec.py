@@ -5,6 +5,7 @@ the service: shared_service.py, docs/reward.md "Shared reward service")::
     auth_secret_file = "/etc/rlfleet/reward-token"  # optional: the Authorization value asked for
     max_body_bytes = 1048576      # a larger request is refused (413) unread
     max_pending = 4096            # trajectories accepted and not answered yet; more: 503
+    max_pending_per_tenant = 2048 # optional: the most of those one job may hold
     answer_within_s = 120         # a request still waiting then gets 503 (retry: same answer)
     results_kept = 200000         # answers remembered per (tenant, trajectory id)
     answers_journal = "/var/lib/rlfleet/reward-service/answers.jsonl"  # optional: kept on disk too
@@ -52,6 +53,9 @@ class ServiceSection(Section):
     # Each waiting request holds a thread and a socket; beyond this many the service
     # answers 503 (retried by the caller with backoff) instead of queueing without bound.
     max_pending: PosInt = 4096
+    # So that one job's burst cannot take every slot and turn the others away: its own
+    # trajectories beyond this get 503 (retried) while the others' are still taken.
+    max_pending_per_tenant: PosInt | None = None
     # A request waits this long for its trajectory's answer, then gets 503; the trajectory
     # stays in the pipeline, and the retry (same key) gets its answer when it comes.
     answer_within_s: PosFloat = 120.0

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -274,6 +275,22 @@ def test_answers_journaled_survive_kill_9_and_are_not_scored_again(service, tmp_
                             str(svc.spec), "--listen", "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
     assert other.returncode == 1 and other.stdout == ""
     assert other.stderr.strip().endswith(f"answers_journal {journal}: in use by another reward service")
+
+
+def test_one_tenants_burst_cannot_take_every_slot(service):
+    svc = service(service="max_pending_per_tenant = 2", judge_s=1.0)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        held = [pool.submit(post, svc.url, body(i, "job-a", batch=0, batch_requests=3)) for i in range(2)]
+        deadline = time.monotonic() + 20
+        while svc.stats().get("pending") != 2:
+            assert time.monotonic() < deadline, svc.stats()
+            time.sleep(0.05)
+        assert post(svc.url, body(2, "job-a", batch=0, batch_requests=3)) == (503, {
+            "error": "busy: tenant 'job-a' has 2 trajectories pending (max_pending_per_tenant); retry"})
+        assert post(svc.url, body(2, "job-b", batch=0, batch_requests=1))[0] == 200  # another job still is
+        assert [f.result()[0] for f in held] == [200, 200]
+    assert post(svc.url, body(2, "job-a", batch=0, batch_requests=3))[0] == 200  # its slots are free again
+    assert svc.stats()["tenants"]["job-a"]["requests"]["busy"] == 1
 
 
 def test_a_taken_port_is_refused_with_the_reason(service):
