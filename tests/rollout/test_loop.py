@@ -134,7 +134,10 @@ def test_new_version_loads_between_requests_and_new_ones_wait_for_it(served, tin
     a = client.send(req("a", p, max_new=200))
     wait_stats(client, lambda s: s.running == 1)
     reader.versions[1] = scaled_weights(tiny_model, 1.5)
-    time.sleep(0.05)  # let the loop see version 1 while "a" still runs
+    deadline = time.monotonic() + 10.0  # the loop must see version 1 before "b" arrives, so "b" waits for it
+    while loop.policy.newest != 1:
+        assert time.monotonic() < deadline, "the loop never saw weight version 1"
+        time.sleep(0.002)
     b = client.send(req("b", p, max_new=5))
     wait_stats(client, lambda s: s.waiting == 1 or s.weight_version == 1)
     got = collect(client, [a, b])
