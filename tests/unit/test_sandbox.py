@@ -3,6 +3,7 @@ named precisely, nothing left running, nothing written outside the private direc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -129,7 +130,10 @@ def test_processes_that_leave_the_group_are_killed_too(sandbox):
     assert_nothing_left(r)
 
 
-def test_a_sigxcpu_handler_does_not_buy_more_cpu(sandbox):
+def test_a_sigxcpu_handler_does_not_buy_more_cpu():
+    # The hard limit is cpu_s + 1 = 2 s of CPU: at nice 19 on a busy machine that takes
+    # longer than LIMITS' 3 s of wall clock, and the run would end as a timeout instead.
+    sandbox = Sandbox(dataclasses.replace(LIMITS, wall_s=30.0))
     r = sandbox.run("import signal\nsignal.signal(signal.SIGXCPU, lambda *a: None)\nwhile True: pass")
     assert r.reason == "cpu_limit", r
     assert_nothing_left(r)
