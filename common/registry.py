@@ -76,6 +76,12 @@ class Kind:
         raise NotImplementedError(f"{cls.__name__}.build")
 
     @classmethod
+    def uses_sandbox(cls, config: Any, /) -> bool:
+        """Whether what ``config`` builds runs untrusted code in common/sandbox.py: the
+        node agent then grants its unit the sandbox's capabilities (docs/sandbox.md)."""
+        return False
+
+    @classmethod
     def check(cls, config: Any, sections: Mapping[str, BaseModel]) -> list[Problem]:
         """Checks against the rest of the spec (``sections``: the spec's sections that
         validated on their own, by name). Paths are relative to this kind's table."""
@@ -202,3 +208,6 @@ class Registry:
     def build(self, config: KindConfig, /, **context: Any) -> Any:
         """The implementation of ``config.kind``, built from ``config``."""
         return self.get(config.kind).build(config, **context)
+
+    def uses_sandbox(self, config: KindConfig, /) -> bool:
+        return self.get(config.kind).uses_sandbox(config)

@@ -20,9 +20,11 @@ else that must run code it does not trust. What confines the child, and how
   the run's private temporary directory.
 
 The child (common/sandbox_child.py) sets all of that up itself, as root, in a fresh
-single-threaded interpreter, before it drops to the uid and runs the code: no
-preexec_fn runs in this (threaded) process. Running it needs root (CAP_SYS_ADMIN for
-the namespaces, CAP_SETUID/CAP_SETGID); without, `run` raises SandboxUnavailable.
+single-threaded interpreter, before it drops to the uid, clears every capability set
+and runs the code: no preexec_fn runs in this (threaded) process. Running it needs
+CAP_SYS_ADMIN (namespaces), CAP_SETUID/CAP_SETGID and CAP_KILL (the sweep): root, or
+a systemd unit with the node agent's sandbox drop-in (daemons/agent/sandbox_dropin.py);
+without them `run` raises SandboxUnavailable, naming what is missing.
 
 `SandboxResult.reason` names what went wrong, precisely: "" (success), "timeout",
 "cpu_limit", "memory_limit", "fork_limit", "network_denied", "write_denied",
@@ -53,6 +55,10 @@ from typing import IO
 CHILD = Path(__file__).with_name("sandbox_child.py")
 _SETUP_FAILED = 125  # sandbox_child's exit code when it could not confine itself
 _REAP_DEADLINE_S = 5.0
+# What the child needs to confine itself, by number (linux/capability.h).
+REQUIRED_CAPABILITIES = {"CAP_KILL": 5, "CAP_SETGID": 6, "CAP_SETUID": 7, "CAP_SYS_ADMIN": 21}
+_HOW_TO_GRANT = ("run as root or, under systemd, in a unit with the node agent's drop-in "
+                 "50-sandbox.conf (docs/sandbox.md)")
 
 # The failure reasons that are not the code's own doing: a limit hit or an access denied.
 CONTAINED = frozenset({"timeout", "cpu_limit", "memory_limit", "fork_limit", "network_denied",
@@ -104,8 +110,20 @@ class SandboxResult:
 
 
 def default_state_dir() -> Path:
-    return Path("/run/rlfleet-sandbox") if os.access("/run", os.W_OK) \
-        else Path(tempfile.gettempdir()) / "rlfleet-sandbox"
+    """Where the uid pool's lock files are: one directory for every process of the host
+    that sandboxes (a unit's RuntimeDirectory=rlfleet-sandbox, or root's /run)."""
+    shared = Path("/run/rlfleet-sandbox")
+    if os.access(shared, os.W_OK) or os.access("/run", os.W_OK):
+        return shared
+    return Path(tempfile.gettempdir()) / "rlfleet-sandbox"
+
+
+def missing_capabilities() -> list[str]:
+    """The capabilities the child needs that this process does not hold (effective set):
+    the child gets them from it, as root or through a unit's AmbientCapabilities=."""
+    with open("/proc/self/status") as f:
+        held = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    return [name for name, bit in REQUIRED_CAPABILITIES.items() if not held >> bit & 1]
 
 
 class Sandbox:
@@ -123,6 +141,9 @@ class Sandbox:
         self._prefixes = _unreachable_prefixes()
 
     def run(self, source: str) -> SandboxResult:
+        if missing := missing_capabilities():
+            raise SandboxUnavailable(f"this process (uid {os.getuid()}) lacks {' '.join(missing)}, "
+                                     f"which the sandbox needs: {_HOW_TO_GRANT}")
         with self._claim_uid() as uid, self._files() as (tmp, code, out, err, status):
             code.write(source.encode())
             code.flush()
@@ -143,7 +164,8 @@ class Sandbox:
             stdout, stderr = _read(out, lim.output_bytes), _read(err, lim.output_bytes)
             record = _status_of(status, proc.pid)
         if exit_code == _SETUP_FAILED and record.get("reason") == "setup_failed":
-            raise SandboxUnavailable(f"the sandbox could not confine its child: {record['detail']}")
+            raise SandboxUnavailable(f"the sandbox could not confine its child: {record['detail']}; "
+                                     f"{_HOW_TO_GRANT}")
         reason, detail = self._verdict(timed_out, exit_code, cpu, record)
         return SandboxResult(reason, detail, exit_code, stdout, stderr, round(wall, 4),
                              round(cpu, 4), leftovers, proc.pid, uid)

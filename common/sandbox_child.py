@@ -15,9 +15,14 @@ In order, before any of the code runs:
    read-only inside it when it lies under a directory the sandbox uid cannot enter
    (pyenv in /root), and sys.path is pointed there;
 4. rlimits (CPU seconds, address space, processes of the uid, file size, no core
-   files), then setgroups([]), setgid, setuid to an unprivileged uid of its own (so
-   RLIMIT_NPROC counts only this run's processes), and no_new_privs;
-5. the working directory, HOME and TMPDIR become the private directory.
+   files), the capability bounding set emptied (where CAP_SETPCAP allows: as root),
+   then setgroups([]), setgid, setuid to an unprivileged uid of its own (so
+   RLIMIT_NPROC counts only this run's processes);
+5. every capability set cleared (ambient, then effective, permitted, inheritable) and
+   checked in /proc/self/status: under a systemd unit the parent is an unprivileged
+   user with ambient capabilities, and setuid from a non-root uid keeps them all (a
+   fork bomb with CAP_SYS_ADMIN ignores RLIMIT_NPROC); any left refuses the run;
+6. no_new_privs; the working directory, HOME and TMPDIR become the private directory.
 
 Then the code runs as ``__main__``. An uncaught exception is classified (see
 `classify`) and written, as one JSON line with this pid, to the status file (an fd the config names); the
@@ -37,7 +42,9 @@ import traceback
 CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND = 1, 2, 4, 32, 4096
 MS_REC, MS_PRIVATE = 16384, 1 << 18
-PR_SET_NO_NEW_PRIVS = 38
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 24, 47, 4
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+CAP_SETS = ("CapInh", "CapPrm", "CapEff", "CapAmb")  # /proc/self/status; CapBnd apart
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
@@ -50,6 +57,20 @@ _WRITE_EVENTS = {"os.mkdir", "os.remove", "os.rmdir", "os.rename", "os.symlink",
                  "os.chmod", "os.chown", "os.truncate", "os.utime", "shutil.copyfile",
                  "shutil.move", "shutil.rmtree"}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):  # two of them: capabilities 0-31 and 32-63
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+def _prctl(option: int, arg: int = 0) -> int:
+    # unsigned long arguments, the unused ones zero: PR_CAP_AMBIENT refuses garbage there.
+    return _libc.prctl(option, *(ctypes.c_ulong(a) for a in (arg, 0, 0, 0)))
 
 
 def _check(ret: int, what: str) -> None:
@@ -90,7 +111,7 @@ def _relocate(prefix: str, dest: str) -> None:
 
 
 def confine(cfg: dict) -> None:
-    """Steps 2-5 of the module doc. Any failure here is a setup failure (exit 125)."""
+    """Steps 2-6 of the module doc. Any failure here is a setup failure (exit 125)."""
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET), "unshare")
     # Nothing mounted or unmounted in here may propagate back to the host.
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
@@ -120,14 +141,47 @@ def confine(cfg: dict) -> None:
               resource.RLIMIT_NOFILE: (cfg["open_files"],) * 2}
     for which, value in limits.items():
         resource.setrlimit(which, value)
+    _drop_bounding_set()  # before setuid: root loses CAP_SETPCAP with it
     os.setgroups([])
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
-    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    clear_capabilities()
+    _check(_prctl(PR_SET_NO_NEW_PRIVS, 1), "prctl(NO_NEW_PRIVS)")
     os.chdir(tmp)
     os.umask(0o077)
     os.environ.clear()
     os.environ.update({"HOME": tmp, "TMPDIR": tmp, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+
+
+def _drop_bounding_set() -> None:
+    """Empty the bounding set as far as this process may: it needs CAP_SETPCAP, which root
+    has and a unit granted only the sandbox's capabilities has not (its bounding set is
+    those four, and once they are cleared below no_new_privs keeps exec from adding any)."""
+    cap = 0
+    while _prctl(PR_CAPBSET_DROP, cap) == 0:
+        cap += 1
+    err = ctypes.get_errno()
+    if err not in (errno.EINVAL, errno.EPERM):  # EINVAL: past the last capability
+        raise OSError(err, f"prctl(CAPBSET_DROP {cap}): {os.strerror(err)}")
+
+
+def capability_sets() -> dict[str, int]:
+    """This process's capability sets as /proc/self/status shows them."""
+    with open("/proc/self/status") as f:
+        return {k: int(v, 16) for k, _, v in (line.partition(":\t") for line in f)
+                if k in CAP_SETS}
+
+
+def clear_capabilities() -> None:
+    """Clear the ambient, effective, permitted and inheritable sets, then check that the
+    kernel shows none left: the untrusted code must hold no capability at all."""
+    _check(_prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL), "prctl(CAP_AMBIENT_CLEAR_ALL)")
+    header, data = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0), (_CapData * 2)()
+    _check(_libc.capset(ctypes.byref(header), data), "capset")
+    sets = capability_sets()
+    held = {k: f"{v:016x}" for k, v in sets.items() if v}
+    if held or len(sets) != len(CAP_SETS):  # a set the kernel does not show is not known empty
+        raise PermissionError(f"capabilities left after dropping them, refusing to run: {held}")
 
 
 class Attempts:

@@ -17,9 +17,11 @@ branching on the kind; docs/seams.md says how to add one.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .registry import Registry
 
-__all__ = ["ENV_ROUTERS", "POLICY_LOSSES", "REPACK_PLANNERS", "REWARD_BACKENDS",
+__all__ = ["ENV_ROUTERS", "sandboxed_roles", "POLICY_LOSSES", "REPACK_PLANNERS", "REWARD_BACKENDS",
            "REWARD_DISPATCH", "ROLLOUT_ENGINES", "SEAMS", "TASKS", "TRAINER_BACKENDS"]
 
 ROLLOUT_ENGINES = Registry("rollout engine", "rlfleet.rollout_engines", default="torch")
@@ -34,3 +36,14 @@ REPACK_PLANNERS = Registry("repack planner", "rlfleet.repack_planners", default=
 
 SEAMS: tuple[Registry, ...] = (ROLLOUT_ENGINES, POLICY_LOSSES, TRAINER_BACKENDS, REWARD_BACKENDS,
                                REWARD_DISPATCH, TASKS, ENV_ROUTERS, REPACK_PLANNERS)
+
+
+def sandboxed_roles(spec: Any) -> frozenset[str]:
+    """The roles of `spec` (a JobSpec) whose daemons run untrusted code in the sandbox:
+    the env-host when the task's tool does, the reward-host when its backend does."""
+    roles = set()
+    if TASKS.uses_sandbox(spec.task.env):
+        roles.add("env-host")
+    if REWARD_BACKENDS.uses_sandbox(spec.reward_host.backend):
+        roles.add("reward-host")
+    return frozenset(roles)

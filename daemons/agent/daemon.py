@@ -26,6 +26,7 @@ from rlfleet.common.members import members_from, placements_from
 from rlfleet.common.pause import PauseWatch
 from rlfleet.common.placement import Placed, placement_from_spec
 from rlfleet.common.procs import ProcessId
+from rlfleet.common.seams import sandboxed_roles
 from rlfleet.common.store import Store, StoreUnavailable
 from rlfleet.daemons.agent import http, policy
 from rlfleet.daemons.agent.backend import Backend
@@ -152,8 +153,13 @@ def _process_backend(agent: Agent) -> ProcessBackend:
 
 
 def _systemd_backend(agent: Agent) -> SystemdBackend:
+    # Asked at each start, so a reloaded spec's task or reward backend counts.
+    def sandboxed(role: str) -> bool:
+        return agent.spec is not None and role in sandboxed_roles(agent.spec)
+
     return SystemdBackend(agent.options.job, agent.host,
-                          unit_env(agent.options.job, agent.etcd, agent.host, agent.etcd_env))
+                          unit_env(agent.options.job, agent.etcd, agent.host, agent.etcd_env),
+                          sandboxed=sandboxed)
 
 
 BACKENDS = {"process": _process_backend, "systemd": _systemd_backend}  # --backend

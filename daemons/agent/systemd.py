@@ -11,6 +11,10 @@ agent reads `NRestarts` to count those deaths, and starts again (after
 
 `start` and `stop` pass --no-block: a trainer may take a minute to be ready
 (Type=notify) or to drain, and the agent's loop must go on refreshing its lease.
+
+A unit whose role runs the sandbox (`sandboxed(role)`) gets the drop-in of
+sandbox_dropin.py before its start, and loses it at its stop; a daemon-reload follows
+only a change, so starting the other units costs no reload.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Callable
 
 from rlfleet.common.placement import Placed
 from rlfleet.daemons.agent.backend import Observed, role_of
+from rlfleet.daemons.agent.sandbox_dropin import DROPIN_DIR, SandboxDropins
 
 UNIT_ENV_DIR = Path("/run") / "rlfleet" / "units"  # (a path, not an etcd key)
 SHOW_PROPERTIES = ("ActiveState", "SubState", "NRestarts", "ExecMainStatus", "Result")
@@ -66,8 +71,12 @@ class SystemdBackend:
     name = "systemd"
 
     def __init__(self, job: str, host: str, env: dict[str, str], env_dir: Path = UNIT_ENV_DIR,
-                 run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> None:
+                 run: Callable[..., subprocess.CompletedProcess] = subprocess.run, *,
+                 sandboxed: Callable[[str], bool] = lambda role: False,
+                 dropin_dir: Path = DROPIN_DIR) -> None:
         self.job, self.host, self.env, self.env_dir, self._run = job, host, env, env_dir, run
+        self.sandboxed = sandboxed  # role -> does it run the sandbox (read at each start)
+        self.dropins = SandboxDropins(dropin_dir)
         self._seen: dict[str, tuple[str, int]] = {}  # member id -> (ActiveState, NRestarts) last seen
 
     def systemctl(self, *args: str, check: bool = True) -> str:
@@ -100,6 +109,9 @@ class SystemdBackend:
     def start(self, placed: Placed) -> str:
         self.write_env(placed)
         unit = self.unit(placed.member_id)
+        # Also removes one a spec no longer asks for (reloaded since the last start).
+        if self.dropins.apply(unit, self.sandboxed(placed.role)):
+            self.systemctl("daemon-reload")
         if self._seen.get(placed.member_id, ("",))[0] == "failed":
             self.systemctl("reset-failed", unit, check=False)  # else the start limit may refuse it
         self.systemctl("start", "--no-block", unit)
@@ -124,7 +136,11 @@ class SystemdBackend:
         return Observed(active, tuple(deaths))
 
     def stop(self, placed: Placed) -> None:
-        self.systemctl("stop", "--no-block", self.unit(placed.member_id))
+        unit = self.unit(placed.member_id)
+        self.systemctl("stop", "--no-block", unit)
+        # The running process keeps what it was started with; a restart could not use it.
+        if self.dropins.apply(unit, False):
+            self.systemctl("daemon-reload")
 
     def existing(self, job_hosts: frozenset[str]) -> list[Placed]:
         out = self.systemctl("list-units", "--all", "--plain", "--no-legend", "--no-pager",

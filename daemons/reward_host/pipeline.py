@@ -166,6 +166,13 @@ class RewardPipeline(Kind):
     Config = PipelineConfig
 
     @classmethod
+    def uses_sandbox(cls, config: PipelineConfig, /) -> bool:
+        from rlfleet.common.seams import REWARD_BACKENDS  # as in _worker_config
+
+        return any(not isinstance(stage.worker, SimWorkerConfig)
+                   and REWARD_BACKENDS.uses_sandbox(stage.worker) for stage in config.stages)
+
+    @classmethod
     def build(cls, config: PipelineConfig, /, *, batch_requests: int = 0, **_: Any) -> Any:
         """``batch_requests``: trajectories expected per training batch (the daemon's
         estimate, docs/reward.md); a batch with that many finished is done at once."""

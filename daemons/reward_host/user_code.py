@@ -189,6 +189,10 @@ class UserCode(Kind):
     Config = UserCodeConfig
 
     @classmethod
+    def uses_sandbox(cls, config: UserCodeConfig, /) -> bool:
+        return True
+
+    @classmethod
     def build(cls, config: UserCodeConfig, /, **_: Any) -> RewardBackend:
         pool = UserCodePool(config)
         probe_sandbox(pool.sandbox)

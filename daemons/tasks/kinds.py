@@ -174,3 +174,7 @@ class ToolUse(TaskKind):
     Config = ToolUseConfig
     task_module, task_class_name = "tool_use", "ToolUseTask"
     multi_turn = True
+
+    @classmethod
+    def uses_sandbox(cls, config: ToolUseConfig, /) -> bool:
+        return True  # the env-host runs each tool call in it (reward-hosts never call it)

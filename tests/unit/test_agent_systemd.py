@@ -8,14 +8,18 @@ from __future__ import annotations
 import os
 import shlex
 import stat
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from rlfleet.common.placement import Placed
+from rlfleet.common.seams import sandboxed_roles
+from rlfleet.common.spec import load_spec, parse_spec
 from rlfleet.daemons.agent.daemon import unit_env
 from rlfleet.daemons.agent.policy import CrashLoop
 from rlfleet.daemons.agent.reconciler import Reconciler
+from rlfleet.daemons.agent.sandbox_dropin import DROPIN_TEXT
 from rlfleet.daemons.agent.systemd import SystemdBackend, death_phrase, env_file_text, parse_show
 
 FAKE = """#!/bin/sh
@@ -31,6 +35,7 @@ esac
 exit 0
 """
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ROLLOUT = Placed("h1", "rollout", "rollout-0")
 UNIT = "rlfleet@arith:rollout-0.service"
 
@@ -171,3 +176,71 @@ def test_a_start_systemctl_refuses_is_a_death_retried_with_backoff(fake, tmp_pat
     assert "Job failed" in events[0].exit
     assert agent.step([ROLLOUT], now=0.1) == []  # within the backoff: no new attempt
     assert [e.kind for e in agent.step([ROLLOUT], now=0.6)] == ["died"]
+
+
+# -- the sandbox drop-in (daemons/agent/sandbox_dropin.py) ---------------------------------
+
+ENV_HOST = Placed("h1", "env-host", "env-host-0")
+ENV_UNIT = "rlfleet@arith:env-host-0.service"
+
+
+def sandboxing_backend(tmp_path: Path, roles: set[str]) -> SystemdBackend:
+    return SystemdBackend("arith", "h1", {"RLFLEET_JOB": "arith"}, env_dir=tmp_path / "units",
+                          sandboxed=lambda role: role in roles, dropin_dir=tmp_path / "run-systemd")
+
+
+def test_a_sandboxing_role_gets_its_drop_in_before_start_and_loses_it_at_stop(fake, tmp_path):
+    b = sandboxing_backend(tmp_path, {"env-host"})
+    dropin = tmp_path / "run-systemd" / f"{ENV_UNIT}.d" / "50-sandbox.conf"
+    b.start(ENV_HOST)
+    assert fake.calls() == ["daemon-reload", f"start --no-block {ENV_UNIT}"]
+    assert dropin.read_text() == DROPIN_TEXT and stat.S_IMODE(dropin.stat().st_mode) == 0o644
+    settings = [line for line in DROPIN_TEXT.splitlines() if line and not line.startswith("#")]
+    assert settings == ["[Service]",
+                        "CapabilityBoundingSet=CAP_SYS_ADMIN CAP_SETUID CAP_SETGID CAP_KILL",
+                        "AmbientCapabilities=CAP_SYS_ADMIN CAP_SETUID CAP_SETGID CAP_KILL",
+                        "RestrictNamespaces=mnt net",
+                        "SystemCallFilter=mount setgroups setresuid capset",
+                        "ProtectProc=default",
+                        "RuntimeDirectory=rlfleet-sandbox", "RuntimeDirectoryMode=0711",
+                        "RuntimeDirectoryPreserve=yes"]
+    b.start(ENV_HOST)  # unchanged: no second reload
+    assert fake.calls()[2:] == [f"start --no-block {ENV_UNIT}"]
+    b.stop(ENV_HOST)
+    assert fake.calls()[3:] == [f"stop --no-block {ENV_UNIT}", "daemon-reload"]
+    assert not dropin.exists() and not dropin.parent.exists()
+    b.stop(ENV_HOST)  # nothing left to remove: no reload
+    assert fake.calls()[5:] == [f"stop --no-block {ENV_UNIT}"]
+
+
+def test_other_roles_get_no_drop_in_and_a_stale_one_goes_at_the_next_start(fake, tmp_path):
+    roles = {"env-host"}
+    b = sandboxing_backend(tmp_path, roles)
+    b.start(ROLLOUT)
+    assert fake.calls() == [f"start --no-block {UNIT}"]
+    assert not (tmp_path / "run-systemd").exists()
+    b.start(ENV_HOST)
+    roles.clear()  # the spec was reloaded with a task that runs no tool
+    b.start(ENV_HOST)
+    assert fake.calls()[-2:] == ["daemon-reload", f"start --no-block {ENV_UNIT}"]
+    assert not (tmp_path / "run-systemd" / f"{ENV_UNIT}.d").exists()
+
+
+@pytest.mark.parametrize("example, roles", [("tool_use.toml", {"env-host"}),
+                                            ("arithmetic-user-reward.toml", {"reward-host"}),
+                                            ("arithmetic.toml", set()),
+                                            ("arithmetic-multistage.toml", set())])
+def test_the_roles_that_run_the_sandbox_come_from_the_spec(example, roles):
+    assert sandboxed_roles(load_spec(EXAMPLES / example)) == roles
+
+
+def test_a_pipeline_with_a_user_code_stage_runs_the_sandbox():
+    data = tomllib.loads((EXAMPLES / "arithmetic.toml").read_text())
+    code = tomllib.loads((EXAMPLES / "arithmetic-user-reward.toml").read_text())["reward_host"]["backend"]
+    code = {k: v for k, v in code.items() if k not in ("timeout_s", "concurrency")}  # the stage's
+    data["reward_host"] = {"backend": {"kind": "pipeline", "stages": [
+        {"name": "check", "worker": {"kind": "sim", "median_s": 0.1}},
+        {"name": "score", "worker": code}]}}
+    assert sandboxed_roles(parse_spec(data, base_dir=EXAMPLES)) == {"reward-host"}
+    data["reward_host"]["backend"]["stages"][1]["worker"] = {"kind": "rule_pool"}
+    assert sandboxed_roles(parse_spec(data, base_dir=EXAMPLES)) == set()

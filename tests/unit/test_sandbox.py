@@ -3,7 +3,12 @@ named precisely, nothing left running, nothing written outside the private direc
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import shutil
+import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -11,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from rlfleet.common import sandbox as sandbox_module
 from rlfleet.common.sandbox import Sandbox, SandboxLimits, SandboxUnavailable, processes_of
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root "
@@ -124,7 +130,10 @@ def test_processes_that_leave_the_group_are_killed_too(sandbox):
     assert_nothing_left(r)
 
 
-def test_a_sigxcpu_handler_does_not_buy_more_cpu(sandbox):
+def test_a_sigxcpu_handler_does_not_buy_more_cpu():
+    # The hard limit is cpu_s + 1 = 2 s of CPU: at nice 19 on a busy machine that takes
+    # longer than LIMITS' 3 s of wall clock, and the run would end as a timeout instead.
+    sandbox = Sandbox(dataclasses.replace(LIMITS, wall_s=30.0))
     r = sandbox.run("import signal\nsignal.signal(signal.SIGXCPU, lambda *a: None)\nwhile True: pass")
     assert r.reason == "cpu_limit", r
     assert_nothing_left(r)
@@ -158,3 +167,96 @@ def test_without_the_privileges_nothing_runs(tmp_path):
 def test_limits_must_be_positive():
     with pytest.raises(ValueError):
         SandboxLimits(cpu_s=0)
+
+
+# -- capabilities (the child clears them all: sandbox_child.clear_capabilities) ---------------
+
+CAPS = "sys_admin,setuid,setgid,kill"  # the node agent's drop-in grants these (50-sandbox.conf)
+UNIT_UID = 1_899_999_000  # the parent's uid in the systemd-like runs: not root, not in the pool
+SHOW_CAPS = "print(open('/proc/self/status').read())"
+HOSTILE_PRIVILEGED = {
+    "setuid(0)": "import os\nos.setuid(0)",
+    "mount": ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+              "if libc.mount(b'none', b'/tmp', b'tmpfs', 0, None):\n"
+              "    raise OSError(ctypes.get_errno(), 'mount: ' + os.strerror(ctypes.get_errno()))"),
+}
+# Runs the sandbox as a unit's daemon would: the system python (an unprivileged uid cannot
+# reach this venv's interpreter under /root), sandbox.py loaded by path (stdlib only).
+HARNESS = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
+sb = sys.modules["sandbox"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sb)
+box = sb.Sandbox(sb.SandboxLimits(wall_s=3.0, cpu_s=1, memory_mib=128, nproc=8, file_mib=1,
+                                  tmp_mib=1), state_dir=sb.Path(sys.argv[2]))
+out = {"parent": open("/proc/self/status").read()}
+for name, source in json.loads(sys.stdin.read()).items():
+    try:
+        r = box.run(source)
+        out[name] = [r.reason, r.detail, r.stdout, len(sb.processes_of(r.uid))]
+    except sb.SandboxUnavailable as exc:
+        out[name] = ["unavailable", str(exc), "", 0]
+print(json.dumps(out))
+"""
+
+
+def cap_sets(status: str) -> dict[str, int]:
+    return {k: int(v, 16) for k, _, v in (line.partition(":\t") for line in status.splitlines())
+            if k.startswith("Cap")}
+
+
+def test_the_code_holds_no_capability_and_cannot_take_root_back(sandbox):
+    r = sandbox.run(SHOW_CAPS)
+    assert r.ok, r
+    assert cap_sets(r.stdout) == {"CapInh": 0, "CapPrm": 0, "CapEff": 0, "CapBnd": 0, "CapAmb": 0}
+    for name, source in HOSTILE_PRIVILEGED.items():
+        r = sandbox.run(source)
+        assert r.reason == "exception" and "Operation not permitted" in r.detail, (name, r)
+        assert_nothing_left(r)
+
+
+def run_as_unit(tmp_path: Path, sources: dict[str, str], caps: str | None) -> dict:
+    """The sources run by a parent of uid UNIT_UID with `caps` as its ambient (and bounding)
+    capabilities: what systemd makes of User=rlfleet plus the drop-in's lines."""
+    if not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/python3").exists():
+        pytest.skip("needs setpriv (util-linux) and /usr/bin/python3")
+    state = Path(tempfile.mkdtemp(prefix="rlfleet-sandbox-unit-", dir="/tmp"))
+    try:
+        os.chmod(state, 0o755)
+        os.chown(state, UNIT_UID, UNIT_UID)
+        raised = ",+" + caps.replace(",", ",+") if caps else ""
+        grant = [f"--inh-caps=-all{raised}", f"--bounding-set=-all{raised}",
+                 *([f"--ambient-caps={raised[1:]}"] if caps else [])]
+        done = subprocess.run(["/usr/bin/setpriv", f"--reuid={UNIT_UID}", f"--regid={UNIT_UID}",
+                               "--clear-groups", *grant, "/usr/bin/python3", "-I", "-c", HARNESS,
+                               str(Path(sandbox_module.__file__)), str(state)],
+                              input=json.dumps(sources), capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def test_under_a_unit_with_ambient_capabilities_the_child_drops_them_all(tmp_path):
+    """setuid from a non-root uid keeps every capability: without the clearing, the code
+    would hold CAP_SYS_ADMIN, and a fork bomb would ignore RLIMIT_NPROC."""
+    sources = {"caps": SHOW_CAPS, **HOSTILE_PRIVILEGED, "fork bomb": HOSTILE["fork bomb"][0],
+               "write outside": "open('/tmp/rlfleet-sandbox-escape', 'w')"}
+    out = run_as_unit(tmp_path, sources, CAPS)
+    parent = cap_sets(out.pop("parent"))
+    assert parent["CapAmb"] == parent["CapEff"] == (1 << 5 | 1 << 6 | 1 << 7 | 1 << 21)  # the setup holds
+    reason, _, stdout, left = out.pop("caps")
+    assert reason == "" and left == 0
+    child = cap_sets(stdout)
+    assert (child["CapEff"], child["CapPrm"], child["CapInh"], child["CapAmb"]) == (0, 0, 0, 0)
+    for name in HOSTILE_PRIVILEGED:
+        assert out[name][0] == "exception" and "Operation not permitted" in out[name][1], out[name]
+    assert out["fork bomb"][0] == "fork_limit" and out["fork bomb"][3] == 0
+    assert out["write outside"][0] == "write_denied"
+
+
+def test_under_a_unit_without_the_drop_in_the_sandbox_says_what_is_missing(tmp_path):
+    out = run_as_unit(tmp_path, {"trivial": "print(1)"}, None)
+    reason, detail, _, _ = out["trivial"]
+    assert reason == "unavailable"
+    assert "lacks CAP_KILL CAP_SETGID CAP_SETUID CAP_SYS_ADMIN" in detail and "50-sandbox.conf" in detail

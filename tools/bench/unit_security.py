@@ -1,6 +1,7 @@
 """`systemd-analyze security` exposure of each unit in systemd/, as JSON.
 
     python -m rlfleet.tools.bench.unit_security [--json OUT] [--prefix 'nsenter -t PID -a'] [UNIT ...]
+    python -m rlfleet.tools.bench.unit_security --sandbox-dropin systemd/rlfleet@.service
 
 Offline (`--offline=true`, systemd >= 250): the unit files are read as files, so
 no booted systemd is needed; the figure is the one systemd prints as "Overall
@@ -16,6 +17,9 @@ instance `@i`), this machine's own system units in its usr/lib/systemd/system
 (the targets every service depends on by default), and stand-ins for the commands
 the units run, so neither rlfleet nor etcd needs to be installed here.
 tests/systemd/test_units.py runs `systemd-analyze verify` under the same root.
+`--sandbox-dropin` adds the node agent's sandbox drop-in (50-sandbox.conf,
+daemons/agent/sandbox_dropin.py) to each unit there: the exposure of a daemon that
+runs untrusted code.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def commands(unit_file: Path) -> set[str]:
     return found
 
 
-def stand_in_root(root: Path, unit_files: list[Path]) -> list[Path]:
+def stand_in_root(root: Path, unit_files: list[Path], dropins: dict[str, str] | None = None) -> list[Path]:
     """A file-system root for systemd-analyze: the units in etc/systemd/system, the
     system's units (sysinit.target, network-online.target, ...) and an executable
     stand-in for every command they run; returns the units' paths in it."""
@@ -67,6 +71,9 @@ def stand_in_root(root: Path, unit_files: list[Path]) -> list[Path]:
     for f in unit_files:
         placed.append(unit_dir / f.name)
         placed[-1].write_text(f.read_text())
+        for name, text in (dropins or {}).items():
+            (unit_dir / f"{f.name}.d").mkdir(exist_ok=True)
+            (unit_dir / f"{f.name}.d" / name).write_text(text)
     return placed
 
 
@@ -95,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("units", nargs="*", help="unit names (with --prefix) or files (default: systemd/*.service)")
     parser.add_argument("--prefix", default="", help="run systemd-analyze through this command, on loaded units")
     parser.add_argument("--json", dest="out", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--sandbox-dropin", action="store_true",
+                        help="offline: with the agent's sandbox drop-in (50-sandbox.conf) on each unit")
     args = parser.parse_args(argv)
     prefix = shlex.split(args.prefix)
     if not prefix and shutil.which("systemd-analyze") is None:
@@ -105,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         results = [analyse(unit, prefix, None) for unit in args.units]
     else:
         files = [Path(u) for u in args.units] or sorted(UNIT_DIR.glob("*.service"))
+        dropins = {}
+        if args.sandbox_dropin:
+            from rlfleet.daemons.agent.sandbox_dropin import DROPIN_NAME, DROPIN_TEXT
+            dropins = {DROPIN_NAME: DROPIN_TEXT}
         with tempfile.TemporaryDirectory() as tmp:
-            for f, placed in zip(files, stand_in_root(Path(tmp), files)):
+            for f, placed in zip(files, stand_in_root(Path(tmp), files, dropins)):
                 results.append({**analyse(str(placed), [], Path(tmp)), "file": f.name})
     for r in results:
         print(f"{r.get('file', r['unit']):28} {r['exposure']:4.1f} {r['rating']}")
