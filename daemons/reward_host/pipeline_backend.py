@@ -140,7 +140,8 @@ class PipelineBackend(RewardBackend):
                                           s.cost, s.timeout_s) for s in config.stages))
         self.planner = ScalingPlanner(self.model, max_delay_s=config.max_extra_delay_s,
                                       timeout_aware=config.scaling == "timeout_aware",
-                                      policy=config.queue, window=config.history_batches)
+                                      policy=config.queue, window=config.history_batches,
+                                      expect_late=config.expect_late)
         self.batches = BatchTracker(self.model, expected=batch_requests, idle_s=config.batch_idle_s)
         self.stages: list[_Stage] = []
         try:

@@ -16,6 +16,11 @@ The estimate (Algorithm 2), for each active batch, from its tenant's last finish
                of a historical request that reached stage k, drawn at random
     Running_k  running for e seconds at stage k: arrives now at stage k, with the times
                of a historical request whose s_ik > e, less e (none: it runs to T_k)
+    Late       (ours, ``expect_late``) when the batch has received fewer requests than the
+               history's batch held, more than Future still brings: the rest arrive now,
+               with the times of historical requests drawn at random. Without it a
+               request later than any in the history is seen only once it has arrived,
+               and a plan made before then may have scaled down under it.
 
 Timeout awareness (§5.1): history says how long requests ran, not which new request will
 hang; a queued request that may still run into its timeouts (ts + Σ_{j≥k} T_j > T + D)
@@ -126,13 +131,15 @@ class ScalingPlanner:
     """Algorithms 1 + 2 for any number of tenants sharing one pipeline."""
 
     def __init__(self, pipeline: Pipeline, *, max_delay_s: float, timeout_aware: bool = True,
-                 policy: QueuePolicy = "ebf", window: int = 1, seed: int = 0) -> None:
+                 policy: QueuePolicy = "ebf", window: int = 1, seed: int = 0,
+                 expect_late: bool = False) -> None:
         if max_delay_s < 0:
             raise ValueError(f"max_delay_s: must be >= 0, got {max_delay_s}")
         if window < 1:
             raise ValueError(f"window: must be >= 1, got {window}")
         self.pipeline, self.max_delay_s = pipeline, max_delay_s
         self.timeout_aware, self.policy, self.window = timeout_aware, policy, window
+        self.expect_late = expect_late
         self._history: dict[str, collections.deque[BatchRecord]] = collections.defaultdict(
             lambda: collections.deque(maxlen=window))
         self._long_after: dict[str, tuple[float | None, ...]] = {}  # tenant -> per stage
@@ -201,6 +208,10 @@ class ScalingPlanner:
                 if a.arrived_at_s + r > now:  # Future
                     out.append(SimRequest(a.key, a.arrived_at_s + r, s))
             pool = [s for rec in history for s in rec.service_s]
+            received = len(a.queued) + len(a.running) + a.done
+            late = len(last) - received - len(out)
+            if self.expect_late and late > 0:  # Late
+                out += [SimRequest(a.key, now, self._rng.choice(pool)) for _ in range(late)]
         else:
             pool = []
         for k in a.queued:  # Queuing_k

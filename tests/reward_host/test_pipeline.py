@@ -274,6 +274,12 @@ def test_the_planner_keeps_history_batches_per_tenant():
     backend = pipeline(sim("judge"))
     try:
         assert backend.planner.window == 3  # the default: what the bench measured
+        assert backend.planner.expect_late
+    finally:
+        backend.close()
+    backend = pipeline(sim("judge"), expect_late=False)
+    try:
+        assert not backend.planner.expect_late
     finally:
         backend.close()
 

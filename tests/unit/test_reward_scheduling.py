@@ -243,3 +243,24 @@ def test_the_simulator_asks_for_a_plan_when_a_request_turns_long():
     sim.run(Watch())
     # the 2 s one never turns long; the 6 s one, started at 1, does at 4 (3 s in)
     assert asked == [(A, 4.0, ((0, 3.0),))]
+
+
+@pytest.mark.parametrize("expect_late, workers", [(False, 0), (True, 2)])
+def test_requests_later_than_the_history_are_expected_only_with_expect_late(expect_late, workers):
+    # history: 3 requests at once, 4 s each. Now, 10 s in, only one of this batch's has
+    # come (and is done): the history brings nothing more. With expect_late the other two
+    # are taken to arrive now, and the plan keeps a worker for each (they are already
+    # past T = 4 s, so neither may wait); without, no request is left to plan for.
+    planner = ScalingPlanner(ONE, max_delay_s=1.0, timeout_aware=True, seed=1, expect_late=expect_late)
+    planner.add_history(BatchRecord(BatchKey("job-a", -1), (0.0, 0.0, 0.0), ((4.0,),) * 3))
+    plan = planner.on_batch_arrival(10.0, [ActiveBatch(A, 0.0, done=1)])
+    assert plan.workers == {"run": workers}
+
+
+def test_a_batch_ahead_of_its_history_adds_no_late_requests():
+    # 3 received by 1 s where the history had 2 by then and a third at 5 s: Future still
+    # brings that one, and nothing is late (received + future >= the history's 3).
+    planner = ScalingPlanner(ONE, max_delay_s=0.0, timeout_aware=True, seed=1, expect_late=True)
+    planner.add_history(BatchRecord(BatchKey("job-a", -1), (0.0, 0.0, 5.0), ((4.0,),) * 3))
+    estimate = planner._estimate(1.0, ActiveBatch(A, 0.0, running=((0, 1.0),) * 3))
+    assert sorted(r.arrival_s for r in estimate[1]) == [1.0, 1.0, 1.0, 5.0]

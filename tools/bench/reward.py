@@ -187,7 +187,8 @@ def replay(policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     else:
         queue = "fcfs" if policy == "fcfs" else "ebf"
         planner = ScalingPlanner(PIPELINE, max_delay_s=args.max_delay_s, timeout_aware=policy != "history",
-                                 policy=queue, window=args.window, seed=seed)
+                                 policy=queue, window=args.window, seed=seed,
+                                 expect_late=args.expect_late)
         for record in seeds.values():
             planner.add_history(record)
         sim = PipelineSim(PIPELINE, [0] * len(PIPELINE), queue)
@@ -275,7 +276,8 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     seeds = [int(s) for s in args.seeds.split(",")]
     config = {k: getattr(args, k) for k in ("tenants", "iterations", "batch", "period_s", "rollout_s",
-                                            "stagger_s", "max_delay_s", "window", "replan_long")}
+                                            "stagger_s", "max_delay_s", "window", "replan_long",
+                                            "expect_late")}
     config["stages"] = [{"name": s.name, "worker_kind": s.worker_kind, "cost": s.cost, "timeout_s": s.timeout_s}
                         for s in PIPELINE.stages]
     records = []
@@ -391,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="finished batches per tenant the planner samples from (Future requests: the last)")
     p.add_argument("--no-replan-long", dest="replan_long", action="store_false",
                    help="plan on batch arrivals and completions only (DistRS), not also on long runners")
+    p.add_argument("--no-expect-late", dest="expect_late", action="store_false",
+                   help="plan only for the requests the history brings (DistRS), not also for those a batch "
+                        "still owes past its history's last arrival (scaling.py, Late)")
     p.add_argument("--sweep-max-gpus", type=int, default=60)
     p.add_argument("--sweep-delay-s", type=float, default=3.0, help="the Fig. 14 sweep's 'low delay'")
     p.add_argument("--json", dest="json_out", default=None)
