@@ -136,7 +136,9 @@ def test_one_step_matches_the_torch_learner(on_cpu):
     ids = torch.randint(1, 36, (4, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         before = ours.forward_logprobs(ids)[0]
-    assert float((before - torch_logprobs(ref, ids)).abs().max()) < 1e-5
+    # float32: log-probs near -15 carry ~2e-6 per rounding, and the two models sum in
+    # different orders (CI once saw 2.1e-5); a wrong weight mapping is off by ~1.
+    assert float((before - torch_logprobs(ref, ids)).abs().max()) < 1e-4
     a, b = ours.train_step(groups), ref.train_step(groups)
     assert a["version"] == b["version"] == 1 and a["tokens"] == b["tokens"] == 18
     for key in ("loss", "grad_norm", "ratio_mean", "clip_frac", "approx_kl", "entropy"):
