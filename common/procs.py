@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import signal
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -86,13 +87,12 @@ class ProcessId:
         return "running"
 
 
-def die_with_parent(sig: int = signal.SIGKILL):
-    """A preexec_fn: the child gets `sig` when the process that started it dies (even by
-    kill -9), so no etcd or daemon outlives `rlfleet run`, an agent or a test (Linux only)."""
-    def arm() -> None:
-        try:
-            import ctypes
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-    return arm
+def with_parent_death(argv: list[str], sig: int = signal.SIGKILL) -> list[str]:
+    """`argv` started so that it gets `sig` when the process that started it dies (even by
+    kill -9): no etcd or daemon outlives `rlfleet run`, an agent or a test (Linux only).
+
+    setpriv(1) sets PR_SET_PDEATHSIG and execs `argv` (same pid), rather than a preexec_fn:
+    a preexec_fn makes Popen fork() and run Python's at-fork hooks in the child, where
+    gRPC's (the etcd client's) restarts its poller on the epoll fd that Popen then closes,
+    and the child aborts before exec (seen in CI: an etcd member "exited with -6")."""
+    return [shutil.which("setpriv") or "setpriv", "--pdeathsig", signal.Signals(sig).name.removeprefix("SIG"), "--", *argv]

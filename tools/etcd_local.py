@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlfleet.common.procs import die_with_parent
+from rlfleet.common.procs import with_parent_death
 
 if TYPE_CHECKING:
     from rlfleet.tools.credentials import EtcdTls
@@ -122,9 +122,8 @@ class EtcdCluster:
     def start_member(self, m: EtcdMember, wait: bool = True, timeout_s: float = 20.0) -> None:
         state = "existing" if m.data_dir.exists() or m.joining else "new"
         log = open(m.log_path, "ab")
-        m.proc = subprocess.Popen(self._cmd(m, state), stdout=log, stderr=log,
-                                  stdin=subprocess.DEVNULL, start_new_session=True,
-                                  preexec_fn=die_with_parent(signal.SIGKILL))
+        m.proc = subprocess.Popen(with_parent_death(self._cmd(m, state), signal.SIGKILL), stdout=log,
+                                  stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         if wait:
             self.wait_healthy(timeout_s, members=[m])

@@ -20,7 +20,7 @@ from typing import Callable
 import psutil
 
 from rlfleet.common.placement import Placed
-from rlfleet.common.procs import die_with_parent
+from rlfleet.common.procs import with_parent_death
 from rlfleet.daemons.agent.backend import Observed
 from rlfleet.daemons.agent.policy import exit_description
 
@@ -111,9 +111,9 @@ class ProcessBackend:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         child = self.children.setdefault(placed.member_id, _Child(self.log_dir / f"{placed.member_id}.log"))
         with open(child.log_path, "ab") as out:
-            child.proc = subprocess.Popen(self.command(placed), stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-                                          env=self.env(placed), start_new_session=True,
-                                          preexec_fn=die_with_parent(signal.SIGTERM))  # a clean drain
+            child.proc = subprocess.Popen(with_parent_death(self.command(placed), signal.SIGTERM),  # a clean drain
+                                          stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                                          env=self.env(placed), start_new_session=True)
         return f"pid {child.proc.pid}"
 
     def observe(self, placed: Placed) -> Observed:
@@ -132,10 +132,10 @@ class ProcessBackend:
             child.proc.send_signal(signal.SIGTERM)
 
     def existing(self, job_hosts: frozenset[str]) -> list[Placed]:
-        return []  # its daemons die with it (die_with_parent): a new agent finds none
+        return []  # its daemons die with it (with_parent_death): a new agent finds none
 
     def release(self, grace_s: float, note: Callable[[str], None]) -> str:
-        self.stop_all(grace_s, note)  # they would get SIGTERM from the kernel anyway (die_with_parent)
+        self.stop_all(grace_s, note)  # they would get SIGTERM from the kernel anyway (with_parent_death)
         return "stopped its daemons"
 
     # -- what the supervisor reads -------------------------------------------------

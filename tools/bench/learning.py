@@ -136,8 +136,7 @@ def cpu_hog(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                           preexec_fn=lambda: os.sched_setaffinity(0, {0}))
+    hog = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
     try:
         yield
     finally:

@@ -39,13 +39,12 @@ def make(lab: str, host: str) -> list[Path]:
     return paths
 
 
-def joiner(paths: list[Path]):
-    """A preexec_fn: the child moves itself into these cgroups before it execs nspawn."""
-    def join() -> None:
-        pid = str(os.getpid())
-        for p in paths:
-            (p / "cgroup.procs").write_text(pid)
-    return join
+def joined(paths: list[Path], argv: list[str]) -> list[str]:
+    """`argv` run by a shell that first moves itself (the pid `argv` execs into) into these
+    cgroups. A shell, not a preexec_fn: that would fork() this threaded process and run
+    gRPC's at-fork hooks in the child (see common/procs.with_parent_death)."""
+    script = 'while [ "$1" != -- ]; do echo $$ > "$1/cgroup.procs" || exit 1; shift; done; shift; exec "$@"'
+    return ["sh", "-c", script, "join-cgroups", *map(str, paths), "--", *argv]
 
 
 def procs_in(lab: str) -> list[int]:

@@ -115,9 +115,8 @@ class Lab:
             log.flush()
             # Own session: a Ctrl-C in the terminal that ran `up` does not power the lab off.
             # Own cgroup: see cgroups.py (hosts sharing one raced and booted degraded).
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True,
-                                    preexec_fn=cgroups.joiner(cgroups.make(self.name, h.name)))
+            proc = subprocess.Popen(cgroups.joined(cgroups.make(self.name, h.name), cmd), stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         h.nspawn_pid, h.leader_pid = proc.pid, 0
         self.state.save()
 
