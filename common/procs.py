@@ -95,4 +95,5 @@ def with_parent_death(argv: list[str], sig: int = signal.SIGKILL) -> list[str]:
     a preexec_fn makes Popen fork() and run Python's at-fork hooks in the child, where
     gRPC's (the etcd client's) restarts its poller on the epoll fd that Popen then closes,
     and the child aborts before exec (seen in CI: an etcd member "exited with -6")."""
-    return [shutil.which("setpriv") or "setpriv", "--pdeathsig", signal.Signals(sig).name.removeprefix("SIG"), "--", *argv]
+    signame = signal.Signals(sig).name.removeprefix("SIG")
+    return [shutil.which("setpriv") or "setpriv", "--pdeathsig", signame, "--", *argv]

@@ -12,13 +12,14 @@ import psutil
 from rlfleet.common.procs import with_parent_death
 from tests.integration.helpers import wait_for
 
-# A parent that starts `sleep` through with_parent_death, prints the sleeper's pid, then waits.
+# A parent that starts `sleep` through with_parent_death, prints the sleeper's pid, then
+# waits for a signal (the test's kill -9).
 PARENT = """
-import signal, subprocess, sys, time
+import signal, subprocess
 from rlfleet.common.procs import with_parent_death
 child = subprocess.Popen(with_parent_death(["sleep", "600"], signal.SIGKILL), start_new_session=True)
 print(child.pid, flush=True)
-time.sleep(600)
+signal.pause()
 """
 
 

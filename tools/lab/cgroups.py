@@ -12,7 +12,6 @@ pure v2 elsewhere). Controllers are left alone.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 TOP = "rlfleet-lab"
