@@ -221,20 +221,29 @@ def run_as_unit(tmp_path: Path, sources: dict[str, str], caps: str | None) -> di
     if not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/python3").exists():
         pytest.skip("needs setpriv (util-linux) and /usr/bin/python3")
     state = Path(tempfile.mkdtemp(prefix="rlfleet-sandbox-unit-", dir="/tmp"))
+    # The unit's uid reads the sandbox's two files from a copy: the checkout may sit in a
+    # directory only root can enter (a clone into `mktemp -d` is mode 0700).
+    code = Path(tempfile.mkdtemp(prefix="rlfleet-sandbox-code-", dir="/tmp"))
     try:
         os.chmod(state, 0o755)
         os.chown(state, UNIT_UID, UNIT_UID)
+        os.chmod(code, 0o755)
+        module = Path(sandbox_module.__file__)
+        for name in (module.name, "sandbox_child.py"):
+            shutil.copy(module.with_name(name), code / name)
+            os.chmod(code / name, 0o644)
         raised = ",+" + caps.replace(",", ",+") if caps else ""
         grant = [f"--inh-caps=-all{raised}", f"--bounding-set=-all{raised}",
                  *([f"--ambient-caps={raised[1:]}"] if caps else [])]
         done = subprocess.run(["/usr/bin/setpriv", f"--reuid={UNIT_UID}", f"--regid={UNIT_UID}",
                                "--clear-groups", *grant, "/usr/bin/python3", "-I", "-c", HARNESS,
-                               str(Path(sandbox_module.__file__)), str(state)],
+                               str(code / module.name), str(state)],
                               input=json.dumps(sources), capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
     finally:
         shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(code, ignore_errors=True)
 
 
 def test_under_a_unit_with_ambient_capabilities_the_child_drops_them_all(tmp_path):
