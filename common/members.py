@@ -25,7 +25,9 @@ ROLE_FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = MappingProxyType({
     "relay": {"shm_dir": (str,), "transport": (str,), "newest": (int,), "newest_at": (int, float),
               "versions": (list,), "successor": (str,), "master": (bool,)},
     "trainer": {"training": (str,), "version": (int,), "checkpoint_version": (int,), "paused": (bool,),
-                "checkpoint_error": (str,), "journal_error": (str,)},  # the last two: docs/disk-full.md
+                "checkpoint_error": (str,), "journal_error": (str,),  # these two: docs/disk-full.md
+                "non_finite_groups": (int,), "non_finite_steps": (int,), "non_finite": (str,),
+                "rewinds": (int,)},  # trainer/guard.py
     "rollout": {"weight_version": (int,), "first_result_at": (int, float)},
     "resource-manager": {"waiting_hosts": (dict,)},
     "env-host": {"in_flight": (int,), "claimed": (int,), "done": (int,), "claim_limit": (int,), "error": (str,)},

@@ -225,6 +225,11 @@ class TrainerSection(Section):
     # and publishes stand-in weights (daemons/trainer/backends.py).
     backend: TrainerBackendConfig = TRAINER_BACKENDS.field()
     bind_host: Host = "127.0.0.1"
+    # A group with a reward beyond ±this is dropped ("non_finite", daemons/trainer/guard.py):
+    # wide, but its squares stay finite in float32 (the advantages' std).
+    max_abs_reward: Annotated[float, Field(strict=False, gt=0, le=1e18, allow_inf_nan=False)] = 1e6
+    # After this many consecutive steps skipped for non-finite numbers, restore the last checkpoint.
+    max_skipped_steps: PosInt = 3
 
 
 # How rollouts and the trainer coordinate weight versions (ARCHITECTURE §4, docs/modes.md):

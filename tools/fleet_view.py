@@ -101,7 +101,8 @@ def take_snapshot(store: Store, job: str, check_leases: bool = False) -> FleetSn
     nodes = {host: node.to_value() for host, node in cluster.nodes.items()}
     placed = [(p.host, p.role, p.id) for p in cluster.placement]
     return FleetSnapshot(job, cluster.taken_at, members, leaders, nodes, placed,
-                         _problems(members, leaders, placed) + _node_problems(cluster) + list(cluster.problems),
+                         _problems(members, leaders, placed) + _node_problems(cluster) + _training_problems(cluster)
+                         + list(cluster.problems),
                          cluster)
 
 
@@ -122,6 +123,19 @@ def _node_problems(cluster: Cluster) -> list[str]:
         problems += [f"{d.id} on {host}: failing (keeps dying: {d.restarts} deaths, last {d.last_exit or '?'})"
                      for d in node.failing]
     return problems
+
+
+def _training_problems(cluster: Cluster) -> list[str]:
+    """Steps the trainer skipped for a non-finite number (daemons/trainer/guard.py): training
+    goes on, but a reward function or a model producing them needs a look."""
+    out = []
+    for m in cluster.members():
+        groups = m.info.get("non_finite_groups") if m.role == "trainer" else None
+        if groups:
+            steps, rewinds = m.info.get("non_finite_steps") or 0, m.info.get("rewinds") or 0
+            out.append(f"trainer/{m.id}: {groups} groups dropped for non-finite numbers ({steps} steps skipped, "
+                       f"{rewinds} checkpoints restored); last: {m.info.get('non_finite', '?')}")
+    return out
 
 
 def _process_health(m: registrations.Member) -> str:

@@ -30,7 +30,8 @@ class RunMetrics:
 
     def staleness(self) -> Counter:
         total: Counter = Counter()
-        for r in self.train:
+        # a step made again after a restore has two lines: the later one's batch is the one trained
+        for r in {r.get("step"): r for r in self.train}.values():
             total.update({int(k): int(v) for k, v in (r.get("staleness") or {}).items()})
         return total
 
@@ -121,6 +122,11 @@ def summary(m: RunMetrics) -> dict[str, Any]:
         s["tokens_per_s_mean"] = round(sum(r.get("tokens_per_s", 0.0) for r in m.train) / len(m.train), 1)
         s.update(throughput(m))
     s["staleness"] = dict(sorted(m.staleness().items()))
+    # A step made again after a restore (daemons/trainer/resume.py) has a second line; "steps"
+    # counts each step once, these say how many were made twice and what was dropped.
+    s["retrained_steps"] = sum(1 for r in m.train if r.get("replayed"))
+    if m.train and isinstance(m.train[-1].get("dropped"), dict):
+        s["dropped_groups"] = dict(m.train[-1]["dropped"])
     return s
 
 

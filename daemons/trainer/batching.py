@@ -23,6 +23,38 @@ STALENESS = "staleness"
 NO_SIGNAL = "no_signal"  # every reward of the group equal: advantage 0 for all
 INVALID = "invalid"
 REWARD_ERROR = "reward_error"
+NON_FINITE = "non_finite"  # a number that cannot be trained in float32 (guard.py)
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+class NonFiniteStep(Exception):
+    """A training step refused for a non-finite or out-of-range number (guard.py); ``what``
+    says which, with its value. ``weights_touched``: the optimizer had already updated the
+    weights (they are not finite): the learner must be restored from a checkpoint."""
+
+    def __init__(self, what: str, *, weights_touched: bool = False) -> None:
+        super().__init__(what)
+        self.what, self.weights_touched = what, weights_touched
+
+
+def reward_problem(st: ScoredTrajectory, max_abs_reward: float) -> str:
+    """Why this trajectory's reward cannot enter a float32 batch ("" if it can): 1e300 is
+    finite in float64 and inf in float32, and inf - inf is a NaN advantage."""
+    r = st.reward
+    if not math.isfinite(r) or abs(r) > _FLOAT32_MAX:
+        return f"{st.trajectory.trajectory_id}: reward {r!r} is not finite in float32"
+    if abs(r) > max_abs_reward:
+        return f"{st.trajectory.trajectory_id}: reward {r!r} outside ±{max_abs_reward:g} (trainer.max_abs_reward)"
+    return ""
+
+
+def group_reward_problem(trajectories: Sequence[ScoredTrajectory], max_abs_reward: float) -> str:
+    for st in trajectories:
+        problem = reward_problem(st, max_abs_reward)
+        if problem:
+            return problem
+    return ""
 
 # A log-prob a little above 0 is float noise from the engine; more is a bug.
 _LOGPROB_SLACK = 1e-3
@@ -77,15 +109,21 @@ class Selection:
 
 def select_groups(complete: Sequence[tuple[str, Sequence[ScoredTrajectory]]], n_groups: int,
                   trainer_version: int, max_staleness: int | None,
-                  no_signal_budget: int = 0) -> Selection:
+                  no_signal_budget: int = 0, max_abs_reward: float | None = None) -> Selection:
     """Take up to n_groups complete groups, oldest first; a group holding any
     trajectory staler than max_staleness is dropped as a whole instead, and so is a
-    group whose rewards are all equal while ``no_signal_budget`` (drops of that kind
-    still allowed for this batch) lasts."""
+    group with a reward beyond ±max_abs_reward or not finite in float32 ("non_finite",
+    guard.py), and a group whose rewards are all equal while ``no_signal_budget`` (drops
+    of that kind still allowed for this batch) lasts."""
     sel = Selection()
     for group_id, trajectories in complete:
         if len(sel.groups) >= n_groups:
             break
+        if max_abs_reward is not None:
+            problem = group_reward_problem(trajectories, max_abs_reward)
+            if problem:
+                sel.drops.append((group_id, NON_FINITE, problem))
+                continue
         ages = [staleness(st, trainer_version) for st in trajectories]
         if max_staleness is not None and max(ages, default=0) > max_staleness:
             worst = max(range(len(ages)), key=ages.__getitem__)

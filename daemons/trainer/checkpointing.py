@@ -32,6 +32,7 @@ from typing import Any
 from rlfleet.common.durable import fsync_path
 from rlfleet.common.store import Store, StoreUnavailable
 
+from .failpoints import kill_at
 from .journal import Journal
 from .metrics_log import CHECKPOINT_FAILURES, io_reason, member_id
 
@@ -125,6 +126,7 @@ def write_checkpoint(root: str | os.PathLike[str], version: int, fill: Callable[
     try:
         tmp.mkdir()
         fill(tmp)
+        kill_at("mid_checkpoint", version)
         for f in tmp.iterdir():
             fsync_path(f)
         fsync_path(tmp)

@@ -205,8 +205,11 @@ class Trainer(Daemon):
             return {"training": status}
         errors = {"checkpoint_error": w.state.checkpoint_error,  # a full disk: docs/disk-full.md
                   "journal_error": w.state.journal_error}
+        guard = {"non_finite_groups": w.state.non_finite_groups,
+                 "non_finite_steps": w.state.non_finite_steps, "non_finite": w.state.non_finite,
+                 "rewinds": w.state.rewinds}  # steps skipped before a NaN reached the weights (guard.py)
         return {"training": w.status, "version": w.version, "checkpoint_version": w.checkpoint_version,
-                "paused": w.paused, **{k: v for k, v in errors.items() if v}}
+                "paused": w.paused, **{k: v for k, v in {**errors, **guard}.items() if v}}
 
 
 def _prewarm(spec: JobSpec) -> None:

@@ -28,6 +28,8 @@ import torch
 
 from rlfleet.common.wire import ScoredTrajectory
 
+from .guard import require_finite
+
 Aggregate = Literal["token", "sequence"]
 
 
@@ -101,14 +103,18 @@ def build_batch(trajectories: Sequence[ScoredTrajectory], advantages: Sequence[f
 def batch_of_groups(groups: Sequence[Sequence[ScoredTrajectory]], pad_id: int,
                     vocab_size: int) -> TokenBatch:
     """The batch of one optimizer step on whole GRPO groups (every trainer backend's first
-    move): equal group sizes, group-relative advantages, token ids inside the vocabulary."""
+    move): equal group sizes, group-relative advantages, token ids inside the vocabulary.
+    Rewards or advantages that are not finite in float32 raise guard.NonFiniteStep."""
     if not groups or any(len(g) == 0 for g in groups):
         raise ValueError("train_step needs at least one group and no empty group")
     sizes = {len(g) for g in groups}
     if len(sizes) != 1:
         raise ValueError(f"groups of different sizes {sorted(sizes)}: advantages need equal G")
-    rewards = torch.tensor([[st.reward for st in g] for g in groups], dtype=torch.float32)
-    advantages = group_advantages(rewards)
+    # float64 first: a reward of 1e300 must read as "1e300", not as float32's inf
+    rewards = torch.tensor([[st.reward for st in g] for g in groups], dtype=torch.float64)
+    require_finite("rewards (as float32)", rewards.float())
+    advantages = group_advantages(rewards.float())
+    require_finite("advantages", advantages)
     flat = [st for g in groups for st in g]
     batch = build_batch(flat, advantages.flatten().tolist(), pad_id=pad_id)
     too_big = int(batch.input_ids.max())

@@ -24,13 +24,13 @@ from rlfleet.common.validation import confined
 from rlfleet.common.wire import ScoredTrajectory, count_rejection
 
 from .batching import INVALID, check_trajectory, drop_reason
+from .failpoints import FAILPOINT_ENV
 from .journal import Journal, until_written
 
 log = logging.getLogger("rlfleet.trainer")
 
 # Test-only fault injection: "exit_after_journal" ends the process right after a
 # batch is journaled and before it is acked (tests/trainer/test_daemon.py).
-FAILPOINT_ENV = "RLFLEET_TRAINER_FAILPOINT"
 
 MAX_BATCH = 512  # arrivals journaled (one fsync) and acked together, at most
 LINGER_S = 0.001  # after a first arrival, how long to wait for more before journaling

@@ -282,15 +282,20 @@ class Journal:
             self._commit(recs)
             return len(recs)
 
-    def reopen_trained_after(self, version: int) -> list[str]:
-        """Groups trained after ``version`` (a resumed checkpoint): pending again, durably."""
+    def reopen_trained_after(self, version: int) -> dict[int, list[str]]:
+        """Groups trained after ``version`` (a restored checkpoint): pending again, durably.
+        Returns them by the version whose step trained them, each batch in its order, so
+        they can be trained again in their original batches (resume.py)."""
         with self._lock:
-            groups = [g for g, v in self.state.trained.items()
-                      if v > version and g in self.state.trained_data]
+            batches: dict[int, list[str]] = {}
+            for g, v in self.state.trained.items():
+                if v > version and g in self.state.trained_data:
+                    batches.setdefault(v, []).append(g)
+            groups = [g for v in sorted(batches) for g in batches[v]]
             if groups:
                 rec = [REOPENED, groups]
                 self._commit([(rec, msgspec.msgpack.encode(rec))])
-            return groups
+            return dict(sorted(batches.items()))
 
     def _commit(self, recs: list[tuple[list[Any], bytes]]) -> None:
         """Write records, fsync, then apply them to the state. If the write fails

@@ -49,6 +49,7 @@ from rlfleet.common.wire import ScoredTrajectory
 from . import grpo
 from . import megatron_weights as mw
 from .checkpointing import STATE_FILE, CheckpointError, write_checkpoint
+from .guard import apply_update
 from .learner import _TOKENIZER_FILES, scheduled_lr
 from .losses import PolicyLoss, PPOClipLoss
 
@@ -290,21 +291,18 @@ class MegatronLearner:
             loss.backward()
             losses.append(loss.detach())
             parts.append(stats)
-        loss_total = sum(float(x) for x in losses)
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         lr = scheduled_lr(self.lr, self.version + 1, self.lr_schedule, self.warmup_steps,
                           self.total_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        # Refuses a non-finite loss or gradient before the update, and non-finite weights
+        # after it (guard.py): a NaN never reaches a published version.
+        loss_total, grad_norm = apply_update(self.optimizer, losses, self.max_grad_norm, lr)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)  # step_s is the step's time, not its launch's
         self.version += 1
         return {
             **grpo.merge_stats(parts),
             "loss": loss_total,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "lr": lr,
             **grpo.group_stats(groups),
             "rows": len(batch.row_trajectory),

@@ -9,7 +9,9 @@ that finished), staleness {versions behind: trajectories in this step}, dropped
 ratio_mean, clip_frac, approx_kl, entropy, grad_norm, lr, checkpoint (path or null),
 mixed_version (trajectories in this step with a turn made by more than one weight
 version: only the `partial` mode makes them), continuations (interrupted generations
-continued, this step), repack_overhead_s (each repacked generation's wait, this step).
+continued, this step), repack_overhead_s (each repacked generation's wait, this step),
+replayed (true only on a step made again after a restore: its step number appears twice,
+the later line is the one whose weights live on; resume.py).
 The sim trainer backend (sim_learner.py) has no ratio/KL/entropy/grad_norm/lr; it adds
 model_step_s (the modeled step, in model seconds), batch_tokens (the prompt + completion
 tokens it was modeled on) and sim_lag_s (wall seconds the step ran over its model).
@@ -125,9 +127,11 @@ def _seconds(raw: str) -> list[float]:
 
 def step_line(*, version: int, stats: dict[str, Any], ages: Counter[int], wait_s: float,
               snapshot_s: float, publisher: Any, summary: dict[str, Any],
-              checkpoint: Path | None, versions: dict[str, Any] | None = None) -> dict[str, Any]:
+              checkpoint: Path | None, versions: dict[str, Any] | None = None,
+              replayed: bool = False) -> dict[str, Any]:
     """The metrics line of one training step (``stats``: what the learner's train_step returned;
-    ``summary``: the journal's job totals)."""
+    ``summary``: the journal's job totals; ``replayed``: a step lost to a restore, made
+    again from its original batch, resume.py)."""
     return {
         "time": round(time.time(), 3), "step": version, "version": version,
         "reward_mean": stats["reward_mean"], "reward_std": stats["reward_std"],
@@ -144,6 +148,7 @@ def step_line(*, version: int, stats: dict[str, Any], ages: Counter[int], wait_s
         **{k: stats[k] for k in _LEARNER_KEYS if k in stats},
         "checkpoint": str(checkpoint) if checkpoint else None,
         **(versions or {}),
+        **({"replayed": True} if replayed else {}),
     }
 
 

@@ -1,10 +1,15 @@
 """The training thread's loop; one step reads like the algorithm.
 
-    every pass: evict what is beyond the staleness bound α or the buffer's (1 + α) x B (buffer.py)
+    every pass: first a step lost to a restore, in its original batch (resume.py); else
+    evict what is beyond the staleness bound α or the buffer's (1 + α) x B (buffer.py)
     whenever B/G complete groups are pending (after_batch filtering: of finished rounds):
         take them in buffer_order, select (no-signal filter)  -> learner.train_step  -> journal the trained groups
         -> hand the version to the publisher -> metrics line -> checkpoint every N steps
         -> held-out evaluation when due
+
+A step that meets a non-finite number (guard.py) is skipped before the update: its groups
+are dropped as ``non_finite``; ``max_skipped_steps`` in a row restore the last checkpoint
+(``rewind``), as does an update that made the weights non-finite, before any publication.
 
 A full disk (docs/disk-full.md): a journal record that cannot be written is retried
 (``until_written``) with the loop's status ``stalled: journal ...``; a step whose TRAINED
@@ -39,12 +44,15 @@ from typing import Any
 
 from rlfleet.common.spec import JobSpec
 
-from .batching import INVALID, NO_SIGNAL, STALENESS, in_finished_rounds, select_groups
+from .batching import (INVALID, NO_SIGNAL, NON_FINITE, STALENESS, NonFiniteStep, in_finished_rounds,
+                       select_groups, staleness)
 from .buffer import capacity_groups, evict_overflow, evict_stale, ordered
 from .checkpointing import Checkpointer
 from .evaluation import policy_to_evaluate
+from .failpoints import kill_at
 from .journal import Journal, JournalUnwritable, until_written
 from .metrics_log import PAUSED, MetricsLog, batch_versions, step_line
+from .resume import Replay, restore
 
 log = logging.getLogger("rlfleet.trainer")
 
@@ -81,6 +89,10 @@ class TrainerState:
     paused: bool = False
     counts: Counter[str] = field(default_factory=Counter)  # intake outcomes, republishes
     checkpoint_error: str = ""  # the last failed checkpoint's sentence; "" after one succeeds
+    non_finite_steps: int = 0  # steps skipped for a non-finite number (guard.py), since start
+    non_finite_groups: int = 0  # groups dropped as non_finite (their reward, or a skipped step)
+    non_finite: str = ""  # the last one's sentence, with its values
+    rewinds: int = 0  # checkpoints restored after skipped steps
     journal: Journal | None = field(default=None, repr=False)  # for journal_error
 
     @property
@@ -97,12 +109,15 @@ class TrainingLoop:
     def __init__(self, *, spec: Callable[[], JobSpec], journal: Journal, learner: Any,
                  publisher: Any, checkpointer: Checkpointer, evaluator: Any,
                  metrics: MetricsLog, state: TrainerState, wake: threading.Event,
-                 pause: threading.Event | None = None) -> None:
+                 pause: threading.Event | None = None, replay: Replay | None = None) -> None:
         """``spec`` is asked each pass (a SIGHUP reload applies at the next step);
         ``publisher``: an AsyncPublisher or None; ``evaluator``: an Evaluator or None;
         ``wake`` is set by the intake when new trajectories were journaled (and when the
-        pause is lifted); ``pause``: set while the job is paused."""
+        pause is lifted); ``pause``: set while the job is paused; ``replay``: the steps a
+        restored learner trains again (resume.py)."""
         self.spec, self.journal, self.learner = spec, journal, learner
+        self.replay = replay if replay is not None else Replay(made_up_to=learner.version)
+        self.skipped_in_a_row = 0  # consecutive steps skipped for non-finite numbers (guard.py)
         self.publisher, self.checkpointer, self.evaluator = publisher, checkpointer, evaluator
         self.metrics, self.state, self.wake = metrics, state, wake
         self.pause = pause if pause is not None else threading.Event()
@@ -138,6 +153,12 @@ class TrainingLoop:
                 self.wake.clear()
                 continue
             self.wake.clear()
+            again = self.replayable(self.replay.take(learner.version + 1), g)
+            if again:  # a step lost to a restore: its original batch, at its original version
+                self.state.status = "training"
+                self.step(again, self.ages(again), 0.0, replayed=True)
+                waited_from = time.monotonic()
+                continue
             evicted, complete = self.evict(t.max_staleness, t.batch_size // g, t.buffer_order)
             if t.no_signal_drops_per_batch > 0 and t.filter_schedule == "after_batch":
                 # an evicted group has reached the trainer too: its round may be finished
@@ -146,16 +167,20 @@ class TrainingLoop:
                 complete = [(gid, ts) for gid, ts in complete if gid in kept]
             budget = int(t.no_signal_drops_per_batch * (t.batch_size // g)) - no_signal_dropped
             sel = select_groups(complete, t.batch_size // g, learner.version, t.max_staleness,
-                                no_signal_budget=max(0, budget))
+                                no_signal_budget=max(0, budget), max_abs_reward=t.max_abs_reward)
             no_signal_dropped += sum(1 for _, reason, _ in sel.drops if reason == NO_SIGNAL)
             drops = evicted + sel.drops
             if drops:
                 if not self.journaled(lambda: journal.record_dropped(drops)):
                     return  # stopped; nothing was trained
                 for gid, reason, detail in drops:
-                    # no_signal drops are routine (counted in the metrics line), not news
-                    log.log(logging.DEBUG if reason == NO_SIGNAL else logging.INFO,
-                            "dropped group %s: %s (%s)", gid, reason, detail,
+                    if reason == NON_FINITE:
+                        self.state.non_finite_groups += 1
+                        self.state.non_finite = f"group {gid}: {detail}"[:300]
+                    # no_signal drops are routine (counted in the metrics line), not news;
+                    # a reward no float32 batch can hold is (a reward function's bug, an insider)
+                    log.log(logging.DEBUG if reason == NO_SIGNAL else logging.ERROR if reason == NON_FINITE
+                            else logging.INFO, "dropped group %s: %s (%s)", gid, reason, detail,
                             extra={"event": "drop", "reason": reason})
             if len(sel.groups) < t.batch_size // g:
                 self.state.status = f"stalled: {journal.write_error}"[:200] if journal.write_error \
@@ -192,10 +217,23 @@ class TrainingLoop:
         return in_finished_rounds(complete, prompts_per_round,
                                   lambda gid: gid in done or gid in state.trained or gid in state.dropped)
 
-    def step(self, groups: list[str], ages: Counter[int], wait_s: float) -> None:
+    def replayable(self, groups: list[str], group_size: int) -> list[str]:
+        """Of a replayed batch, the groups still pending and complete (all, unless the
+        journal changed since: such a step is then made by the ordinary selection)."""
+        complete = set(self.journal.complete_groups(group_size)) if groups else set()
+        return [gid for gid in groups if gid in complete]
+
+    def ages(self, groups: list[str]) -> Counter[int]:
+        version = self.learner.version
+        return Counter(staleness(st, version) for gid in groups for st in self.journal.group(gid))
+
+    def step(self, groups: list[str], ages: Counter[int], wait_s: float, *, replayed: bool = False) -> None:
         batch = [self.journal.group(gid) for gid in groups]
         try:
             stats = self.learner.train_step(batch)
+        except NonFiniteStep as exc:
+            self.skip_non_finite(groups, exc)
+            return
         except ValueError as exc:  # the data, not the trainer: account and go on
             if not self.journaled(lambda: self.journal.record_dropped(
                     [(gid, INVALID, str(exc)[:500]) for gid in groups])):
@@ -203,12 +241,14 @@ class TrainingLoop:
             log.warning("dropped %d groups, batch refused: %s", len(groups), exc,
                         extra={"event": "drop", "reason": INVALID})
             return
+        kill_at("mid_step", self.learner.version)
         if not self.journaled(lambda: self.journal.record_trained(self.learner.version, groups)):
             # The learner's weights hold a step the journal does not: no checkpoint on the
             # way out (the worker's drain would write one), the next leader re-trains it.
             raise JournalUnwritable(f"stopped before the journal could record step "
                                     f"{self.learner.version}: {self.journal.write_error}")
         version = self.state.version = self.learner.version
+        self.skipped_in_a_row = 0
         snapshot_s = self.publish()
         every = self.spec().trainer.checkpoint_every
         # Also once a checkpoint is overdue: one skipped while leadership was unconfirmed
@@ -220,10 +260,52 @@ class TrainingLoop:
         self.metrics.append(step_line(version=version, stats=stats, ages=ages, wait_s=wait_s,
                                       snapshot_s=snapshot_s, publisher=self.publisher,
                                       summary=self.journal.summary(), checkpoint=ckpt,
-                                      versions=batch_versions(batch)))
+                                      versions=batch_versions(batch), replayed=replayed))
         log.info("step %d: loss %.4f reward %.3f, %d tokens in %.2f s", version, stats["loss"],
                  stats["reward_mean"], stats["tokens"], stats["step_s"], extra={"event": "step"})
         self.maybe_evaluate()
+
+    def skip_non_finite(self, groups: list[str], exc: NonFiniteStep) -> None:
+        """A step refused by the guard (guard.py): its groups dropped as ``non_finite``,
+        counted, one log line with the offending values; after ``max_skipped_steps`` in a
+        row, or at once if the update already reached the weights, the last checkpoint is
+        restored."""
+        detail = str(exc)[:500]
+        if not self.journaled(lambda: self.journal.record_dropped([(gid, NON_FINITE, detail) for gid in groups])):
+            return
+        self.skipped_in_a_row += 1
+        self.state.non_finite_steps += 1
+        self.state.non_finite_groups += len(groups)
+        self.state.non_finite = f"step {self.learner.version + 1}: {detail}"[:300]
+        limit = self.spec().trainer.max_skipped_steps
+        log.error("step %d skipped: %s; its %d groups dropped as %s (%d in a row, %d in all)",
+                  self.learner.version + 1, detail, len(groups), NON_FINITE, self.skipped_in_a_row,
+                  self.state.non_finite_steps, extra={"event": "non_finite", "reason": NON_FINITE})
+        if exc.weights_touched:
+            self.rewind("the update made the weights non-finite", weights_broken=True)
+        elif self.skipped_in_a_row >= limit:
+            self.rewind(f"{limit} steps in a row skipped (trainer.max_skipped_steps)")
+
+    def rewind(self, why: str, *, weights_broken: bool = False) -> None:
+        """Restore the newest checkpoint and re-train what came after it (resume.py): the
+        same path as a restart, without one. With no checkpoint and broken weights there
+        is nothing to restore in-process: the worker fails and its daemon starts it again
+        from the base model."""
+        from .checkpointing import checkpoints
+
+        if not checkpoints(self.checkpointer.folder):
+            if weights_broken:
+                raise RuntimeError(f"{why} and no checkpoint to restore: restarting from the base model")
+            log.warning("%s, but no checkpoint to restore: going on", why, extra={"event": "rewind"})
+            self.skipped_in_a_row = 0
+            return
+        before = self.learner.version
+        self.replay = restore(self.learner, self.journal, self.checkpointer.folder)
+        self.state.version = self.state.checkpoint_version = self.learner.version
+        self.state.rewinds += 1
+        self.skipped_in_a_row = 0
+        log.error("%s: restored checkpoint version %d (was at %d); re-training %d steps",
+                  why, self.learner.version, before, self.replay.steps_left, extra={"event": "rewind"})
 
     def hold(self) -> None:
         """One pass while paused, at a step boundary: checkpoint the current version if the
@@ -252,10 +334,11 @@ class TrainingLoop:
 
     def publish(self) -> float:
         """Hand a snapshot to the publisher thread; returns the trainer's stall (the copy)."""
-        if self.publisher is None:
-            return 0.0
+        if self.publisher is None or not self.replay.may_publish(self.state.version):
+            return 0.0  # a re-trained version the relays hold already (resume.py)
         started = time.monotonic()
         self.publisher.submit(self.state.version, self.learner.state_tensors())
+        kill_at("mid_publish", self.state.version)
         return time.monotonic() - started
 
     def republish_if_starved(self, stale_since: float) -> None:

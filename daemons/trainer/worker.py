@@ -24,10 +24,10 @@ Files (``Paths``): ``$RLFLEET_RUN_DIR`` or ``<job.runs_dir>/<job>``, holding
 
 ``status`` (shown as ``training`` in the member record): see ``TrainerState``.
 
-Restart semantics: the version counter resumes at max(checkpoint version, the
-highest version the journal says was trained), so versions never go backwards;
-groups trained after the checkpoint lost their effect on the weights and are
-journaled as pending again (REOPENED) to be trained once more.
+Restart semantics (resume.py): the learner resumes at the newest checkpoint's version
+with its weights; the groups trained after it lost their effect on the weights, are
+journaled as pending again (REOPENED) and trained once more in their original batches at
+their original versions; nothing below the highest version made before is published again.
 """
 
 from __future__ import annotations
@@ -45,11 +45,12 @@ from rlfleet.common.run_dir import job_run_dir
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.store import Store
 
-from .checkpointing import Checkpointer, checkpoints
+from .checkpointing import Checkpointer
 from .intake import Intake
 from .journal import Journal
 from .metrics_log import MetricsLog
 from .progress import ProgressWriter, progress_record
+from .resume import restore
 from .training import TrainerState, TrainingLoop
 
 log = logging.getLogger("rlfleet.trainer")
@@ -233,16 +234,8 @@ class TrainingWorker:
         # [trainer.backend]: the torch Learner, or the sim backend's timing model
         # (backends.py); torch is imported only here, by a leader, and only for torch.
         learner = TRAINER_BACKENDS.build(self.spec.trainer.backend, spec=self.spec)
-        for ckpt in checkpoints(self.paths.checkpoints):
-            try:
-                learner.load_checkpoint(ckpt)
-                break
-            except Exception as exc:  # noqa: BLE001 — fall back to the older one
-                log.warning("checkpoint %s unreadable (%s); trying an older one", ckpt, exc)
-        self.state.checkpoint_version = learner.version
-        reopened = journal.reopen_trained_after(learner.version)
-        learner.version = max(learner.version, journal.state.max_version)
-        self.state.version = learner.version
+        replay = restore(learner, journal, self.paths.checkpoints)
+        self.state.checkpoint_version = self.state.version = learner.version
         self._publisher = self._make_publisher()
         evaluator = None
         off = evaluation_off(self.spec, learner)
@@ -255,17 +248,17 @@ class TrainingWorker:
         self._loop = TrainingLoop(spec=lambda: self.spec, journal=journal, learner=learner,
                                   publisher=self._publisher, checkpointer=checkpointer,
                                   evaluator=evaluator, metrics=MetricsLog(self.paths.metrics),
-                                  state=self.state, wake=self._data, pause=self._pause)
+                                  state=self.state, wake=self._data, pause=self._pause,
+                                  replay=replay)
         self._loop.maybe_evaluate()  # version 0, or one a restart has not evaluated yet
         self._intake = Intake(journal, bind_host=self.spec.trainer.bind_host,
                               group_size=lambda: self.spec.task.group_size,
                               vocab_size=getattr(learner, "vocab_size", None),
                               counts=self.state.counts, on_data=self._data.set,
                               on_bound=self.on_bound)
-        log.info("resumed at version %d (checkpoint version %d, %d groups to re-train, "
-                 "%d pending groups in the journal)", self.state.version,
-                 self.state.checkpoint_version, len(reopened), len(journal.state.pending),
-                 extra={"event": "resume"})
+        log.info("resumed at version %d (the checkpoint's), %d steps (%d groups) to re-train up to "
+                 "version %d, %d pending groups in the journal", self.state.version, replay.steps_left,
+                 replay.groups_left, replay.made_up_to, len(journal.state.pending), extra={"event": "resume"})
 
     def _make_publisher(self) -> Any:
         from .publishing import AsyncPublisher

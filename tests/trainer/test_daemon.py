@@ -140,21 +140,23 @@ def test_journal_before_ack_training_and_resume_after_kill_9(setup):
 
     # -- b: the standby takes over, resuming from the checkpoint and the journal -------
     sender = ReliableSender(address(store, "trainer-b", tmp / "trainer-b.log"), resend_after_s=0.5)
-    # Versions never go backwards; the two groups of step 3 lost their training with
-    # the kill (the checkpoint is at 2) and are trained again.
-    assert "resumed at version 3 (checkpoint version 2, 2 groups to re-train, 4 pending groups" in (
+    # The checkpoint's version and weights (2); the two groups of step 3 lost their
+    # training with the kill and are trained again as step 3, in their original batch.
+    assert "resumed at version 2 (the checkpoint's), 1 steps (2 groups) to re-train up to version 3, 4 pending groups" in (
         tmp / "trainer-b.log").read_text()
-    assert member(store, "trainer-b")["version"] >= 3
-    # With p7 completed, 4 complete groups: two steps. p6 again: duplicates, acked, ignored.
+    wait_for("step 3 made again", lambda: len(metrics(tmp)) == 4, timeout_s=60)
+    # With p7 completed, 2 more complete groups (p6, p7): step 4. p6 again: duplicates, acked, ignored.
     send_all(sender, [group(7, 3)[1], *group(6, 3)])
-    wait_for("2 more steps", lambda: len(metrics(tmp)) == 5, timeout_s=60)
+    wait_for("1 more step", lambda: len(metrics(tmp)) == 5, timeout_s=60)
     m = metrics(tmp)
-    assert [x["version"] for x in m] == [1, 2, 3, 4, 5]
-    # Step 4 re-trained step 3's groups from the restored version-2 weights (every group
-    # here holds the same data): the same loss, to the last bit.
-    assert m[3]["loss"] == m[2]["loss"] and m[3]["staleness"] == {"3": 4}
+    assert [x["version"] for x in m] == [1, 2, 3, 3, 4]
+    # Step 3 again, from the restored version-2 weights, optimizer and batch: the same loss
+    # to the last bit, and the same staleness (nothing dropped for it).
+    assert m[3]["replayed"] and "replayed" not in m[2]
+    assert m[3]["loss"] == m[2]["loss"] and m[3]["staleness"] == {"2": 4}
     assert m[-1]["trained_groups"] == 8 and m[-1]["dropped"] == {"env_error": 1}
     assert m[-1]["pending_groups"] == 0
+    wait_for("version 4 in the member record", lambda: member(store, "trainer-b").get("version") == 4)
     sender.close()
     assert stop(b) == 0
 
@@ -164,6 +166,54 @@ def test_journal_before_ack_training_and_resume_after_kill_9(setup):
         assert set(j.state.trained) == {f"p{p}" for p in range(8)}
         assert j.state.dropped["p8"][0] == "env_error"
         assert j.state.pending == {}
-        assert max(j.state.trained.values()) == 5
+        assert max(j.state.trained.values()) == 4
     # The clean stop checkpointed the last version.
-    assert store.get(JobKeys(JOB).trainer_checkpoint).value["version"] == 5
+    assert store.get(JobKeys(JOB).trainer_checkpoint).value["version"] == 4
+
+
+def test_non_finite_rewards_and_steps_leave_training_advancing(setup, etcd):
+    """The attack of issue 28 against the real daemon: a group [1e300, 0] and a user reward
+    of 1e39 are dropped as non_finite at selection; groups whose behaviour log-probs are
+    -1e30 (finite, <= 0: every wire check passes; the loss is inf) make three steps in a
+    row skip, and the trainer restores its last checkpoint and re-trains what came after.
+    Training advances throughout, no weight is ever non-finite, status names it."""
+    start, store, tmp = setup
+    a = start("trainer-a")
+    sender = ReliableSender(address(store, "trainer-a", tmp / "trainer-a.log"), resend_after_s=0.5)
+    send_all(sender, [st for p in range(4) for st in group(p)])
+    wait_for("2 steps, checkpoint at 2", lambda: len(metrics(tmp)) == 2 and metrics(tmp)[1]["checkpoint"],
+             timeout_s=60)
+    attack = [scored(4, 0, 1e300), scored(4, 1, 0.0), scored(5, 0, 1e39), scored(5, 1, 0.0)]
+    send_all(sender, [*attack, *group(6, 2), *group(7, 2)])
+    wait_for("step 3 from the honest groups", lambda: len(metrics(tmp)) == 3, timeout_s=60)
+    assert metrics(tmp)[2]["dropped"] == {"non_finite": 2}
+    info = wait_for("the member record", lambda: (i := member(store, "trainer-a")).get("non_finite_groups") and i)
+    assert info["non_finite_groups"] == 2 and "p5-g0: reward 1e+39 is not finite in float32" in info["non_finite"]
+
+    poison = [scored(p, k, float(k), logprobs=[-1e30, -1e30], version=3) for p in range(8, 14) for k in range(2)]
+    send_all(sender, poison)
+    wait_for("3 steps skipped and a rewind", lambda: member(store, "trainer-a").get("rewinds") == 1, timeout_s=60)
+    info = member(store, "trainer-a")
+    assert (info["non_finite_steps"], info["non_finite_groups"]) == (3, 8) and "loss not finite" in info["non_finite"]
+    log_a = (tmp / "trainer-a.log").read_text()
+    assert "3 steps in a row skipped (trainer.max_skipped_steps): restored checkpoint version 2 (was at 3)" in log_a
+    send_all(sender, [*group(14, 3), *group(15, 3)])
+    wait_for("step 3 re-trained, then step 4", lambda: len(metrics(tmp)) == 5, timeout_s=60)
+    m = metrics(tmp)
+    assert [x["version"] for x in m] == [1, 2, 3, 3, 4] and m[3]["replayed"]
+    assert m[-1]["dropped"] == {"non_finite": 8} and m[-1]["trained_groups"] == 8
+    assert all(x["loss"] == x["loss"] and abs(x["grad_norm"]) < float("inf") for x in m)
+
+    status = subprocess.run([sys.executable, "-m", "rlfleet.tools.cli", "status", "--job", JOB,
+                             "--etcd", etcd.endpoints_arg, "--output", "json"],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    problems = json.loads(status.stdout)["problems"]
+    assert status.returncode == 1 and any(
+        "trainer/trainer-a: 8 groups dropped for non-finite numbers (3 steps skipped, 1 checkpoints restored)" in p
+        for p in problems), problems
+    sender.close()
+    assert stop(a) == 0
+    import torch
+    from safetensors.torch import load_file
+    final = tmp / "run" / "checkpoints" / "step-00000004" / "model.safetensors"
+    assert all(bool(torch.isfinite(t).all()) for t in load_file(str(final)).values())

@@ -130,7 +130,7 @@ def test_reopen_after_resume_and_compaction(tmp_path):
         assert ids(j) == {"p2": ["p2-g0", "p2-g1"]}
         assert j.append_trajectories([scored(0, 0, 1.0), scored(3, 1, 0.0)]) == [False, False]
         # Resuming from the version-1 checkpoint: p1's step was lost, train it again.
-        assert j.reopen_trained_after(1) == ["p1"]
+        assert j.reopen_trained_after(1) == {2: ["p1"]}  # by the version that trained it
         assert j.state.max_version == 2
     with Journal(path) as j:  # the reopening is durable
         assert j.state.trained == {"p0": 1}

@@ -128,7 +128,7 @@ def test_sim_trainer_publishes_real_bytes_through_the_relay_and_resumes(fleet):
     assert "held-out evaluation off: the sim trainer backend has no policy to generate with" in (
         tmp / "trainer-a.log").read_text()
 
-    # -- kill -9 after the step-2 checkpoint: the next trainer resumes at version 3 ----
+    # -- kill -9 after the step-2 checkpoint: the next trainer resumes at version 2 ----
     a.send_signal(signal.SIGKILL)
     a.wait(10)
     sender.close()
@@ -136,10 +136,14 @@ def test_sim_trainer_publishes_real_bytes_through_the_relay_and_resumes(fleet):
     sender = ReliableSender(trainer_address(store, "trainer-b", tmp / "trainer-b.log"),
                             resend_after_s=0.5)
     log_b = (tmp / "trainer-b.log").read_text()
-    assert "resumed at version 3 (checkpoint version 2, 2 groups to re-train, 2 pending groups" in log_b
-    # The two re-opened groups of step 3 plus two new ones: versions 4 and 5, never back.
+    assert "resumed at version 2 (the checkpoint's), 1 steps (2 groups) to re-train up to version 3, 2 pending groups" in log_b
+    # Step 3 made again from its original batch (not published: the relay holds version 3),
+    # then the two new groups: version 4; weights/latest never goes back.
     send_groups(sender, range(6, 8), version=3)
     wait_for("2 more steps", lambda: len(metrics(tmp)) == 5)
-    assert [x["version"] for x in metrics(tmp)] == [1, 2, 3, 4, 5]
-    wait_for("weights/latest at version 5", lambda: latest(store) == 5, timeout_s=20)
+    m = metrics(tmp)
+    assert [x["version"] for x in m] == [1, 2, 3, 3, 4] and m[3]["replayed"]
+    assert m[3]["staleness"] == {"2": 4}
+    wait_for("weights/latest at version 4", lambda: latest(store) == 4, timeout_s=20)
+
     sender.close()

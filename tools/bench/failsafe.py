@@ -6,11 +6,11 @@ For every outage length: a fresh 3-member etcd, a relay and a sim-backend traine
 daemon processes), a feeder that keeps complete groups coming over the reward-host's
 ReliableSender; after ``--warmup-s`` two etcd members are killed (quorum lost) for the
 outage, then started again, and the run goes on for ``--after-s``. Reported: steps and
-groups trained twice (the trainer's own resume lines: ``resumed at version V (checkpoint
-version C, K groups to re-train`` after the first), resumes, versions in metrics.jsonl
-(strictly increasing?), every (version, term) weights/latest took (never backwards? how
-many terms, i.e. trainers, published), and whether metrics.jsonl's step count equals
-the final version (what summary.json reports as steps).
+groups trained twice (the trainer's own resume lines: ``resumed at version C (the
+checkpoint's), S steps (K groups) to re-train`` after the first), resumes, versions in
+metrics.jsonl (strictly increasing, the re-trained lines aside?), every (version, term)
+weights/latest took (never backwards? how many terms, i.e. trainers, published), and
+whether the distinct steps equal the final version (what summary.json reports as steps).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ weight_mib = 1
 [relay]
 chunk_mib = 1
 """
-RESUME = re.compile(r"resumed at version (\d+) \(checkpoint version (\d+), (\d+) groups to re-train")
+RESUME = re.compile(r"resumed at version (\d+) \(the checkpoint's\), (\d+) steps \((\d+) groups\) to re-train")
 
 
 def scored(p: int, k: int, reward: float, tokens: tuple[int, ...]) -> ScoredTrajectory:
@@ -210,15 +210,16 @@ def run_once(outage_s: float, warmup_s: float, after_s: float, rate: float, chec
     log = (tmp / "trainer-a.log").read_text()
     resumes = [tuple(map(int, m.groups())) for m in RESUME.finditer(log)]
     versions = _versions(tmp)
+    first_made = _versions(tmp, replayed=False)
     lines = len(versions)
     result = {
         "outage_s": outage_s, "quorum_back_after_s": round(back_s, 1),
         "steps_before_outage": len(before), "final_version": versions[-1] if versions else 0,
         "metrics_lines": lines,
         "resumes_from_checkpoint": len(resumes),
-        "steps_retrained": sum(v - c for v, c, _ in resumes[1:]),
+        "steps_retrained": sum(s for _, s, _ in resumes[1:]),
         "groups_retrained": sum(k for _, _, k in resumes[1:]),
-        "versions_strictly_increasing": all(b > a for a, b in zip(versions, versions[1:])),
+        "versions_strictly_increasing": all(b > a for a, b in zip(first_made, first_made[1:])),
         "latest_never_backwards": all(b[0] >= a[0] for a, b in zip(latest, latest[1:])),
         "publishing_terms": sorted({t for _, t in latest}),
         "latest_updates": len(latest),
@@ -226,19 +227,22 @@ def run_once(outage_s: float, warmup_s: float, after_s: float, rate: float, chec
         "confirmed_logged": "continuing from in-memory state" in log,
         "run_dir": str(tmp),
     }
-    # summary.json reports the final version as the run's steps; a retrained step is in
-    # it (and in metrics.jsonl) twice, so the distinct steps are fewer.
+    # summary.json reports the final version as the run's steps; a retrained step has a
+    # second line in metrics.jsonl ("replayed"), so the lines are more than the steps.
     result["summary_steps"] = result["final_version"]
-    result["distinct_steps"] = result["final_version"] - result["steps_retrained"]
-    result["summary_steps_consistent"] = (result["distinct_steps"] == result["summary_steps"] == lines)
+    result["distinct_steps"] = len(set(versions))
+    result["summary_steps_consistent"] = (result["distinct_steps"] == result["summary_steps"]
+                                          == lines - result["steps_retrained"])
     return result
 
 
-def _versions(tmp: Path) -> list[int]:
+def _versions(tmp: Path, replayed: bool = True) -> list[int]:
+    """The step lines' versions (``replayed=False``: without the re-trained steps' lines)."""
     path = tmp / "run" / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line)["version"] for line in path.read_text().splitlines() if line.strip()]
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [x["version"] for x in lines if "version" in x and (replayed or not x.get("replayed"))]
 
 
 def main(argv: list[str] | None = None) -> int:
