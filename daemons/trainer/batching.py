@@ -70,8 +70,25 @@ def drop_reason(st: ScoredTrajectory) -> tuple[str, str]:
     return "", ""
 
 
-def check_trajectory(st: ScoredTrajectory, vocab_size: int | None) -> str:
-    """Why this trajectory cannot be trained on ("" if it can). Precise, with the numbers."""
+def identity_problem(st: ScoredTrajectory, group_size: int) -> str:
+    """Why this trajectory's ids break docs/dataflow.md's Identities ("" if they follow them):
+    ``group_id = p<prompt_id>``, ``trajectory_id = p<prompt_id>-g<k>``, 0 <= k < G. A
+    trajectory outside its group's G slots (a forged ``p7-g99``) would otherwise take a
+    real one's place and drop or poison its group (a squat)."""
+    t = st.trajectory
+    group = f"p{t.prompt_id}"
+    if t.group_id != group:
+        return f"group_id {t.group_id!r} is not {group!r} (prompt_id {t.prompt_id})"
+    k = t.trajectory_id.removeprefix(f"{group}-g")
+    if (k == t.trajectory_id or not (k.isascii() and k.isdigit()) or str(int(k)) != k
+            or int(k) >= group_size):
+        return f"trajectory_id {t.trajectory_id!r} is not {group}-g<k> with 0 <= k < group_size {group_size}"
+    return ""
+
+
+def check_trajectory(st: ScoredTrajectory, vocab_size: int | None, max_version: int | None = None) -> str:
+    """Why this trajectory cannot be trained on ("" if it can). Precise, with the numbers.
+    ``max_version``: the newest version the trainer ever made; no rollout can hold a later one."""
     t = st.trajectory
     if not math.isfinite(st.reward):
         return f"{t.trajectory_id}: reward is {st.reward}"
@@ -79,6 +96,8 @@ def check_trajectory(st: ScoredTrajectory, vocab_size: int | None) -> str:
         return f"{t.trajectory_id}: no turns"
     for k, turn in enumerate(t.turns):
         where = f"{t.trajectory_id} turn {k}"
+        if turn.weight_version < 0 or (max_version is not None and turn.weight_version > max_version):
+            return f"{where}: weight_version {turn.weight_version} was never made (newest: {max_version})"
         if len(turn.prompt_token_ids) == 0 or turn.prompt_token_ids.size != len(turn.prompt_token_ids):
             return f"{where}: prompt_token_ids must be a non-empty 1-d array"
         if turn.token_ids.size != turn.logprobs.size or len(turn.token_ids.shape) != 1:

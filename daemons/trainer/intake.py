@@ -23,7 +23,7 @@ from typing import Any
 from rlfleet.common.validation import confined
 from rlfleet.common.wire import ScoredTrajectory, count_rejection
 
-from .batching import INVALID, check_trajectory, drop_reason
+from .batching import INVALID, check_trajectory, drop_reason, identity_problem
 from .failpoints import FAILPOINT_ENV
 from .journal import Journal, until_written
 
@@ -43,14 +43,19 @@ class Triage:
     new: list[ScoredTrajectory] = field(default_factory=list)  # journal as pending
     drops: list[tuple[str, str, str]] = field(default_factory=list)  # (group, reason, detail)
     ok: list[str] = field(default_factory=list)  # ack once the above is journaled
-    refused: list[tuple[str, str]] = field(default_factory=list)  # (key, why): negative ack
+    # (key, why): negative ack. Content the trainer cannot train drops its group (in
+    # ``drops``) and is refused after that is journaled; a trajectory that can never be
+    # taken (bad ids, a full group) is refused and leaves its group as it was.
+    refused: list[tuple[str, str]] = field(default_factory=list)
     counts: Counter[str] = field(default_factory=Counter)  # new, dropped, duplicate
 
 
 def triage(got: Sequence[tuple[str, ScoredTrajectory]], duplicate: Sequence[bool],
-           group_sizes: dict[str, int], group_size: int, vocab_size: int | None) -> Triage:
+           group_sizes: dict[str, int], group_size: int, vocab_size: int | None,
+           max_version: int | None = None) -> Triage:
     """Decide each arrival. ``duplicate[i]``: the journal already holds ``got[i]``;
-    ``group_sizes``: trajectories the journal holds per group (not modified)."""
+    ``group_sizes``: trajectories the journal holds per group (not modified);
+    ``max_version``: the newest version the trainer made (a later weight_version is forged)."""
     out = Triage()
     counts = dict(group_sizes)
     seen: set[tuple[str, str]] = set()
@@ -58,6 +63,9 @@ def triage(got: Sequence[tuple[str, ScoredTrajectory]], duplicate: Sequence[bool
         t = st.trajectory
         if not t.trajectory_id or not t.group_id:
             out.refused.append((key, "trajectory_id and group_id must be non-empty"))
+            continue
+        if problem := identity_problem(st, group_size):
+            out.refused.append((key, f"identity: {problem}"))
             continue
         if dup or (t.group_id, t.trajectory_id) in seen:
             out.counts["duplicate"] += 1
@@ -69,7 +77,7 @@ def triage(got: Sequence[tuple[str, ScoredTrajectory]], duplicate: Sequence[bool
             continue
         seen.add((t.group_id, t.trajectory_id))
         reason, detail = drop_reason(st)
-        if not reason and (problem := check_trajectory(st, vocab_size)):
+        if not reason and (problem := check_trajectory(st, vocab_size, max_version)):
             reason, detail = INVALID, problem
         if reason:
             out.drops.append((t.group_id, reason, detail))
@@ -78,7 +86,10 @@ def triage(got: Sequence[tuple[str, ScoredTrajectory]], duplicate: Sequence[bool
             counts[t.group_id] = counts.get(t.group_id, 0) + 1
             out.new.append(st)
             out.counts["new"] += 1
-        out.ok.append(key)
+        if reason == INVALID:  # the sender learns why its content was not taken
+            out.refused.append((key, f"invalid: {detail}"))
+        else:
+            out.ok.append(key)
     return out
 
 
@@ -158,7 +169,8 @@ class Intake:
         journal = self.journal
         arrived = [st for _, st in got]
         sizes = journal.group_sizes({st.trajectory.group_id for st in arrived})
-        decided = triage(got, journal.duplicates(arrived), sizes, self.group_size(), self.vocab_size)
+        decided = triage(got, journal.duplicates(arrived), sizes, self.group_size(), self.vocab_size,
+                         journal.state.max_version)
         self.counts.update(decided.counts)
         for _, reason, _ in decided.drops:  # untrainable content (NaN reward, out-of-vocab ids):
             if reason == INVALID:  # its group is dropped durably, and the rejection counted

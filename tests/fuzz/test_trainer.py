@@ -66,12 +66,14 @@ def test_hostile_scored_trajectories_are_refused_and_a_valid_one_is_taken(tmp_pa
 
         send_one()
         assert refused >= 10
-        # A NaN reward and an out-of-vocabulary id: the group is dropped, the sender acked.
+        # A NaN reward and an out-of-vocabulary id: the group is dropped, the sender told why.
         nan = scored(7, 0, float("nan"))  # (the helper copies the reward into env_reward)
         nan = msgspec_replace(nan, trajectory=msgspec_replace(nan.trajectory, env_reward=0.0))
-        for bad in (nan, scored(8, 0, 1.0, tokens=(vocab,))):
+        for bad, why in ((nan, "invalid: p7-g0: reward is nan"),
+                         (scored(8, 0, 1.0, tokens=(vocab,)), f"invalid: p8-g0 turn 0: token id {vocab} outside")):
             sender.send(bad.trajectory.trajectory_id, bad)
-            assert _answer(sender, bad.trajectory.trajectory_id) == (True, "")
+            ok, error = _answer(sender, bad.trajectory.trajectory_id)
+            assert not ok and error.startswith(why), error
         wait_for("every rejection counted",
                  lambda: d.rejected(role="trainer") >= refused + 2, timeout_s=10)
         assert d.rejected(role="trainer", kind="invalid") == 2

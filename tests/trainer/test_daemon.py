@@ -217,3 +217,30 @@ def test_non_finite_rewards_and_steps_leave_training_advancing(setup, etcd):
     from safetensors.torch import load_file
     final = tmp / "run" / "checkpoints" / "step-00000004" / "model.safetensors"
     assert all(bool(torch.isfinite(t).all()) for t in load_file(str(final)).values())
+
+
+def test_a_squat_is_refused_and_the_real_group_trains(setup):
+    """Forged ids cannot take a real trajectory's place: p0-g99 (no slot 99 in a group of
+    2) and p1-g0 claiming group p0 are refused with the reason, before the real p0 and p1
+    arrive; both real groups train untouched."""
+    start, store, tmp = setup
+    a = start("trainer-a")
+    sender = ReliableSender(address(store, "trainer-a", tmp / "trainer-a.log"), resend_after_s=0.5)
+    squat = scored(0, 99, 1e3)
+    stray = scored(1, 0, 1e3)
+    stray = type(stray)(trajectory=type(stray.trajectory)(**{
+        **{f: getattr(stray.trajectory, f) for f in stray.trajectory.__struct_fields__}, "group_id": "p0"}),
+        reward=1e3)
+    for forged in (squat, stray):
+        sender.send(forged.trajectory.trajectory_id, forged)
+    assert sender.flush(30)
+    assert sorted(sender.failed) == [
+        ("p0-g99", "identity: trajectory_id 'p0-g99' is not p0-g<k> with 0 <= k < group_size 2"),
+        ("p1-g0", "identity: group_id 'p0' is not 'p1' (prompt_id 1)")]
+    sender.failed.clear()
+    send_all(sender, [*group(0), *group(1)])
+    wait_for("step 1", lambda: len(metrics(tmp)) == 1, timeout_s=60)
+    m = metrics(tmp)[0]
+    assert m["trained_groups"] == 2 and m["dropped"] == {} and m["reward_mean"] == 0.5
+    sender.close()
+    assert stop(a) == 0

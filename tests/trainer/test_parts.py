@@ -38,14 +38,21 @@ def test_triage_takes_drops_and_refuses_as_the_contract_says():
     nameless = scored(5, 0, 1.0)
     nameless = ScoredTrajectory(msgspec.structs.replace(nameless.trajectory, trajectory_id=""), 1.0)
     got.append(("", nameless))  # empty ids: refused for good
-    decided = triage(got, [False, False, False, False, False, False, True, False],
-                     {"p1": 2}, group_size=2, vocab_size=38)
+    squat = scored(6, 9, 1.0)  # p6-g9: no slot 9 in a group of 2 (a forged squat)
+    future = scored(7, 0, 1.0, version=2**40)  # a version the trainer never made
+    got += arrivals(squat, future)
+    decided = triage(got, [False, False, False, False, False, False, True, False, False, False],
+                     {"p1": 2}, group_size=2, vocab_size=38, max_version=5)
     assert [st.trajectory.trajectory_id for st in decided.new] == ["p0-g0", "p0-g1"]
-    assert [(g, r) for g, r, _ in decided.drops] == [("p2", "env_error"), ("p3", "invalid")]
-    assert decided.ok == ["p0-g0", "p0-g1", "p0-g1", "p2-g0", "p3-g0", "p4-g0"]
-    assert decided.refused == [("p1-g0", "group p1 already holds 2 trajectories"),
-                               ("", "trajectory_id and group_id must be non-empty")]
-    assert decided.counts == Counter(new=2, dropped=2, duplicate=2)
+    assert [(g, r) for g, r, _ in decided.drops] == [("p2", "env_error"), ("p3", "invalid"), ("p7", "invalid")]
+    assert decided.ok == ["p0-g0", "p0-g1", "p0-g1", "p2-g0", "p4-g0"]
+    assert decided.refused == [
+        ("p1-g0", "group p1 already holds 2 trajectories"),
+        ("p3-g0", "invalid: p3-g0 turn 0: token id 999 outside the vocabulary (size 38)"),
+        ("", "trajectory_id and group_id must be non-empty"),
+        ("p6-g9", "identity: trajectory_id 'p6-g9' is not p6-g<k> with 0 <= k < group_size 2"),
+        ("p7-g0", f"invalid: p7-g0 turn 0: weight_version {2**40} was never made (newest: 5)")]
+    assert decided.counts == Counter(new=2, dropped=3, duplicate=2)
 
 
 class Receiver:
@@ -66,7 +73,8 @@ def test_intake_journals_before_it_acks_and_wakes_the_loop(tmp_path):
         receiver = Receiver(journal)
         intake.ingest(receiver, arrivals(scored(0, 0, 1.0), scored(0, 1, 1.0), scored(0, 2, 1.0)))
         assert receiver.acks[0] == (["p0-g0", "p0-g1"], True, "", {"p0": 2})  # journaled first
-        assert receiver.acks[1][:3] == (["p0-g2"], False, "group p0 already holds 2 trajectories")
+        assert receiver.acks[1][:3] == (["p0-g2"], False, "identity: trajectory_id 'p0-g2' is not p0-g<k> "
+                                                          "with 0 <= k < group_size 2")
         assert woke.is_set() and intake.counts == Counter(new=2, refused=1)
 
 

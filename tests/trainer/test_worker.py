@@ -96,7 +96,10 @@ def test_every_group_is_trained_dropped_with_a_reason_or_pending(worker):
     extra = scored(10, 2, 1.0)  # a third trajectory for a group of two: refused for good
     sender.send(extra.trajectory.trajectory_id, extra)
     assert sender.flush(30)
-    assert sender.failed == [("p10-g2", "group p10 already holds 2 trajectories")]
+    # Refused, each with its reason: p8's content (its group dropped first), p10-g2's slot.
+    assert sender.failed == [
+        ("p8-g0", "invalid: p8-g0 turn 0: token id 999 outside the vocabulary (size 38)"),
+        ("p10-g2", "identity: trajectory_id 'p10-g2' is not p10-g<k> with 0 <= k < group_size 2")]
     send(sender, pair(0, 0))  # late duplicates of a trained group: acked, ignored
 
     state = w._journal.state
@@ -106,7 +109,7 @@ def test_every_group_is_trained_dropped_with_a_reason_or_pending(worker):
     assert state.dropped["p4"][1] == "p4-g0: staleness 2 > max_staleness 1"
     assert state.dropped["p8"][1] == "p8-g0 turn 0: token id 999 outside the vocabulary (size 38)"
     assert set(state.pending) == {"p10"}
-    assert w.counts["duplicate"] >= 2 and w.counts["refused"] == 1  # (>=: resends under load)
+    assert w.counts["duplicate"] >= 2 and w.counts["refused"] == 2  # (>=: resends under load)
 
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3]
@@ -136,6 +139,7 @@ def test_a_trainer_fed_only_stale_groups_publishes_its_version_again(tmp_path, e
     w, sender, recorder, store, _ = start_worker(tmp_path, etcd, tiny_model, max_steps=10)
     try:
         send(sender, pair(0, 0) + pair(1, 0))
+        wait_for("version 1", lambda: w.version == 1)  # before anything generated with it arrives
         send(sender, pair(2, 0) + pair(3, 1))
         wait_for("version 2", lambda: w.version == 2)
         wait_for("version 2 published", lambda: recorder.versions[-1:] == [2])
