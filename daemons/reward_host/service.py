@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 from prometheus_client import Counter
 
+from rlfleet.common.log_throttle import LogThrottle
 from rlfleet.common.outbox import Outbox
 from rlfleet.common.sockets import ReliableReceiver
 from rlfleet.common.validation import confined
@@ -51,6 +52,7 @@ _COUNTED = {o: HANDLED.labels(outcome=o.removesuffix("s"))
             for o in ("scored", "reward_errors", "passed_dropped", "duplicates")}
 
 RECENT_IDS = 100_000  # acked ids remembered to answer late duplicates without re-scoring
+REWARD_ERROR_LOG_EVERY_S = 10.0  # a failing scorer fails every trajectory: one line per this, not per item
 
 
 def batch_of(prompt_id: int, prompts_per_batch: int) -> int:
@@ -76,6 +78,8 @@ class RewardService:
         self._poller_key: tuple[object, tuple[int, ...]] | None = None
         self.stats = {"received": 0, "duplicates": 0, "scored": 0, "reward_errors": 0,
                       "passed_dropped": 0, "acked": 0, "refused": 0}
+        # Every reward error is counted (HANDLED{outcome="reward_error"}); the log shows examples.
+        self.error_log = LogThrottle(REWARD_ERROR_LOG_EVERY_S)
 
     def _count(self, outcome: str) -> None:
         self.stats[outcome] += 1
@@ -165,8 +169,8 @@ class RewardService:
             return  # cannot happen: every job has an in-flight trajectory
         if outcome.error:
             self._count("reward_errors")
-            log.warning("reward of %s failed: %s", outcome.key, outcome.error,
-                        extra={"trajectory": outcome.key, "event": "reward_error"})
+            self.error_log.warning(log, "reward_error", "reward of %s failed: %s", outcome.key,
+                                   outcome.error, extra={"trajectory": outcome.key, "event": "reward_error"})
         else:
             self._count("scored")
         self.outbox.send(outcome.key, ScoredTrajectory(traj, outcome.reward, outcome.error))

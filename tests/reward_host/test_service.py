@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import pytest
 
+from rlfleet.common.log_throttle import LogThrottle
 from rlfleet.common.sockets import ReliableReceiver, ReliableSender
 from rlfleet.common.wire import Trajectory
 from rlfleet.daemons.reward_host.service import RewardService
@@ -120,4 +122,34 @@ def test_a_trainer_refusal_reaches_the_env_host(service, trainer):
     sender.send("p0-g0", trajectory(p, 0, 0, p.answer))
     assert acked_ids(sender, [], 10.0)
     assert sender.failed == [("p0-g0", "trainer says no")]
+    sender.close()
+
+
+def test_reward_errors_are_all_counted_but_logged_once_per_interval(service, trainer, caplog):
+    now = [0.0]
+    service.error_log = LogThrottle(10.0, clock=lambda: now[0])
+    service.set_trainer(trainer.address)
+    p = get_task("arithmetic").make_prompts("train", 1)[0]
+    sender = ReliableSender(service.receiver.endpoint, resend_after_s=0.5)
+    caplog.set_level(logging.WARNING, logger="rlfleet.reward_host")
+
+    def failed_lines() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if getattr(r, "event", "") == "reward_error"]
+
+    for k in range(30):  # no prompt: each is a reward error (scored 0 with the reason)
+        t = trajectory(p, 0, k, p.answer, with_prompt=False)
+        sender.send(t.trajectory_id, t)
+    assert acked_ids(sender, [], 10.0)
+    assert service.stats["reward_errors"] == 30
+    assert len(failed_lines()) == 1 and failed_lines()[0].suppressed == 0
+
+    now[0] = 10.0  # an interval later: the next one is logged, saying how many were not
+    t = trajectory(p, 0, 30, p.answer, with_prompt=False)
+    sender.send(t.trajectory_id, t)
+    assert acked_ids(sender, [], 10.0)
+    line = failed_lines()[-1]
+    assert len(failed_lines()) == 2 and line.suppressed == 29
+    assert line.getMessage() == ("reward of p0-g30 failed: no prompt in the trajectory (a sender older "
+                                 "than Trajectory.prompt) (29 more like this since the last such line, "
+                                 "not logged)")
     sender.close()
