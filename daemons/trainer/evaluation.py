@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from rlfleet.common.spec import JobSpec
 from rlfleet.daemons.trainer.metrics_log import EVAL_SUCCESS, MetricsLog, append_json_line
 
 log = logging.getLogger("rlfleet.trainer")
+
+EVAL_CHUNK = 64  # prompts evaluated between two looks at the stop flag
 
 
 def task_for(spec: JobSpec) -> Any:
@@ -74,19 +77,34 @@ class Evaluator:
         last = version >= self.spec.trainer.max_steps
         return version not in self.done_versions and (version % every == 0 or last)
 
-    def run(self, model: Any, version: int) -> float:
+    def run(self, model: Any, version: int, stop: threading.Event | None = None) -> float | None:
+        """Held-out success of ``model`` as version ``version``, written as an eval line; None
+        if ``stop`` was set meanwhile (checked every EVAL_CHUNK prompts: a trainer asked to
+        stop does not finish a long evaluation first; nothing is written, it is due again)."""
         import torch
 
         from rlfleet.daemons.tasks.episodes import evaluate_model
 
         started = time.monotonic()
+        log.info("evaluating version %d on %d held-out prompts", version, len(self.prompts),
+                 extra={"event": "eval_start"})
         was_training = model.training
         model.eval()
-        with torch.no_grad():
-            success = evaluate_model(model, self.tokenizer, self.task, self.prompts, greedy=True,
-                                     seed=self.spec.job.seed)
-        if was_training:
-            model.train()
+        wins = 0.0
+        try:
+            with torch.no_grad():
+                for at in range(0, len(self.prompts), EVAL_CHUNK):
+                    if stop is not None and stop.is_set():
+                        log.info("evaluation of version %d abandoned after %d of %d prompts: stopping",
+                                 version, at, len(self.prompts), extra={"event": "eval_abandoned"})
+                        return None
+                    chunk = self.prompts[at:at + EVAL_CHUNK]  # greedy: the same answers as in one call
+                    wins += len(chunk) * evaluate_model(model, self.tokenizer, self.task, chunk, greedy=True,
+                                                        seed=self.spec.job.seed)
+        finally:
+            if was_training:
+                model.train()
+        success = wins / len(self.prompts) if self.prompts else 0.0
         line = {"time": round(time.time(), 3), "step": version, "version": version,
                 "eval_success": success, "eval_n": len(self.prompts),
                 "eval_s": round(time.monotonic() - started, 3)}

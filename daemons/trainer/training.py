@@ -109,7 +109,8 @@ class TrainingLoop:
     def __init__(self, *, spec: Callable[[], JobSpec], journal: Journal, learner: Any,
                  publisher: Any, checkpointer: Checkpointer, evaluator: Any,
                  metrics: MetricsLog, state: TrainerState, wake: threading.Event,
-                 pause: threading.Event | None = None, replay: Replay | None = None) -> None:
+                 pause: threading.Event | None = None, replay: Replay | None = None,
+                 stop: threading.Event | None = None) -> None:
         """``spec`` is asked each pass (a SIGHUP reload applies at the next step);
         ``publisher``: an AsyncPublisher or None; ``evaluator``: an Evaluator or None;
         ``wake`` is set by the intake when new trajectories were journaled (and when the
@@ -122,7 +123,7 @@ class TrainingLoop:
         self.metrics, self.state, self.wake = metrics, state, wake
         self.pause = pause if pause is not None else threading.Event()
         self._republished_at = 0.0
-        self._stop = threading.Event()  # run()'s: ends a wait for the journal
+        self._stop = stop or threading.Event()  # run()'s: ends a wait for the journal, an evaluation
         state.journal = journal
         self._pause_checkpoint_at = 0.0  # the last checkpoint attempt while paused
         self.step_delay_s = step_delay_s()
@@ -371,4 +372,4 @@ class TrainingLoop:
 
     def maybe_evaluate(self) -> None:
         if self.evaluator is not None and self.evaluator.due(self.state.version):
-            self.evaluator.run(policy_to_evaluate(self.learner), self.state.version)
+            self.evaluator.run(policy_to_evaluate(self.learner), self.state.version, stop=self._stop)

@@ -249,7 +249,7 @@ class TrainingWorker:
                                   publisher=self._publisher, checkpointer=checkpointer,
                                   evaluator=evaluator, metrics=MetricsLog(self.paths.metrics),
                                   state=self.state, wake=self._data, pause=self._pause,
-                                  replay=replay)
+                                  replay=replay, stop=self._stop)
         self._loop.maybe_evaluate()  # version 0, or one a restart has not evaluated yet
         self._intake = Intake(journal, bind_host=self.spec.trainer.bind_host,
                               group_size=lambda: self.spec.task.group_size,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -244,3 +245,27 @@ def test_a_squat_is_refused_and_the_real_group_trains(setup):
     assert m["trained_groups"] == 2 and m["dropped"] == {} and m["reward_mean"] == 0.5
     sender.close()
     assert stop(a) == 0
+
+
+def test_sigterm_during_the_resume_evaluation_stops_the_trainer_at_once(tmp_path, etcd):
+    """A trainer asked to stop while it evaluates version 0 at start-up stops within a
+    few seconds, not when the held-out evaluation is done (it ignored SIGTERM ~10 s)."""
+    from ..integration.helpers import TINY_MODEL
+    spec = write_spec(tmp_path, JOB, "eval_size = 2048\n" + SPEC, model=TINY_MODEL)
+    log = tmp_path / "trainer-a.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlfleet.tools.cli", "daemon", "trainer", "--job", JOB,
+         "--etcd", etcd.endpoints_arg, "--spec", str(spec), "--id", "trainer-a"],
+        stdout=open(log, "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True, cwd=REPO, env={**os.environ, "RLFLEET_RUN_DIR": str(tmp_path / "run")})
+    try:
+        wait_for("the evaluation of version 0 under way",
+                 lambda: "evaluating version 0 on 2048 held-out prompts" in log.read_text(), timeout_s=90)
+        asked = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        took = time.monotonic() - asked
+        assert proc.returncode == 0, log.read_text()[-3000:]
+        assert took < 5.0, f"stopped {took:.1f} s after SIGTERM"
+    finally:
+        stop(proc)

@@ -117,7 +117,7 @@ class Recorder:
     def due(self, version):
         return True
 
-    def run(self, model, version):
+    def run(self, model, version, stop=None):
         self.calls.append(("evaluate", version))
 
 
