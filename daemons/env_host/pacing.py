@@ -16,7 +16,12 @@ fast as the rollouts allow, the trainer's buffer and the pipeline hold more than
 Prompts that can never be consumed (an env-host gone for good with its journal) would
 hold the budget forever and stop the whole job; so after STALL_S without trainer
 progress while claims are refused, the outstanding prompts are written off once more
-(a batch of `limit` claims is allowed, with a warning) instead of waiting forever.
+(a batch of `limit` claims is allowed, with a warning) instead of waiting forever. The
+write-off is a loan, not a gift: every group the trainer consumes afterwards pays it
+back, one prompt each, so the outstanding prompts return to the limit. A write-off that
+stayed (as it did before) widened the pipeline by its size for the rest of the job, and
+each stall of a loaded machine widened it more: more generations in flight than α
+batches can use, drops for staleness climbing with the run's length (issue 28).
 
 Dynamic filtering (docs/agentic.md, "Queue scheduling and dynamic filtering") is paced
 here too. ``queue``: a dropped group is consumed, so its replacement is claimed at once,
@@ -165,6 +170,8 @@ class ClaimPacer:
         moved = progress.consumed_groups > self.consumed or progress.version > self.version or (
             progress.received_groups > self.received)
         if progress.consumed_groups > self.consumed:
+            # consumption pays back the write-off first (module docstring)
+            self.written_off = max(0, self.written_off - (progress.consumed_groups - self.consumed))
             self.consumed = progress.consumed_groups
             self._progress_at = time.monotonic()
         self.version = max(self.version, progress.version)

@@ -86,8 +86,13 @@ def test_prompts_that_never_finish_are_written_off_after_a_stall(etcd, monkeypat
         time.sleep(0.6)
         assert pacer.budget(4) == 4 and pacer.written_off == 4
         assert pacer.budget(6) == 2                 # counted afresh from the write-off
-        pacer._set(TrainerProgress(consumed_groups=3))  # progress: never more than the limit
-        assert pacer.budget(6) == 4
+        pacer._set(TrainerProgress(consumed_groups=3))  # consumption pays the write-off back
+        assert pacer.written_off == 1 and pacer.budget(6) == 2  # 6 - 3 - 1 outstanding
+        pacer._set(TrainerProgress(consumed_groups=6))
+        assert pacer.written_off == 0 and pacer.budget(6) == 4
+        # The pipeline is back at the limit: it never stays wider after a stall (it did,
+        # by the write-off's size, for the rest of the job: drops climbed in long runs).
+        assert pacer.budget(10) == 0
     finally:
         store.close()
 
