@@ -61,6 +61,18 @@ ROUTING = "routing"
 _COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+# A job's name: the spec's job.name and every command's --job. Stricter than a key component:
+# it is also a folder (runs_dir/<job>) and part of unit and member names.
+_JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+JOB_NAME_RULE = ("must be 1-63 lowercase letters, digits or '-', starting with a letter or digit "
+                 "(it is an etcd key component)")
+
+
+def is_job_name(name: str) -> bool:
+    """Whether ``name`` may name a job (JOB_NAME_RULE says what that takes)."""
+    return bool(_JOB_NAME.match(name))
+
+
 def _check(component: str, what: str) -> str:
     # A '/' or empty component would silently alias another key; refuse it early.
     if not _COMPONENT.match(component):

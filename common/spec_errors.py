@@ -20,7 +20,15 @@ from pydantic import BaseModel
 from .registry import KindSlot
 from .spec_fields import SPEC_ERROR, num, show
 
-__all__ = ["describe", "dotted", "suggest", "toml_error"]
+__all__ = ["SpecError", "describe", "dotted", "suggest", "toml_error"]
+
+
+class SpecError(Exception):
+    """Every problem found in one spec; ``errors`` holds one full line each."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        super().__init__("\n".join(self.errors))
 
 _TYPE_NAMES = {
     "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",

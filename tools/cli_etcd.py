@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from rlfleet.common.keys import ROOT_PREFIX, job_of
+from rlfleet.common.keys import JOB_NAME_RULE, ROOT_PREFIX, is_job_name, job_of
 from rlfleet.tools.exit_codes import Exit
 
 EXIT_ETCD = Exit.ETCD_UNREACHABLE
@@ -68,6 +68,14 @@ def _store(endpoints: str, timeout_s: float = 1.0):
 def _fail_unreachable(exc: Exception, endpoints: str) -> None:
     click.echo(f"error: etcd at {endpoints} is unreachable: {exc}", err=True)
     sys.exit(EXIT_ETCD)
+
+
+def job_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """The callback of every --job: a name no spec could have (`../x`) is a usage error
+    (exit 2) before any key or folder is built from it."""
+    if value is not None and not is_job_name(value):
+        raise click.BadParameter(f"{JOB_NAME_RULE}, got {value!r}")
+    return value
 
 
 def _pick_job(store, job: str | None) -> str:

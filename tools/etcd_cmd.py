@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass
 
 import click
 
-from rlfleet.tools.cli_etcd import _etcd_credentials, _fail_unreachable, _pick_job, _store, etcd_option
+from rlfleet.tools.cli_etcd import (_etcd_credentials, _fail_unreachable, _pick_job, _store, etcd_option,
+                                    job_name)
 from rlfleet.tools.exit_codes import Exit
 
 
@@ -31,7 +32,7 @@ def etcd_group() -> None:
 
 @etcd_group.command()
 @click.argument("file", type=click.Path(dir_okay=False, writable=True))
-@click.option("--job", default=None, help="Job name; default: the only job in etcd.")
+@click.option("--job", callback=job_name, default=None, help="Job name; default: the only job in etcd.")
 @etcd_option
 def snapshot(file: str, job: str | None, etcd: str) -> None:
     """Write the job's durable keys (every key under /rlfleet/<job>/ not bound to a lease)
@@ -54,7 +55,8 @@ def snapshot(file: str, job: str | None, etcd: str) -> None:
 
 @etcd_group.command()
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--job", default=None, help="Job name; default: the file's. Must match the file's.")
+@click.option("--job", callback=job_name, default=None,
+              help="Job name; default: the file's. Must match the file's.")
 @click.option("--force", is_flag=True,
               help="Restore over a live job, and move counters (prompts/cursor, weights/latest, "
                    "trainer/checkpoint) backwards.")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from rlfleet.tools.cli_etcd import _fail_unreachable, _pick_job, _store, etcd_option
+from rlfleet.tools.cli_etcd import _fail_unreachable, _pick_job, _store, etcd_option, job_name
 from rlfleet.tools.exit_codes import Exit
 
 POLL_S = 0.1
@@ -102,7 +102,8 @@ def node() -> None:
 
 def _common(fn):
     fn = etcd_option(fn)
-    return click.option("--job", default=None, help="Job name; optional when etcd holds only one.")(fn)
+    return click.option("--job", callback=job_name, default=None,
+                        help="Job name; optional when etcd holds only one.")(fn)
 
 
 @node.command("list")

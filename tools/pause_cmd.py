@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from rlfleet.tools.cli_etcd import _fail_unreachable, _pick_job, _store, etcd_option
+from rlfleet.tools.cli_etcd import _fail_unreachable, _pick_job, _store, etcd_option, job_name
 from rlfleet.tools.exit_codes import Exit
 
 DEFAULT_TIMEOUT_S = 120.0  # a step in progress, then a checkpoint: minutes on a big model
@@ -146,7 +146,7 @@ no_wait_option = click.option("--no-wait", is_flag=True, help="Write the request
 
 
 @click.command()
-@click.option("--job", default=None, help="Job name; optional when etcd holds only one.")
+@click.option("--job", callback=job_name, default=None, help="Job name; optional when etcd holds only one.")
 @etcd_option
 @click.option("--reason", default="", metavar="TEXT", help="Why (shown by `rlfleet status`).")
 @timeout_option
@@ -191,7 +191,7 @@ def pause(job: str | None, etcd: str, reason: str, timeout_s: float, no_wait: bo
 
 
 @click.command()
-@click.option("--job", default=None, help="Job name; optional when etcd holds only one.")
+@click.option("--job", callback=job_name, default=None, help="Job name; optional when etcd holds only one.")
 @etcd_option
 @timeout_option
 @no_wait_option

@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from rlfleet.tools.cli_etcd import _fail_unreachable, _pick_job, _store, etcd_option
+from rlfleet.tools.cli_etcd import _fail_unreachable, _pick_job, _store, etcd_option, job_name
 from rlfleet.tools.exit_codes import Exit
 
 REQUEST_LEASE_MIN_S = 10  # the request's lease: at least this, and three of the job's lease TTLs
@@ -51,7 +51,7 @@ class Outcome:
 @click.command("switchover")
 @click.argument("role")
 @click.option("--to", "target", required=True, metavar="ID", help="The standby member id to hand leadership to.")
-@click.option("--job", default=None, help="Job name (default: the only job in etcd).")
+@click.option("--job", callback=job_name, default=None, help="Job name (default: the only job in etcd).")
 @etcd_option
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
               help="Seconds to wait for the target to lead (the trainer checkpoints first).")

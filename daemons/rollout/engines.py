@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StrictInt, StrictStr, field_validator, model_validator
 
-from rlfleet.common.registry import Kind, KindConfig, Problem
+from rlfleet.common.registry import Kind, KindConfig, Problem, import_failure
 from rlfleet.common.spec_fields import NonNegInt, PosFloat, PosInt, fail
 
 from . import sim_timing
@@ -90,8 +90,13 @@ class VllmEngineKind(Kind):
                                           kv_cache_mib=config.kv_cache_mib)
 
     @classmethod
+    def unavailable(cls, config: VllmEngineConfig, /) -> str:
+        # Only `rlfleet job validate` asks: rollout hosts run vllm from their own venv
+        # (.venv-vllm), which need not be the one that submits or stores the spec.
+        return import_failure("vllm")
+
+    @classmethod
     def check(cls, config: VllmEngineConfig, sections: Mapping[str, BaseModel]) -> list[Problem]:
-        # Whether vllm imports is the rollout host's business (its venv), not the spec's.
         model = sections.get("model")
         if model is None:
             return []

