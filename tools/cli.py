@@ -334,21 +334,46 @@ def validate(spec_files: tuple[str, ...], no_import_check: bool) -> None:
 @job.command()
 @click.argument("spec_file", type=click.Path(exists=True, dir_okay=False))
 @etcd_option
-def submit(spec_file: str, etcd: str) -> None:
-    """Write a validated spec to /rlfleet/<job>/spec (daemons pick it up)."""
+@click.option("--force", is_flag=True,
+              help="Replace the spec of a job whose daemons are registered (they reload it on SIGHUP).")
+def submit(spec_file: str, etcd: str, force: bool) -> None:
+    """Write a validated spec to /rlfleet/<job>/spec (daemons pick it up).
+
+    A job with live daemons keeps its spec unless --force; a job an `rlfleet run` owns
+    is never changed from outside (the run started its daemons from its own file)."""
     from rlfleet.common.keys import JobKeys
+    from rlfleet.common.members import Owner
     from rlfleet.common.store import StoreUnavailable
     try:
         spec = load_spec(spec_file)
     except SpecError as exc:
         click.echo(str(exc), err=True)
         sys.exit(EXIT_SPEC)
-    key = JobKeys(spec.job.name).spec
+    keys = JobKeys(spec.job.name)
     try:
-        _store(etcd).put(key, spec.to_dict())
+        store = _store(etcd)
+        held = store.get(keys.spec)
+        owner = store.get(keys.owner)
+        live = sorted("/".join(keys.parse_member(kv.key)) for kv in store.get_prefix(keys.members_prefix)
+                      if kv.key.count("/") == keys.members_prefix.count("/") + 1) if held else []
+        if owner is not None:
+            o = Owner.from_kv(owner)
+            click.echo(f"refused: job {spec.job.name!r} is run by `rlfleet run` on {o.host or '?'} (pid {o.pid}, "
+                       f"incarnation {o.incarnation}); change the file it runs and restart it, or stop it first",
+                       err=True)
+            sys.exit(Exit.REFUSED)
+        if held is not None and held.value == spec.to_dict():
+            click.echo(f"{keys.spec} already holds this spec: nothing to do")
+            return
+        if held is not None and live and not force:
+            click.echo(f"refused: job {spec.job.name!r} is live ({', '.join(live)} registered) and has a spec; "
+                       f"--force replaces it (a changed spec reaches each daemon at its next SIGHUP or restart)",
+                       err=True)
+            sys.exit(Exit.REFUSED)
+        store.put(keys.spec, spec.to_dict())
     except StoreUnavailable as exc:
         _fail_unreachable(exc, etcd)
-    click.echo(f"submitted {spec_file} to {key}")
+    click.echo(f"submitted {spec_file} to {keys.spec}" + (" (replacing a live job's spec)" if live else ""))
 
 
 # -- operating a live job (docs/operations.md): each group is its own module ----------------

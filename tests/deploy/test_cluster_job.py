@@ -209,7 +209,7 @@ def test_ended_at_a_step_it_trains_to_it_and_the_accounting_holds(cluster):
     # Far enough ahead that job.yml and the reload land before the trainer gets there
     # (it makes ~5-10 steps a second here; they take ~10 s).
     end = version() + 300
-    playbook("job.yml", "-e", f"rlfleet_job_spec={job_spec(cluster, end)}")
+    playbook("job.yml", "-e", f"rlfleet_job_spec={job_spec(cluster, end)}", "-e", "rlfleet_job_replace=true")
     host_sh("h1", f"systemctl reload 'rlfleet@{JOB}:trainer-0.service'")  # ExecReload: SIGHUP, the new max_steps
     wait_for(f"training done at step {end}", lambda: trainer().get("training") == "done", timeout_s=300)
     assert version() == end

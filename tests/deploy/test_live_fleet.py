@@ -230,10 +230,10 @@ def test_runbook_staleness_drops_spike(fleet):
     before = dropped()
     stale = job_spec(fleet / "stale", 1_000_000)
     stale.write_text(stale.read_text().replace("max_staleness = 2", "max_staleness = 0"))
-    J.playbook("job.yml", "-e", f"rlfleet_job_spec={stale}")
+    J.playbook("job.yml", "-e", f"rlfleet_job_spec={stale}", "-e", "rlfleet_job_replace=true")
     J.host_sh("h1", f"systemctl reload 'rlfleet@{JOB}:trainer-0.service'")
     wait_for("stale drops to climb", lambda: dropped() > before + 4, timeout_s=180, every_s=2)
-    J.playbook("job.yml", "-e", f"rlfleet_job_spec={job_spec(fleet, 1_000_000)}")
+    J.playbook("job.yml", "-e", f"rlfleet_job_spec={job_spec(fleet, 1_000_000)}", "-e", "rlfleet_job_replace=true")
     J.host_sh("h1", f"systemctl reload 'rlfleet@{JOB}:trainer-0.service'")
     t0 = time.monotonic()
     J.advances(2, 120, "the reload applied")  # from the next step on
