@@ -83,7 +83,7 @@ class Agent(Daemon):
     # -- Daemon hooks -----------------------------------------------------------------
     def serve_metrics(self) -> str:
         self.http = http.serve(self.options.metrics_host, self.options.metrics_port, lambda: self._targets)
-        return f"http://{self.options.metrics_host}:{self.http.server_port}/metrics"
+        return self.http.url("/metrics")
 
     def setup(self) -> None:
         self.inventory = machine_inventory(self.host)

@@ -1,19 +1,19 @@
 """The agent's HTTP endpoint: `/metrics` (its own Prometheus metrics) and `/targets`
 (Prometheus HTTP service discovery: the metrics endpoints of the daemons
 registered from this host, so one scrape config per host finds them all).
+Served by waitress with the settings of every daemon's /metrics (common/metrics.py).
 """
 
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 from urllib.parse import urlsplit
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import make_wsgi_app
 
 from rlfleet.common.members import Member
+from rlfleet.common.metrics import Endpoint, serve_wsgi
 
 
 def http_sd_groups(job: str, host: str, members: Iterable[Member]) -> list[dict]:
@@ -30,31 +30,26 @@ def http_sd_groups(job: str, host: str, members: Iterable[Member]) -> list[dict]
     return groups
 
 
-def serve(host: str, port: int, targets: Callable[[], list[dict]]) -> ThreadingHTTPServer:
+def app(targets: Callable[[], list[dict]]) -> Callable[..., Iterable[bytes]]:
+    """The WSGI app: /metrics (prometheus_client's), /targets (``targets()`` as JSON),
+    404 elsewhere."""
+    metrics = make_wsgi_app()
+
+    def answer(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return metrics(environ, start_response)
+        if path == "/targets":
+            status, kind, body = "200 OK", "application/json", json.dumps(targets()).encode()
+        else:
+            status, kind, body = "404 Not Found", "text/plain", b"not found: try /metrics or /targets\n"
+        start_response(status, [("Content-Type", kind), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return answer
+
+
+def serve(host: str, port: int, targets: Callable[[], list[dict]]) -> Endpoint:
     """Start the endpoint in a daemon thread; `targets()` gives the /targets document
     (the agent's last read, so a scrape never waits on etcd)."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 — the http.server spelling
-            path = urlsplit(self.path).path
-            if path == "/metrics":
-                self._send(200, CONTENT_TYPE_LATEST, generate_latest(REGISTRY))
-            elif path == "/targets":
-                self._send(200, "application/json", json.dumps(targets()).encode())
-            else:
-                self._send(404, "text/plain", b"not found: try /metrics or /targets\n")
-
-        def _send(self, code: int, kind: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_: object) -> None:  # a scrape every few seconds is not news
-            pass
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="agent-http", daemon=True).start()
-    return server
+    return serve_wsgi(app(targets), host, port, "agent-http")

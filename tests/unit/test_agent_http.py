@@ -28,7 +28,7 @@ def test_targets_are_the_metrics_endpoints_of_this_hosts_daemons_but_not_of_agen
 def test_the_server_answers_targets_metrics_and_404():
     doc = [{"targets": ["127.0.0.1:1"], "labels": {"job": "j", "host": "h"}}]
     server = http.serve("127.0.0.1", 0, lambda: doc)
-    base = f"http://127.0.0.1:{server.server_port}"
+    base = f"http://127.0.0.1:{server.port}"
     try:
         with urllib.request.urlopen(base + "/targets", timeout=10) as r:
             assert r.headers["Content-Type"] == "application/json" and json.loads(r.read()) == doc
@@ -38,5 +38,4 @@ def test_the_server_answers_targets_metrics_and_404():
             urllib.request.urlopen(base + "/other", timeout=10)
         assert err.value.code == 404
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
