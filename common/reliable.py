@@ -16,6 +16,7 @@ from typing import Any
 
 import zmq
 
+from .log_throttle import LogThrottle
 from .sockets import DEFAULT_HWM, CurveKeys, Expect, PeerTimeout, _deadline, _Endpoint, log
 from .wire import MAX_FRAME_BYTES, Ack, Message, encode
 
@@ -27,6 +28,10 @@ class _Pending:
     frames: list[Any]
     attempts: int = 0
     due: float = 0.0
+
+
+FAILED_KEPT = 1000  # refused ids a ReliableSender remembers in ``failed``
+REFUSED_LOG_EVERY_S = 10.0  # one "refused by receiver" line per sender and reason kind this often
 
 
 class ReliableSender(_Endpoint):
@@ -50,7 +55,10 @@ class ReliableSender(_Endpoint):
         self._due: list[tuple[float, int, str]] = []  # heap; stale entries skipped lazily
         self._tiebreak = itertools.count()
         self._blocked_until = 0.0  # socket not writable: don't spin retrying until then
-        self.failed: list[tuple[str, str]] = []  # (id, error) the receiver refused for good
+        # (id, error) the receiver refused for good: the newest FAILED_KEPT (a long run's
+        # refusals must not grow a daemon's memory; each is logged and counted as it comes)
+        self.failed: list[tuple[str, str]] = []
+        self._refused_log = LogThrottle(REFUSED_LOG_EVERY_S)
         self._acked: list[tuple[str, bool, str]] = []  # drained by take_acked()
         self.resends = 0
 
@@ -111,7 +119,12 @@ class ReliableSender(_Endpoint):
             self._acked.append((key, ack.ok, ack.error))
             if not ack.ok:
                 self.failed.append((key, ack.error))
-                log.warning("%s: %s refused by receiver: %s", self.name, key, ack.error)
+                if len(self.failed) > FAILED_KEPT:
+                    del self.failed[:len(self.failed) - FAILED_KEPT]
+                # one line per kind of refusal ("invalid", "identity", ...) and interval: a
+                # peer refusing a flood must not flood this log
+                self._refused_log.warning(log, ack.error.split(":", 1)[0], "%s: %s refused by receiver: %s",
+                                          self.name, key, ack.error, extra={"event": "refused"})
         return n
 
     def _schedule(self, key: str, due: float) -> None:

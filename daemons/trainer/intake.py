@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlfleet.common.log_throttle import LogThrottle
 from rlfleet.common.validation import confined
 from rlfleet.common.wire import ScoredTrajectory, count_rejection
 
@@ -32,6 +33,7 @@ log = logging.getLogger("rlfleet.trainer")
 # Test-only fault injection: "exit_after_journal" ends the process right after a
 # batch is journaled and before it is acked (tests/trainer/test_daemon.py).
 
+REFUSED_LOG_EVERY_S = 10.0  # one "refused" line per kind of refusal this often
 MAX_BATCH = 512  # arrivals journaled (one fsync) and acked together, at most
 LINGER_S = 0.001  # after a first arrival, how long to wait for more before journaling
 
@@ -107,6 +109,7 @@ class Intake:
         self.counts, self.on_data, self.on_bound = counts, on_data, on_bound
         self.endpoint: str | None = None
         self.bound = threading.Event()
+        self._refused_log = LogThrottle(REFUSED_LOG_EVERY_S)
 
     def run(self, stop: threading.Event) -> None:
         from rlfleet.common.sockets import ReliableReceiver
@@ -183,7 +186,9 @@ class Intake:
         receiver.ack(decided.ok)
         for key, why in decided.refused:
             self.counts["refused"] += 1
-            log.warning("refused %s: %s", key, why, extra={"event": "refuse"})
+            # one line per kind ("identity", "invalid", ...) and interval; counts["refused"] has them all
+            self._refused_log.warning(log, why.split(":", 1)[0], "refused %s: %s", key, why,
+                                      extra={"event": "refuse"})
             receiver.ack([key], ok=False, error=why)
         if decided.new or decided.drops:
             self.on_data()

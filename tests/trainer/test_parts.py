@@ -157,3 +157,18 @@ def test_a_refused_batch_is_dropped_whole_and_nothing_is_published(tmp_path, tin
         assert {g: r for g, (r, _) in journal.state.dropped.items()} == {"p0": "invalid", "p1": "invalid"}
         assert recorder.calls == [] and loop.state.version == 0
         assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_flood_of_refusals_is_answered_each_and_logged_once(tmp_path, caplog):
+    """Every refused arrival gets its negative ack with the reason; the log gets one line
+    per kind of refusal and interval (an insider sending a flood cannot flood the log)."""
+    with Journal(tmp_path / "j.bin", fsync=False) as journal:
+        intake = Intake(journal, bind_host="127.0.0.1", group_size=lambda: 2, vocab_size=38,
+                        counts=Counter(), on_data=lambda: None)
+        receiver = Receiver(journal)
+        with caplog.at_level("WARNING", logger="rlfleet.trainer"):
+            intake.ingest(receiver, arrivals(*(scored(p, 7, 1.0) for p in range(50))))
+        refused = [a for a in receiver.acks if not a[1]]
+        assert len(refused) == 50 and all(a[2].startswith("identity: ") for a in refused)
+        assert intake.counts["refused"] == 50
+        assert [r.getMessage()[:15] for r in caplog.records] == ["refused p0-g7: "]
