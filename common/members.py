@@ -28,7 +28,7 @@ ROLE_FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = MappingProxyType({
                 "checkpoint_error": (str,), "journal_error": (str,),  # these two: docs/disk-full.md
                 "non_finite_groups": (int,), "non_finite_steps": (int,), "non_finite": (str,),
                 "rewinds": (int,)},  # trainer/guard.py
-    "rollout": {"weight_version": (int,), "first_result_at": (int, float)},
+    "rollout": {"weight_version": (int,), "first_result_at": (int, float), "relay": (str,)},
     "resource-manager": {"waiting_hosts": (dict,)},
     "env-host": {"in_flight": (int,), "claimed": (int,), "done": (int,), "claim_limit": (int,), "error": (str,)},
     "reward-host": {"in_flight": (int,), "scored": (int,), "reward_errors": (int,), "stages": (dict,)},

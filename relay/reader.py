@@ -5,6 +5,12 @@ verified (relay.shm), so whatever `newest()` reports is complete; `open()`
 takes a shared flock on the data file (the relay frees only what it can lock
 exclusively) and maps it read-only, so tensors are numpy views straight into
 shared memory and the version cannot disappear while the view is open.
+
+Which relay: the one named by ``relay_id``, else the relay registered on ``host``,
+looked up in etcd (at most once a second, from whichever thread calls ``newest()``);
+or, with ``shm_dir``, the store directory a caller already located: such a reader
+never reads etcd, so a thread that must not wait on etcd (a rollout's engine thread)
+can use it while another thread keeps track of the relay (daemons/rollout/relay_source.py).
 """
 
 from __future__ import annotations
@@ -50,11 +56,13 @@ class WeightsView:
 
 
 class WeightReader:
-    def __init__(self, store: Store, job: str, host: str, *, relay_id: str | None = None, layout: int = 1) -> None:
+    def __init__(self, store: Store, job: str, host: str, *, relay_id: str | None = None, layout: int = 1,
+                 shm_dir: str | os.PathLike | None = None) -> None:
         if layout < 1:
             raise ValueError(f"layout (tensor-parallel degree) must be >= 1, got {layout}")
         self.store, self.keys, self.host = store, JobKeys(job), host
         self.relay_id, self.layout = relay_id, layout
+        self._pinned = Path(shm_dir) if shm_dir is not None else None  # never looked up again
         self._dir: Path | None = None
         self._resolved_at = 0.0
         if layout > 1:
@@ -64,6 +72,8 @@ class WeightReader:
 
     # ------------------------------------------------------------ locating
     def _relay_dir(self) -> Path | None:
+        if self._pinned is not None:
+            return self._pinned if self._pinned.is_dir() else None
         if self._dir is not None and self._dir.is_dir():
             return self._dir
         if time.monotonic() - self._resolved_at < 1.0:  # etcd at most once a second

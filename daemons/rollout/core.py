@@ -38,7 +38,7 @@ import time
 from collections import deque
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -70,26 +70,11 @@ class WeightReader(Protocol):
     def open(self, version: int | None = None) -> AbstractContextManager[WeightView]: ...
 
 
-class LazyReader:
-    """The local relay's reader, made when first needed: a relay that is not up yet is
-    tried again every retry_s; a factory that returns None (no relay module in this
-    installation) is not asked again."""
+class ReaderSource(Protocol):
+    """Who hands the engine thread its reader (``relay_source.RelayFollower``): ``get``
+    returns at once, never reads etcd and never waits for a relay; None: no reader (yet)."""
 
-    def __init__(self, factory: Callable[[], WeightReader | None] | None, retry_s: float = 5.0) -> None:
-        self.factory, self.retry_s = factory, retry_s
-        self.reader: WeightReader | None = None
-        self._next_try = 0.0
-
-    def get(self, now: float) -> WeightReader | None:
-        if self.reader is None and self.factory is not None and now >= self._next_try:
-            try:
-                self.reader = self.factory()
-                if self.reader is None:
-                    self.factory = None
-            except Exception as exc:  # noqa: BLE001 — the relay may come up later
-                log.warning("weight reader unavailable, retrying in %.0f s: %s", self.retry_s, exc)
-                self._next_try = now + self.retry_s
-        return self.reader
+    def get(self, now: float) -> WeightReader | None: ...
 
 
 @dataclass

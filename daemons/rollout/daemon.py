@@ -2,13 +2,21 @@
 
 setup() loads the model of spec.model.path into the engine named by
 spec.rollout.engine (through the engine registry), binds a RequestServer (published as ``addresses["requests"]``)
-and starts the engine thread (``loop.EngineLoop``), which owns the engine and the
-socket; cycle() only reports what that thread did (weight-version changes) and
-notices if it died. Weight versions come from the local relay through
-``rlfleet.relay.reader.WeightReader``; without that module the rollout serves
-version 0, the checkpoint on disk.
+and starts two threads:
 
-Threads: ``torch.set_num_threads`` from RLFLEET_TORCH_THREADS (default 1). Whoever
+- ``rollout-engine`` (``loop.EngineLoop``; ``sim-host``, ``sim_host.SimHost``, for
+  simulated rollouts): owns the engine and the socket, serves, loads weight versions;
+- ``rollout-relay`` (``relay_source.RelayFollower``): finds this host's relay in etcd
+  and, when it dies or another takes its place, builds the reader for the new one and
+  swaps it in once it works; the engine thread only picks up the current reader.
+
+The main loop (``common.daemon``) refreshes the lease and runs cycle(), which only
+reports what those threads did (weight-version changes, relay switches) and notices if
+the engine thread died: nothing on it waits for a relay or a weight load. Weight
+versions come from the local relay through ``rlfleet.relay.reader.WeightReader``;
+without that module the rollout serves version 0, the checkpoint on disk.
+
+Torch threads: ``torch.set_num_threads`` from RLFLEET_TORCH_THREADS (default 1). Whoever
 starts several daemons on one machine sets it so that the torch threads of all of
 them together do not exceed the machine's cores.
 """
@@ -52,6 +60,7 @@ class Rollout(Daemon):
         self._sim_published: dict[str, int] = {}  # simulated rollout -> version in its record
         self._sim_traits: dict[str, dict[str, Any]] = {}  # simulated rollout -> hardware, slots
         self.hardware = ""  # a real rollout's: its node's label "hardware" (affinity routing)
+        self.follower: Any = None  # RelayFollower (relay_source.py), None without the relay package
 
     def setup(self) -> None:
         assert self.spec is not None
@@ -78,8 +87,8 @@ class Rollout(Daemon):
                                     expect=EXPECT,
                                     name=f"{self.options.member_id}-requests")
         self.addresses["requests"] = self.server.endpoint
-        self.loop = EngineLoop(engine, self.server, self.options.member_id, self._make_reader,
-                               mode=rs.mode)
+        self.follower = self._follow_relay()
+        self.loop = EngineLoop(engine, self.server, self.options.member_id, self.follower, mode=rs.mode)
         self.loop.start()
         self.hardware = self._node_hardware()
         log.info("serving %s on %s: engine %s, max_batch %d, cache %d tokens/slot, %d torch thread(s)",
@@ -107,7 +116,8 @@ class Rollout(Daemon):
                                            seed=self.spec.job.seed)
             cores.append(RolloutCore(engine, server, member_id, mode=rs.mode))
             self._sim_traits[member_id] = {"hardware": hardware, "slots": config.timing().max_batch}
-        self.sim = SimHost(cores, self._make_reader,
+        self.follower = self._follow_relay()
+        self.sim = SimHost(cores, self.follower,
                            summary_path=job_run_dir(self.spec) / "sim" / f"{host_id}.json")
         self.sim.start()
         log.info("hosting %d simulated rollouts (%s, profile %s, time scale %g)", count, rs.mode,
@@ -145,15 +155,28 @@ class Rollout(Daemon):
         except Exception:  # noqa: BLE001 — a label is a routing hint, never a reason not to serve
             return ""
 
-    def _make_reader(self) -> Any:
-        """The local relay's reader, or None when this installation has no relay reader."""
+    def _follow_relay(self) -> Any:
+        """Start the rollout-relay thread (relay_source.py); None when this installation
+        has no relay reader."""
         try:
             from rlfleet.relay.reader import WeightReader
+
+            from .relay_source import RelayFollower
         except ImportError as exc:
             log.warning("no weight reader (%s): serving weight version 0, the checkpoint on disk",
                         exc, extra={"event": "no_reader"})
             return None
-        return WeightReader(self.store, self.options.job, self.options.host)
+        job, host = self.options.job, self.options.host
+        follower = RelayFollower(self.store, job, host, lambda relay: WeightReader(
+            self.store, job, host, relay_id=relay.id, shm_dir=relay.shm_dir), on_switch=self.wake)
+        follower.start()
+        return follower
+
+    def _relay_said(self) -> list[str]:
+        said = []
+        while self.follower is not None and self.follower.events:
+            said.append(self.follower.events.popleft())
+        return said
 
     def release(self) -> None:
         """Let the next weight load happen now; running requests end as "abort"."""
@@ -168,30 +191,34 @@ class Rollout(Daemon):
                 raise RuntimeError(f"sim host thread died: {self.sim.error!r}")
             for core in self.sim.cores:
                 core.events.clear()  # versions are summarised below, not logged per rollout
-            return self._publish_sim_members()
+            return "; ".join(filter(None, [*self._relay_said(), self._publish_sim_members()])) or None
         if self.loop is None:
             return None
         if not self.loop.alive and self.loop.error is not None:
             # Exit non-zero so the supervisor restarts a clean process: nothing is lost,
             # env-hosts re-issue the turns this rollout held.
             raise RuntimeError(f"engine thread died: {self.loop.error!r}")
-        said = []
+        said = self._relay_said()
         while self.loop.events:
             said.append(self.loop.events.popleft())
         return "; ".join(said) or None
 
     def member_info(self) -> dict[str, Any]:
+        relay = self.follower.relay if self.follower is not None else None
+        reading = {"relay": relay.id} if relay is not None else {}  # whose store it reads weights from
         if self.sim is not None:
-            return {"simulated_rollouts": len(self.sim.cores)}
+            return {"simulated_rollouts": len(self.sim.cores), **reading}
         if self.loop is None:
             return {"weight_version": 0}
         first = self.loop.core.first_result_at
         slots = getattr(self.loop.engine, "max_batch", None)
-        return {"weight_version": self.loop.engine.weight_version, "hardware": self.hardware,
+        return {"weight_version": self.loop.engine.weight_version, "hardware": self.hardware, **reading,
                 **({"slots": slots} if isinstance(slots, int) else {}),
                 **({"first_result_at": round(first, 3)} if first is not None else {})}
 
     def drain(self) -> str | None:
+        if self.follower is not None:
+            self.follower.stop(timeout_s=1.0)  # a daemon thread: a lookup in flight need not end
         if self.sim is not None:
             self.sim.stop()
             for core in self.sim.cores:

@@ -1,16 +1,23 @@
 """The rollout's engine thread: one engine, its ``requests`` socket, weight loads between steps.
 
-One thread owns the engine and the socket (ZeroMQ sockets belong to one thread) and
-loops::
+One thread, ``rollout-engine``, owns the engine and the socket (ZeroMQ sockets belong
+to one thread) and loops::
 
     drain the socket -> RolloutCore.on_message (core.py)
+    -> weights.get(): the reader of the local relay, as the rollout-relay thread left it
     -> RolloutCore.tick: load a newer weight version when the mode allows, admit held
        requests, engine.step(), reply finished results
 
 What each message and each version change means is ``core.RolloutCore``; this module
-only waits for messages and owns the thread. A version the relay no longer (or not
-yet) holds (LookupError) is simply asked for again at the next check; one that fails
-to load is logged once and skipped until a newer one appears.
+only waits for messages and owns the thread. Finding the relay (an etcd read, and a new
+one when the relay dies or is replaced) is the ``rollout-relay`` thread's
+(``relay_source.RelayFollower``): this thread never waits on etcd. A version the relay
+no longer (or not yet) holds (LookupError) is simply asked for again at the next check;
+one that fails to load is logged once and skipped until a newer one appears.
+
+The rollout daemon's threads: its main loop (``common.daemon``: lease refresh,
+``cycle()`` reporting what the other two did), ``rollout-engine`` (this module, serving)
+and ``rollout-relay`` (relay_source.py).
 """
 
 from __future__ import annotations
@@ -19,12 +26,10 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable
-
 from rlfleet.common.sockets import RequestServer
 from rlfleet.common.wire import RolloutStats
 
-from .core import LazyReader, RolloutCore, WeightReader
+from .core import ReaderSource, RolloutCore
 from .engine_api import Engine
 
 log = logging.getLogger("rlfleet.rollout")
@@ -34,13 +39,13 @@ class EngineLoop:
     """Runs in its own thread (``start()``); ``events`` holds one sentence per version change."""
 
     def __init__(self, engine: Engine, server: RequestServer, member_id: str,
-                 reader_factory: Callable[[], WeightReader | None] | None = None, *,
+                 weights: ReaderSource | None = None, *,
                  mode: str = "trajectory", hold_max_s: float = 2.0, check_every_s: float = 0.05,
                  idle_wait_s: float = 0.05, drain_timeout_s: float = 2.0) -> None:
         self.core = RolloutCore(engine, server, member_id, mode=mode, hold_max_s=hold_max_s,
                                 check_every_s=check_every_s)
         self.engine, self.server, self.member_id = engine, server, member_id
-        self.reader = LazyReader(reader_factory)
+        self.weights = weights  # None: serve the version on disk (0) for good
         self.idle_wait_s = idle_wait_s
         self.drain_timeout_s = drain_timeout_s
         self.error: BaseException | None = None  # set if the thread died
@@ -91,7 +96,8 @@ class EngineLoop:
     def _one_pass(self) -> None:
         busy = self.engine.has_work() or bool(self.core.held)
         self._receive(0.0 if busy else self.idle_wait_s)
-        self.core.tick(time.monotonic(), self.reader.get(time.monotonic()))
+        now = time.monotonic()
+        self.core.tick(now, self.weights.get(now) if self.weights is not None else None)
 
     def _receive(self, timeout: float, max_messages: int = 1000) -> None:
         for _ in range(max_messages):  # bounded: a flood must not starve decoding

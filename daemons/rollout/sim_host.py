@@ -9,9 +9,10 @@ member record carries no ``requests`` address: nobody routes to the host itself.
 
 One thread serves them all: it polls every socket, hands messages to their cores, and
 sleeps until the earliest engine event (``SimEngine.next_event_at``) or the next weight
-check. The relay's newest version is read once per check for all of them. Each engine
-measures how late its results leave against its timing model (its lag); a figure taken
-while that lag was above 5 % is not kept (tools/bench/longtail.py).
+check. The relay's newest version is read once per check for all of them, through the
+reader the ``rollout-relay`` thread keeps (relay_source.py: this thread never reads
+etcd). Each engine measures how late its results leave against its timing model (its
+lag); a figure taken while that lag was above 5 % is not kept (tools/bench/longtail.py).
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
 from rlfleet.common.sockets import RequestServer, shared_context
 
-from .core import LazyReader, RolloutCore, WeightReader
+from .core import ReaderSource, RolloutCore, WeightReader
 
 log = logging.getLogger("rlfleet.rollout")
 
@@ -41,11 +42,11 @@ def sim_member_id(host_id: str, index: int, count: int) -> str:
 
 
 class SimHost:
-    def __init__(self, cores: list[RolloutCore], reader_factory: Callable[[], WeightReader | None],
+    def __init__(self, cores: list[RolloutCore], weights: ReaderSource | None,
                  *, check_every_s: float = 0.05, summary_path: Path | None = None,
                  drain_timeout_s: float = 2.0) -> None:
         self.cores = cores
-        self.reader = LazyReader(reader_factory)
+        self.weights = weights  # None: every engine serves version 0 for good
         self.check_every_s = check_every_s
         self.summary_path = summary_path
         self.drain_timeout_s = drain_timeout_s
@@ -90,7 +91,7 @@ class SimHost:
                     self._receive(self.cores[i])
                     dirty.add(i)
                 now = time.monotonic()
-                reader = self.reader.get(now)
+                reader = self.weights.get(now) if self.weights is not None else None
                 if now >= next_check:
                     next_check = now + self.check_every_s
                     newest = self._newest(reader)

@@ -26,6 +26,9 @@ class MemoryReader:
         self.versions: dict[int, dict[str, np.ndarray]] = {}
         self.opened: list[int] = []
 
+    def get(self, now: float) -> MemoryReader:  # its own ReaderSource: the relay never changes
+        return self
+
     def newest(self) -> int | None:
         return max(self.versions) if self.versions else None
 
@@ -56,7 +59,7 @@ def served(tiny_model):
     reader = MemoryReader()
     server = RequestServer("tcp://127.0.0.1:0", expect=(GenerateRequest, Abort, RolloutStats))
     loop = EngineLoop(ModelSizedEngine(model, max_batch=4, max_len=256), server, "rollout-t",
-                      lambda: reader, hold_max_s=30.0, check_every_s=0.01)
+                      reader, hold_max_s=30.0, check_every_s=0.01)
     loop.start()
     client = RequestClient(server.endpoint)
     yield loop, client, reader, model
@@ -165,7 +168,7 @@ def test_a_held_request_is_admitted_after_hold_max_s(tiny_model):
     reader = MemoryReader()
     server = RequestServer("tcp://127.0.0.1:0")
     loop = EngineLoop(ModelSizedEngine(model, max_batch=4, max_len=256), server, "rollout-h",
-                      lambda: reader, hold_max_s=0.05, check_every_s=0.01)
+                      reader, hold_max_s=0.05, check_every_s=0.01)
     loop.start()
     client = RequestClient(server.endpoint)
     try:
