@@ -6,7 +6,11 @@ Threads:
   finds the trainer leader in etcd (`members/trainer/*` whose registration says
   leader=true, cross-checked with `leader/trainer` when several claim it) and points
   the service at its `addresses.trajectories`;
-- service (`RewardService`): receive, dedup, score in the worker pool, forward, ack.
+- service (`RewardService`, named `reward-service`): the data path: receive, dedup,
+  score in the worker pool, forward, ack;
+- `reward-planner`, with the `pipeline` backend only (planner_thread.py): computes the
+  scaling plans; the service thread hands it snapshots and applies its last plan, never
+  waiting for one.
 
 What scores is the backend of `[reward_host.backend]` (backends.py; `rule_pool`: child
 processes, `workers` of them, each job killed after `timeout_s`), fed in the order of

@@ -1,8 +1,9 @@
 """The ``pipeline`` reward backend at run time (spec: pipeline.py; docs/reward.md).
 
-One object on the reward service's thread, a RewardBackend like any other: the service
-``submit``s a RewardJob and ``poll``s outcomes. Inside, each trajectory goes through the
-stages in order:
+A RewardBackend like any other, driven from its owner's thread (the data path: the
+reward service's thread, or the shared service's ``reward-scorer``), which ``submit``s a
+RewardJob and ``poll``s outcomes. Inside, each trajectory goes through the stages in
+order:
 
     submit ─► queue[0] ─► stage 0's backend ─► queue[1] ─► stage 1's backend ─► outcome
                (EBF|FCFS)  (≤ workers[0] jobs)   ...
@@ -14,17 +15,25 @@ stages in order:
   whatever the kind; ``resize`` lets a kind that owns workers follow it for real
   (rule_pool starts and stops processes). A stage's ``timeout_s`` is enforced here as
   well as passed down, so a kind that never answers still frees its slot.
-- Batches (batches.py): jobs carry (tenant, batch); the planner (scaling.py) re-plans on
+- Batches (batches.py): jobs carry (tenant, batch); a plan (scaling.py) is asked for on
   each batch's first arrival, on each batch done, and when a running job outlives the
-  planner's ``long_running_after_s`` for its stage (once per job and stage), and the plan
-  is applied at once:
-  worker counts clamped to [min_workers, max_workers]. Until a tenant has a finished
-  batch (no history: the planner would see only the requests already here), every stage
-  holds max_workers. ``scaling = "none"``: max_workers always.
+  planner's ``long_running_after_s`` for its stage (once per job and stage). Until a
+  tenant has a finished batch (no history: the planner would see only the requests
+  already here), every stage holds max_workers, decided at once. ``scaling = "none"``:
+  max_workers always, and no planner thread.
+
+Threads: the owner's, which alone touches everything here but the planner's plan; and
+``reward-planner`` (planner_thread.py), which computes the plans. A plan takes up to
+~1.5 s, so the data path never waits for one: it hands the planner an immutable
+snapshot (the open batches, the history) and goes on scoring with the worker counts it
+has; the plan's result wakes it through an fd in ``fds()``, and the next ``poll`` applies
+it (counts clamped to [min_workers, max_workers], ``scale_down_after_s`` held) unless a
+newer decision came first. Requests asked while the planner is busy collapse into the
+newest one. A plan that raises keeps the counts the stages have (counted and logged).
 
 Metrics (Prometheus, per stage): workers applied, busy, queue length, requests by outcome,
-plan changes; per batch: the extra delay. ``status()`` is the short form the daemon
-publishes in its member registration.
+plan changes; per batch: the extra delay (the planner's own: planner_thread.py).
+``status()`` is the short form the daemon publishes in its member registration.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from rlfleet.common.seams import REWARD_BACKENDS
 from .backends import RewardBackend
 from .batches import BatchTracker, ClosedBatch
 from .pipeline import PipelineConfig, StageConfig
+from .planner_thread import PlannerThread, PlanRequest
 from .queues import StageQueue, make_queue
 from .scaling import ScalingPlanner
 from .sim_worker import SimWorker
@@ -59,9 +69,6 @@ STAGE_DONE = Counter("rlfleet_reward_stage_requests_total",
                      "Requests that left a reward stage, by outcome: ok, error, timeout", ["stage", "outcome"])
 PLAN_CHANGES = Counter("rlfleet_reward_plan_changes_total",
                        "Scaling plans that changed a stage's worker count", ["stage"])
-PLANS = Counter("rlfleet_reward_plans_total", "Scaling plans computed (batch arrivals and completions)")
-PLAN_SECONDS = Histogram("rlfleet_reward_plan_seconds", "Time to compute one scaling plan",
-                         buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2))
 EXTRA_DELAY = Histogram("rlfleet_reward_batch_extra_delay_seconds",
                         "Per batch: completion minus its earliest completion T (DistRS Eq. 1-2)",
                         buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
@@ -119,7 +126,7 @@ class _Stage:
 @dataclasses.dataclass
 class TenantFigures:
     """One tenant's (job's) share of the pipeline: its batches done, their extra delay,
-    and the plans computed while a batch of it was open (the planner saw it)."""
+    and the plans applied that a batch of it was open for (the planner saw it)."""
 
     batches: int = 0
     extra_delay_sum_s: float = 0.0
@@ -144,12 +151,18 @@ class PipelineBackend(RewardBackend):
                                       expect_late=config.expect_late)
         self.batches = BatchTracker(self.model, expected=batch_requests, idle_s=config.batch_idle_s)
         self.stages: list[_Stage] = []
+        self.planning: PlannerThread | None = None
         try:
             for s in config.stages:
                 self.stages.append(_Stage(s, build_stage(s), make_queue(config.queue), s.max_workers))
+            if config.scaling != "none":
+                self.planning = PlannerThread(self.planner.plan)
         except BaseException:
             self.close()
             raise
+        # Scaling decisions are numbered; a plan is applied only if it answers a newer one
+        # than the counts the stages hold (a max_workers decision overtakes a plan in flight).
+        self._decided = self._applied = 0
         self._jobs: dict[str, tuple[RewardJob, float]] = {}  # key -> (job, reward so far)
         self._out: list[RewardOutcome] = []
         self._history: set[str] = set()  # tenants with a finished batch
@@ -167,12 +180,15 @@ class PipelineBackend(RewardBackend):
         if self.batches.arrive(RequestKey(job.tenant, job.batch, job.key), now):
             self._replan(now, "batch arrival")
         self._enqueue(0, job)
+        self._apply_plan(now)
         self._pump(now)
 
     def poll(self, timeout: float = 0.0) -> list[RewardOutcome]:
         if timeout > 0 and not self._out:
             self._wait(min(timeout, self.next_deadline_in()))
         now = self._clock()
+        if self.planning is not None:
+            self.planning.drain_wakeups()
         for j, stage in enumerate(self.stages):
             for outcome in stage.backend.poll(0.0):
                 if outcome.key in stage.running:  # else a late answer after our timeout
@@ -188,13 +204,15 @@ class PipelineBackend(RewardBackend):
             for s in self.stages:
                 s.long_due = {k: due for k, due in s.long_due.items() if due > now}
             self._replan(now, f"{len(long)} long-running request(s)")
+        self._apply_plan(now)
         self._pump(now)
         self._publish()
         out, self._out = self._out, []
         return out
 
     def fds(self) -> list[int]:
-        return [fd for s in self.stages for fd in s.backend.fds()]
+        wake = [self.planning.fd()] if self.planning is not None else []
+        return wake + [fd for s in self.stages for fd in s.backend.fds()]
 
     def next_deadline_in(self) -> float:
         now = self._clock()
@@ -206,6 +224,8 @@ class PipelineBackend(RewardBackend):
         return max(0.0, min(due))
 
     def close(self) -> None:
+        if self.planning is not None:
+            self.planning.close()  # joins the planner thread (after the plan in progress)
         for s in self.stages:
             s.backend.close()
 
@@ -226,8 +246,18 @@ class PipelineBackend(RewardBackend):
             f"{s.config.name} {s.workers} workers (ok {s.counts['ok']}, error {s.counts['error']}, "
             f"timeout {s.counts['timeout']}; {ws:.0f} worker-s)" for s, ws in zip(self.stages, self.worker_seconds))
         mean = self.extra_delay_sum_s / self.batches_done if self.batches_done else 0.0
+        failed = self.planning.failures if self.planning is not None else 0
         return (f"stages: {stages}; {self.batches_done} batches done, extra delay mean {mean:.2f} s, "
-                f"max {self.extra_delay_max_s:.2f} s; {self.planner.plans} plans")
+                f"max {self.extra_delay_max_s:.2f} s; {self.planner.plans} plans"
+                + (f" ({failed} failed)" if failed else ""))
+
+    def planning_settled(self) -> bool:
+        """Every plan asked for is computed (or failed) and the newest applied; call it
+        from the owner's thread (tests wait on it between polls)."""
+        if self.planning is None:
+            return True
+        latest = self.planning.latest
+        return self.planning.idle() and (latest is None or latest.seq <= self._applied)
 
     def status(self) -> dict[str, dict[str, int]]:
         return {s.config.name: {"workers": s.workers, "busy": len(s.running), "queued": len(s.queue),
@@ -291,21 +321,31 @@ class PipelineBackend(RewardBackend):
         self._replan(now, f"batch {closed.record.key.tenant}/{closed.record.key.batch} done")
 
     def _replan(self, now: float, why: str) -> None:
-        """Algorithm 2 then 1 over the open batches; the counts applied at once."""
-        if self.config.scaling == "none":
+        """Ask the planner thread for Algorithms 2 then 1 over the open batches, or, while
+        a tenant has no history, hold max_workers at once. Never waits for a plan."""
+        if self.planning is None:
             return
         active = self.batches.active(now)
+        self._decided += 1
         if any(a.key.tenant not in self._history for a in active):
-            counts = {s.config.name: s.config.max_workers for s in self.stages}
-            reason = "a tenant without history: max_workers"
+            self._applied = self._decided
+            self._set_counts(now, {s.config.name: s.config.max_workers for s in self.stages}, why,
+                             "a tenant without history: max_workers")
         else:
-            started = time.perf_counter()
-            plan = self.planner.plan(now, active)
-            PLAN_SECONDS.observe(time.perf_counter() - started)
-            PLANS.inc()
-            counts, reason = plan.workers, plan.why
-            for tenant in {a.key.tenant for a in active}:
-                self._tenant(tenant).plans += 1
+            self.planning.ask(PlanRequest(self._decided, now, why, tuple(active), self.planner.history))
+
+    def _apply_plan(self, now: float) -> None:
+        """The planner thread's last plan, if it answers a newer decision than the counts held."""
+        result = self.planning.latest if self.planning is not None else None
+        if result is None or result.seq <= self._applied:
+            return
+        self._applied = result.seq
+        for tenant in result.tenants:
+            self._tenant(tenant).plans += 1
+        self._set_counts(now, result.plan.workers, result.why,
+                         f"{result.plan.why}; planned in {result.seconds:.2f} s")
+
+    def _set_counts(self, now: float, counts: dict[str, int], why: str, reason: str) -> None:
         changed = []
         self._account(now)
         for stage in self.stages:

@@ -38,15 +38,21 @@ otherwise queue behind it (ours, not the paper's: DistRS re-plans at batch bound
 and "periodically", §4; a plan made before the request showed itself counted on a
 normal running time). ``expected_done_s`` is the EBF priority of a batch
 (queues.EbfQueue). ``zero_queue_workers`` is the ZQ-Dedicated baseline (§6.1).
+
+The history is a ``History``, an immutable value: ``add_history`` swaps in a new one, and
+``plan`` takes the one it is given (or the planner's current one). So the pipeline backend
+can read priorities and long-running thresholds on its data path while a plan runs on
+the planner thread (planner_thread.py) over the snapshot it was handed; the random draws
+of Algorithm 2 happen only in ``plan``, on that one thread.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import random
-from collections.abc import Iterable, Sequence
+import types
+from collections.abc import Iterable, Mapping, Sequence
 
 from .queues import QueuePolicy
 from .reward_sim import Guard, SimRequest, simulate
@@ -127,6 +133,36 @@ def zero_queue_workers(pipeline: Pipeline, records: Iterable[BatchRecord]) -> li
     return peak
 
 
+@dataclasses.dataclass(frozen=True)
+class History:
+    """Each tenant's last ``window`` finished batches and, per stage, the longest running
+    time they show that ended within the timeout. Immutable (the mappings are read-only
+    views that are never changed): ``with_record`` returns a new one, so a snapshot can be
+    handed to another thread as it is."""
+
+    window: int
+    records: Mapping[str, tuple[BatchRecord, ...]] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({}))
+    long_after: Mapping[str, tuple[float | None, ...]] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({}))  # tenant -> per stage
+
+    def with_record(self, record: BatchRecord, pipeline: Pipeline) -> History:
+        tenant = record.key.tenant
+        kept = (self.records.get(tenant, ()) + (record,))[-self.window:]
+        longest: list[float | None] = []
+        for k, timeout in enumerate(pipeline.timeouts):
+            normal = [s[k] for rec in kept for s in rec.service_s if len(s) > k and s[k] < timeout]
+            longest.append(max(normal) if normal else None)
+        return History(self.window, types.MappingProxyType({**self.records, tenant: kept}),
+                       types.MappingProxyType({**self.long_after, tenant: tuple(longest)}))
+
+    def expected_done_s(self, pipeline: Pipeline, batch: BatchKey, arrived_at_s: float) -> float:
+        kept = self.records.get(batch.tenant)
+        if not kept:
+            return arrived_at_s + sum(pipeline.timeouts)
+        return arrived_at_s + kept[-1].earliest_done_s(pipeline)
+
+
 class ScalingPlanner:
     """Algorithms 1 + 2 for any number of tenants sharing one pipeline."""
 
@@ -140,37 +176,26 @@ class ScalingPlanner:
         self.pipeline, self.max_delay_s = pipeline, max_delay_s
         self.timeout_aware, self.policy, self.window = timeout_aware, policy, window
         self.expect_late = expect_late
-        self._history: dict[str, collections.deque[BatchRecord]] = collections.defaultdict(
-            lambda: collections.deque(maxlen=window))
-        self._long_after: dict[str, tuple[float | None, ...]] = {}  # tenant -> per stage
-        self._rng = random.Random(seed)
+        self.history = History(window)  # replaced whole, never changed in place
+        self._rng = random.Random(seed)  # Algorithm 2's draws: used by ``plan`` only
         self.plans = 0
 
     # -- the service's calls ------------------------------------------------------------------
     def add_history(self, record: BatchRecord) -> None:
-        history = self._history[record.key.tenant]
-        history.append(record)
-        longest: list[float | None] = []
-        for k, timeout in enumerate(self.pipeline.timeouts):
-            normal = [s[k] for rec in history for s in rec.service_s if len(s) > k and s[k] < timeout]
-            longest.append(max(normal) if normal else None)
-        self._long_after[record.key.tenant] = tuple(longest)
+        self.history = self.history.with_record(record, self.pipeline)
 
     def long_running_after_s(self, batch: BatchKey, stage: int) -> float | None:
         """How long a request of ``batch`` may run at ``stage`` before it has outlived
         every request of its tenant's history that finished there within the timeout
         (None: no such request in the history, so Algorithm 2 already takes any running
         request there to its timeout). The service calls ``on_long_running`` then."""
-        longest = self._long_after.get(batch.tenant)
+        longest = self.history.long_after.get(batch.tenant)
         return None if longest is None else longest[stage]
 
     def expected_done_s(self, batch: BatchKey, arrived_at_s: float) -> float:
         """The batch's expected completion AT + T_history (Eq. 1-2): its EBF priority. A
         tenant with no history yet: AT + Σ T_j (one request running into every timeout)."""
-        history = self._history.get(batch.tenant)
-        if not history:
-            return arrived_at_s + sum(self.pipeline.timeouts)
-        return arrived_at_s + history[-1].earliest_done_s(self.pipeline)
+        return self.history.expected_done_s(self.pipeline, batch, arrived_at_s)
 
     def on_batch_arrival(self, now: float, active: Sequence[ActiveBatch]) -> Plan:
         return self.plan(now, active)
@@ -185,9 +210,11 @@ class ScalingPlanner:
         return self.plan(now, active)
 
     # -- Algorithm 2 then 1 -------------------------------------------------------------------------
-    def plan(self, now: float, active: Sequence[ActiveBatch]) -> Plan:
+    def plan(self, now: float, active: Sequence[ActiveBatch], history: History | None = None) -> Plan:
+        """A plan for ``active`` at ``now`` from ``history`` (default: the planner's own)."""
         self.plans += 1
-        batches = [self._estimate(now, a) for a in active]
+        history = self.history if history is None else history
+        batches = [self._estimate(now, a, history) for a in active]
         batches = [b for b in batches if b[1]]
         if not batches:
             return Plan({name: 0 for name in self.pipeline.names}, "no active batch", 0)
@@ -197,9 +224,10 @@ class ScalingPlanner:
         return Plan(dict(zip(self.pipeline.names, counts)),
                     f"{len(batches)} active batches, {n} requests estimated, {runs} simulations", runs)
 
-    def _estimate(self, now: float, a: ActiveBatch) -> PlanBatch:
+    def _estimate(self, now: float, a: ActiveBatch, snapshot: History | None = None) -> PlanBatch:
         """Algorithm 2 for one active batch."""
-        history = self._history.get(a.key.tenant)
+        snapshot = self.history if snapshot is None else snapshot
+        history = snapshot.records.get(a.key.tenant)
         timeouts = self.pipeline.timeouts
         out: list[SimRequest] = []
         if history:
@@ -226,5 +254,5 @@ class ScalingPlanner:
             else:  # ran longer than anything in the history: assume it runs to its timeout
                 rest = (max(timeouts[k] - elapsed, 0.0),)
             out.append(SimRequest(a.key, now, rest, k))
-        t = self.expected_done_s(a.key, a.arrived_at_s) if history else -math.inf
-        return a.key, out, self.expected_done_s(a.key, a.arrived_at_s), t
+        priority = snapshot.expected_done_s(self.pipeline, a.key, a.arrived_at_s)
+        return a.key, out, priority, priority if history else -math.inf

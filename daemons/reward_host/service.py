@@ -14,6 +14,9 @@
   stream and stays stateless; a missing prompt, or a task other than the job's, is
   scored 0 with ``reward_error`` saying why — never refused, so nothing is lost.
 - Which queued job starts on which idle worker is the pool's Dispatch (dispatch.py).
+- The ``pipeline`` backend's scaling plans are computed on its own thread,
+  ``reward-planner`` (planner_thread.py); this thread only reads the last plan (woken by
+  an fd among ``pool.fds()``), so dispatch never stalls while a plan is computed.
 - Each job carries (tenant, batch) for batch-aware backends (``pipeline``): the tenant
   is the job's name, the batch ``batch_of`` its prompt id (docs/reward.md says why that
   estimate of the trainer's batch is good enough).

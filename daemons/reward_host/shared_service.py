@@ -16,7 +16,9 @@ that speaks the same protocol plus ``tenant``, ``batch`` and ``batch_requests``
 Threads: the HTTP server's, one per connection, which read and check a request and wait
 for its answer; ``reward-scorer``, which alone touches the PipelineBackend (it is
 single-threaded by design) and the answers, taking requests from an inbox announced on
-a pipe that it selects on with the stages' fds.
+a pipe that it selects on with the backend's fds; and the backend's own
+``reward-planner`` (planner_thread.py), which computes the scaling plans from snapshots
+the scorer hands it, so a plan (up to ~1.5 s) never holds up scoring.
 
 Idempotent by (tenant, trajectory id): a key answered gets the same answer (200 with the
 reward, or 422 with the stage's error) without running again; a copy that arrives while

@@ -105,10 +105,18 @@ def test_stage_queues_order_earliest_batch_first_or_by_arrival(queue, expected):
         backend.close()
 
 
+def arrival_plan(backend: PipelineBackend):
+    """The plan asked for by the batch just submitted, once the planner thread has it.
+    Nothing else is asked until the next poll, so it is the newest plan."""
+    return wait_for("the plan for the batch's arrival", lambda: backend.planning.idle() and (
+        backend.planning.latest if backend.planning.latest.why == "batch arrival" else None), timeout_s=20)
+
+
 def test_batches_close_into_history_and_the_plan_scales_a_stage_down_for_real():
     """Cold start: max_workers (no history). After batch 0 is done the planner sees
     how long its requests ran, and one fast batch does not need four sim workers (the
-    timeout, 0.5 s, is inside D: a request that waits cannot make its batch late)."""
+    timeout, 0.5 s, is inside D: a request that waits cannot make its batch late). The
+    plan is computed on the planner thread and applied by the next poll."""
     backend = pipeline(sim("judge", median_s=0.01, min_workers=1, max_workers=4, timeout_s=0.5),
                        expected=4, max_extra_delay_s=2.0)
     try:
@@ -120,9 +128,15 @@ def test_batches_close_into_history_and_the_plan_scales_a_stage_down_for_real():
         assert len(closed.record) == 4 and closed.extra_delay_s >= 0
         for i in range(4, 8):
             backend.submit(job(i, batch=1))
-        assert backend.status()["judge"]["workers"] < 4  # planned on batch 1's arrival
-        collect(backend, 4)
-        assert backend.planner.plans >= 2
+        assert arrival_plan(backend).plan.workers["judge"] < 4
+        first = backend.poll(0.0)
+        assert backend.status()["judge"]["workers"] < 4  # applied (or a newer plan, for fewer still)
+        collect(backend, 4 - len(first))
+        wait_for("every plan applied", lambda: backend.poll(0.01) == [] and backend.planning_settled(),
+                 timeout_s=20)
+        # asked: batch 0 done, batch 1's arrival, batch 1 done; each planned or superseded
+        planning = backend.planning
+        assert planning.asked == 3 and planning.asked == backend.planner.plans + planning.superseded
         summary = backend.summary()
         assert summary.startswith("stages: judge ") and "(ok 8, error 0, timeout 0;" in summary, summary
         assert "2 batches done" in summary or "1 batches done" in summary, summary
@@ -132,8 +146,8 @@ def test_batches_close_into_history_and_the_plan_scales_a_stage_down_for_real():
 
 def test_a_job_that_outlives_its_history_asks_for_a_plan_once():
     """Batch 0's judge jobs take 10 ms, so from then on a judge job running longer than
-    that is a long runner to the planner: each job of batch 1, which takes 0.8 s here, is
-    re-planned for once (in one poll or several), and none is left watched."""
+    that is a long runner to the planner: each job of batch 1, which takes 0.8 s here,
+    asks for a plan once (in one poll or several), and none is left watched."""
     backend = pipeline(sim("judge", median_s=0.01, min_workers=1, max_workers=4, timeout_s=2.0),
                        expected=2, max_extra_delay_s=2.0)
     try:
@@ -145,12 +159,12 @@ def test_a_job_that_outlives_its_history_asks_for_a_plan_once():
         backend.stages[0].backend.latency_s = lambda: 0.8  # batch 1's jobs run long
         for i in range(2, 4):
             backend.submit(job(i, batch=1))
-        plans = backend.planner.plans  # batch 1's arrival
+        asked = backend.planning.asked  # up to batch 1's arrival
         stage = backend.stages[0]
         assert stage.long_due and stage.long_due.keys() == stage.running.keys()  # as many as the plan runs
         collect(backend, 2)
         # each job turns long once (both in one poll, or one poll each), then batch 1 is done
-        assert plans + 2 <= backend.planner.plans <= plans + 3
+        assert asked + 2 <= backend.planning.asked <= asked + 3
         assert backend.stages[0].long_due == {}
     finally:
         backend.close()
@@ -179,10 +193,13 @@ def test_with_a_hold_the_plan_after_one_fast_batch_keeps_the_workers():
         collect(backend, 4)
         for i in range(4, 8):
             backend.submit(job(i, batch=1))
+        assert arrival_plan(backend).plan.workers["judge"] < 4  # the planner asks for fewer...
         collect(backend, 4)
+        wait_for("every plan applied", lambda: backend.poll(0.01) == [] and backend.planning_settled(),
+                 timeout_s=20)
         planned = [n for _, n in backend.stages[0].plans]
-        assert min(planned) < 4, planned  # the planner did ask for fewer...
-        assert backend.status()["judge"]["workers"] == 4  # ...and the stage held on
+        assert min(planned) < 4, planned
+        assert backend.status()["judge"]["workers"] == 4  # ...and the stage holds on
     finally:
         backend.close()
 
@@ -225,6 +242,7 @@ def test_scaling_none_holds_max_workers():
                 backend.submit(job(2 * b + i, batch=b))
             collect(backend, 2)
         assert backend.status()["judge"]["workers"] == 3 and backend.planner.plans == 0
+        assert backend.planning is None  # nothing to plan: no planner thread
     finally:
         backend.close()
 
