@@ -1,0 +1,32 @@
+"""tools/bench/drops.py: the per-window drop share, and the results page rendered from the
+committed records (a figure typed by hand into docs/results/drops.md fails here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlfleet.tools.bench import drops
+
+
+def line(t: float, step: int, trained: int, dropped: dict, ages: dict) -> dict:
+    return {"time": t, "step": step, "loss": 0.0, "trained_groups": trained, "dropped": dropped,
+            "staleness": ages, "wait_s": 0.1, "pending_groups": 2}
+
+
+def test_windows_count_what_each_window_consumed_and_wasted():
+    lines = [line(10, 1, 4, {}, {"1": 16}), line(50, 2, 8, {"staleness": 1}, {"2": 32}),
+             line(70, 3, 12, {"staleness": 1, "no_signal": 2}, {"2": 16, "1": 16})]
+    w = drops.windows(lines, t0=0.0, window_s=60.0, alpha=2)
+    assert [x["consumed"] for x in w] == [9, 6]          # trained + every drop, per window
+    assert [x["drop_share"] for x in w] == [round(1 / 9, 4), 0.0]  # no_signal is not waste
+    assert w[1]["no_signal_share"] == round(2 / 6, 4)
+    assert w[0]["at_bound"] == round(32 / 48, 3) and w[1]["at_bound"] == 0.5
+
+
+@pytest.mark.skipif(not list(drops.RECORDS.glob("drops-*.json")), reason="no drops record committed yet")
+def test_the_results_page_is_rendered_from_the_records():
+    records = [json.loads(p.read_text()) for p in sorted(drops.RECORDS.glob("drops-*.json"))]
+    assert drops.PAGE.read_text() == drops.render(records), \
+        "docs/results/drops.md differs from its records: python -m rlfleet.tools.bench.drops --render"
