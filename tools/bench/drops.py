@@ -157,7 +157,10 @@ def render(records: list[dict[str, Any]]) -> str:
            "not pinned at the bound.", ""]
     for rec in records:
         out += [f"## {rec['task']}, {rec['minutes']:g} minutes per run", "",
-                f"`{rec['command']}` at `{rec['commit'][:10]}` on {rec['machine']}, {rec['date']}.", "",
+                f"`{rec['command']}` at `{rec['commit'][:10]}` on {rec['machine']}, {rec['date']}."
+                + (f" Uncommitted changes in: {', '.join(rec['uncommitted_changes'])}."
+                   if rec.get("uncommitted_changes") else "")
+                + (f" Note: {rec['note']}" if rec.get("note") else ""), "",
                 "| run | steps | claimed | drop share | by window | at the bound (last window) | "
                 "pacing stalls | load before / after | |",
                 "|---|---|---|---|---|---|---|---|---|"]
