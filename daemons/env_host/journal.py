@@ -26,6 +26,7 @@ done (re-send), partial (resume from its turns) or absent (start fresh).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from rlfleet.common.logs import LineWriter
 from rlfleet.common.run_dir import job_run_dir
 from rlfleet.common.spec import JobSpec
 from rlfleet.common.wire import Float32Array, Int32Array, Prompt, Trajectory, Turn
@@ -206,9 +208,15 @@ class Journal:
                 os.fsync(self._fd)
 
     def _write(self) -> None:
-        # O_APPEND, whole lines in one write(): a kill -9 tears at most the last line.
+        # O_APPEND, whole lines in one write(): a kill -9 tears at most the last line. A
+        # short write (a full disk) is cut back off by LineWriter and its lines kept for the
+        # next write: a torn line followed by the next append made replay skip both records.
         lines, self._unwritten = self._unwritten, []
-        os.write(self._fd, lines[0] if len(lines) == 1 else b"".join(lines))
+        why = LineWriter(self._fd).write(lines[0] if len(lines) == 1 else b"".join(lines))
+        if why is not None:
+            self._unwritten = lines + self._unwritten
+            raise OSError(errno.ENOSPC if why == "no_space" else errno.EIO,
+                          f"{self.path}: {len(lines)} journal lines not written ({why}); kept for the next write")
 
     def _apply(self, rec: dict[str, Any]) -> None:
         kind = rec["t"]

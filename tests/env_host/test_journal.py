@@ -156,3 +156,39 @@ def test_handed_counts_only_undropped_trajectories_as_good_across_a_restart(tmp_
     j = Journal(path, 3)  # replayed and compacted: the acked trajectories keep their reason
     assert j.handed(0) == (2, 1)
     j.close()
+
+
+def test_a_full_file_leaves_no_torn_line_and_keeps_what_it_could_not_write(tmp_path):
+    """A short write (here RLIMIT_FSIZE, as a full disk does it) used to leave half a line
+    that the next append continued, and replay skipped both records: the part is cut back
+    off, the lines are kept and written once there is room."""
+    import subprocess
+    import sys
+    script = f"""
+import os, resource, signal
+from rlfleet.daemons.env_host.journal import Journal
+from tests.env_host.test_journal import turn
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a short write / EFBIG instead of a kill
+path = {str(tmp_path / "env-0.jsonl")!r}
+j = Journal(path, 2)
+j.record_claim(range(0, 2))
+j.record_turn("p0-g0", 0, turn(0))
+size = os.path.getsize(path)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 40, hard))  # room for 40 bytes of a longer line
+try:
+    j.record_turn("p0-g0", 1, turn(1))
+    print("no error")
+except OSError as exc:
+    print("refused:", exc)
+assert os.path.getsize(path) == size, "the part written was not cut back off"
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # room again
+j.record_turn("p0-g1", 0, turn(0))  # writes the kept line first, then this one
+j.close()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert out.returncode == 0, out.stderr
+    assert "refused:" in out.stdout and "journal lines not written (no_space); kept for the next write" in out.stdout
+    j = Journal(tmp_path / "env-0.jsonl", G)
+    assert j.skipped == 0 and j.turns("p0-g0") == [turn(0), turn(1)] and j.turns("p0-g1") == [turn(0)]
