@@ -70,9 +70,11 @@ def drop_reason(st: ScoredTrajectory) -> tuple[str, str]:
     return "", ""
 
 
-def identity_problem(st: ScoredTrajectory, group_size: int) -> str:
+def identity_problem(st: ScoredTrajectory, launched: int) -> str:
     """Why this trajectory's ids break docs/dataflow.md's Identities ("" if they follow them):
-    ``group_id = p<prompt_id>``, ``trajectory_id = p<prompt_id>-g<k>``, 0 <= k < G. A
+    ``group_id = p<prompt_id>``, ``trajectory_id = p<prompt_id>-g<k>``, 0 <= k < the
+    trajectories a prompt launches (G + env_host.redundant_samples, the spares whose first
+    G to finish make the group). A
     trajectory outside its group's G slots (a forged ``p7-g99``) would otherwise take a
     real one's place and drop or poison its group (a squat)."""
     t = st.trajectory
@@ -81,8 +83,9 @@ def identity_problem(st: ScoredTrajectory, group_size: int) -> str:
         return f"group_id {t.group_id!r} is not {group!r} (prompt_id {t.prompt_id})"
     k = t.trajectory_id.removeprefix(f"{group}-g")
     if (k == t.trajectory_id or not (k.isascii() and k.isdigit()) or str(int(k)) != k
-            or int(k) >= group_size):
-        return f"trajectory_id {t.trajectory_id!r} is not {group}-g<k> with 0 <= k < group_size {group_size}"
+            or int(k) >= launched):
+        return (f"trajectory_id {t.trajectory_id!r} is not {group}-g<k> with 0 <= k < {launched} "
+                f"(task.group_size + env_host.redundant_samples)")
     return ""
 
 

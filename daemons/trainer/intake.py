@@ -54,10 +54,11 @@ class Triage:
 
 def triage(got: Sequence[tuple[str, ScoredTrajectory]], duplicate: Sequence[bool],
            group_sizes: dict[str, int], group_size: int, vocab_size: int | None,
-           max_version: int | None = None) -> Triage:
+           max_version: int | None = None, launched: int | None = None) -> Triage:
     """Decide each arrival. ``duplicate[i]``: the journal already holds ``got[i]``;
     ``group_sizes``: trajectories the journal holds per group (not modified);
-    ``max_version``: the newest version the trainer made (a later weight_version is forged)."""
+    ``max_version``: the newest version the trainer made (a later weight_version is forged);
+    ``launched``: trajectories a prompt launches (group_size + redundant samples; default G)."""
     out = Triage()
     counts = dict(group_sizes)
     seen: set[tuple[str, str]] = set()
@@ -66,7 +67,7 @@ def triage(got: Sequence[tuple[str, ScoredTrajectory]], duplicate: Sequence[bool
         if not t.trajectory_id or not t.group_id:
             out.refused.append((key, "trajectory_id and group_id must be non-empty"))
             continue
-        if problem := identity_problem(st, group_size):
+        if problem := identity_problem(st, launched or group_size):
             out.refused.append((key, f"identity: {problem}"))
             continue
         if dup or (t.group_id, t.trajectory_id) in seen:
@@ -100,12 +101,14 @@ class Intake:
 
     def __init__(self, journal: Journal, *, bind_host: str, group_size: Callable[[], int],
                  vocab_size: int | None, counts: Counter[str], on_data: Callable[[], None],
-                 on_bound: Callable[[], None] = lambda: None) -> None:
+                 on_bound: Callable[[], None] = lambda: None,
+                 launched: Callable[[], int] | None = None) -> None:
         """``group_size`` is asked per batch (a reloaded spec applies at once);
         ``on_data`` wakes the training loop when something was journaled; ``on_bound``
         tells the daemon the address to publish is known."""
         self.journal, self.bind_host = journal, bind_host
         self.group_size, self.vocab_size = group_size, vocab_size
+        self.launched = launched or group_size  # a prompt's trajectories: G + redundant samples
         self.counts, self.on_data, self.on_bound = counts, on_data, on_bound
         self.endpoint: str | None = None
         self.bound = threading.Event()
@@ -173,7 +176,7 @@ class Intake:
         arrived = [st for _, st in got]
         sizes = journal.group_sizes({st.trajectory.group_id for st in arrived})
         decided = triage(got, journal.duplicates(arrived), sizes, self.group_size(), self.vocab_size,
-                         journal.state.max_version)
+                         journal.state.max_version, self.launched())
         self.counts.update(decided.counts)
         for _, reason, _ in decided.drops:  # untrainable content (NaN reward, out-of-vocab ids):
             if reason == INVALID:  # its group is dropped durably, and the rejection counted

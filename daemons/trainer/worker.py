@@ -253,6 +253,7 @@ class TrainingWorker:
         self._loop.maybe_evaluate()  # version 0, or one a restart has not evaluated yet
         self._intake = Intake(journal, bind_host=self.spec.trainer.bind_host,
                               group_size=lambda: self.spec.task.group_size,
+                              launched=lambda: self.spec.task.group_size + self.spec.env_host.redundant_samples,
                               vocab_size=getattr(learner, "vocab_size", None),
                               counts=self.state.counts, on_data=self._data.set,
                               on_bound=self.on_bound)

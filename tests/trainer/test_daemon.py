@@ -236,7 +236,8 @@ def test_a_squat_is_refused_and_the_real_group_trains(setup):
         sender.send(forged.trajectory.trajectory_id, forged)
     assert sender.flush(30)
     assert sorted(sender.failed) == [
-        ("p0-g99", "identity: trajectory_id 'p0-g99' is not p0-g<k> with 0 <= k < group_size 2"),
+        ("p0-g99", "identity: trajectory_id 'p0-g99' is not p0-g<k> with 0 <= k < 2 "
+                   "(task.group_size + env_host.redundant_samples)"),
         ("p1-g0", "identity: group_id 'p0' is not 'p1' (prompt_id 1)")]
     sender.failed.clear()
     send_all(sender, [*group(0), *group(1)])

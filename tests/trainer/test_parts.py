@@ -50,7 +50,8 @@ def test_triage_takes_drops_and_refuses_as_the_contract_says():
         ("p1-g0", "group p1 already holds 2 trajectories"),
         ("p3-g0", "invalid: p3-g0 turn 0: token id 999 outside the vocabulary (size 38)"),
         ("", "trajectory_id and group_id must be non-empty"),
-        ("p6-g9", "identity: trajectory_id 'p6-g9' is not p6-g<k> with 0 <= k < group_size 2"),
+        ("p6-g9", "identity: trajectory_id 'p6-g9' is not p6-g<k> with 0 <= k < 2 "
+                  "(task.group_size + env_host.redundant_samples)"),
         ("p7-g0", f"invalid: p7-g0 turn 0: weight_version {2**40} was never made (newest: 5)")]
     assert decided.counts == Counter(new=2, dropped=3, duplicate=2)
 
@@ -74,7 +75,7 @@ def test_intake_journals_before_it_acks_and_wakes_the_loop(tmp_path):
         intake.ingest(receiver, arrivals(scored(0, 0, 1.0), scored(0, 1, 1.0), scored(0, 2, 1.0)))
         assert receiver.acks[0] == (["p0-g0", "p0-g1"], True, "", {"p0": 2})  # journaled first
         assert receiver.acks[1][:3] == (["p0-g2"], False, "identity: trajectory_id 'p0-g2' is not p0-g<k> "
-                                                          "with 0 <= k < group_size 2")
+                                                          "with 0 <= k < 2 (task.group_size + env_host.redundant_samples)")
         assert woke.is_set() and intake.counts == Counter(new=2, refused=1)
 
 
@@ -172,3 +173,15 @@ def test_a_flood_of_refusals_is_answered_each_and_logged_once(tmp_path, caplog):
         assert len(refused) == 50 and all(a[2].startswith("identity: ") for a in refused)
         assert intake.counts["refused"] == 50
         assert [r.getMessage()[:15] for r in caplog.records] == ["refused p0-g7: "]
+
+
+def test_redundant_samples_have_slots_and_the_first_g_make_the_group():
+    """With env_host.redundant_samples a prompt launches G + R trajectories (p0-g0..g2 for
+    G=2, R=1): a spare is no squat; the first G to arrive make the group, a later one is
+    refused as before, and g3 has no slot at all."""
+    got = arrivals(scored(0, 2, 1.0), scored(0, 0, 0.0), scored(0, 1, 1.0), scored(0, 3, 1.0))
+    decided = triage(got, [False] * 4, {}, group_size=2, vocab_size=38, launched=3)
+    assert [st.trajectory.trajectory_id for st in decided.new] == ["p0-g2", "p0-g0"]
+    assert [(k, why[:40]) for k, why in decided.refused] == [
+        ("p0-g1", "group p0 already holds 2 trajectories"),
+        ("p0-g3", "identity: trajectory_id 'p0-g3' is not p")]

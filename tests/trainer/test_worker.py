@@ -99,7 +99,8 @@ def test_every_group_is_trained_dropped_with_a_reason_or_pending(worker):
     # Refused, each with its reason: p8's content (its group dropped first), p10-g2's slot.
     assert sender.failed == [
         ("p8-g0", "invalid: p8-g0 turn 0: token id 999 outside the vocabulary (size 38)"),
-        ("p10-g2", "identity: trajectory_id 'p10-g2' is not p10-g<k> with 0 <= k < group_size 2")]
+        ("p10-g2", "identity: trajectory_id 'p10-g2' is not p10-g<k> with 0 <= k < 2 "
+                   "(task.group_size + env_host.redundant_samples)")]
     send(sender, pair(0, 0))  # late duplicates of a trained group: acked, ignored
 
     state = w._journal.state
