@@ -133,7 +133,7 @@ def _training_problems(cluster: Cluster) -> list[str]:
         groups = m.info.get("non_finite_groups") if m.role == "trainer" else None
         if groups:
             steps, rewinds = m.info.get("non_finite_steps") or 0, m.info.get("rewinds") or 0
-            out.append(f"trainer/{m.id}: {groups} groups dropped for non-finite numbers ({steps} steps skipped, "
+            out.append(f"{m.role}/{m.id}: {groups} groups dropped for non-finite numbers ({steps} steps skipped, "
                        f"{rewinds} checkpoints restored); last: {m.info.get('non_finite', '?')}")
     return out
 
