@@ -47,7 +47,7 @@ from rlfleet.common.spec import JobSpec
 from .batching import (INVALID, NO_SIGNAL, NON_FINITE, STALENESS, NonFiniteStep, in_finished_rounds,
                        select_groups, staleness)
 from .buffer import capacity_groups, evict_overflow, evict_stale, ordered
-from .checkpointing import Checkpointer
+from .checkpointing import Checkpointer, checkpoints
 from .evaluation import policy_to_evaluate
 from .failpoints import kill_at
 from .journal import Journal, JournalUnwritable, until_written
@@ -292,8 +292,6 @@ class TrainingLoop:
         same path as a restart, without one. With no checkpoint and broken weights there
         is nothing to restore in-process: the worker fails and its daemon starts it again
         from the base model."""
-        from .checkpointing import checkpoints
-
         if not checkpoints(self.checkpointer.folder):
             if weights_broken:
                 raise RuntimeError(f"{why} and no checkpoint to restore: restarting from the base model")

@@ -113,9 +113,8 @@ def test_sigterm_answers_the_running_request_and_deregisters(rollout):
         stats_client.close()
 
 
-def _publish_to_local_relay_store(store: EtcdStore, shm_dir, version: int, tensors) -> object:
-    """Stand in for this host's relay: a real WeightStore holding a complete version, and
-    the relay's member registration (host, shm_dir) that the rollout's reader looks up."""
+def fill_store(shm_dir, version: int, tensors):
+    """A relay's weight store holding one complete version (what the chain leaves there)."""
     from rlfleet.relay.manifest import build_manifest
     from rlfleet.relay.shm import WeightStore
 
@@ -129,6 +128,13 @@ def _publish_to_local_relay_store(store: EtcdStore, shm_dir, version: int, tenso
 
     weights = WeightStore(shm_dir)
     weights.put_local(manifest, fill)
+    return weights
+
+
+def _publish_to_local_relay_store(store: EtcdStore, shm_dir, version: int, tensors) -> object:
+    """Stand in for this host's relay: a real WeightStore holding a complete version, and
+    the relay's member registration (host, shm_dir) that the rollout's reader looks up."""
+    weights = fill_store(shm_dir, version, tensors)
     store.put(JobKeys("rtest").member("relay", "relay-test"), {"host": HOST, "shm_dir": str(shm_dir)})
     return weights
 

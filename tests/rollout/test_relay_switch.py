@@ -24,6 +24,7 @@ from rlfleet.common.spec import load_spec
 from rlfleet.common.store import Lease
 
 from ..integration.helpers import rlfleet, stop, wait_for, write_spec
+from .test_daemon_process import fill_store
 from .test_engine import greedy_reference, req
 
 JOB, HOST = "rswitch", "gpu-09"
@@ -38,24 +39,6 @@ def scaled(model, factor: float):
         for p in out.parameters():
             p.mul_(factor)
     return out, {k: v.detach().numpy() for k, v in out.state_dict().items() if k != "lm_head.weight"}
-
-
-def fill_store(shm_dir, version: int, tensors):
-    """A relay's weight store holding one complete version (what the chain leaves there)."""
-    from rlfleet.relay.manifest import build_manifest
-    from rlfleet.relay.shm import WeightStore
-
-    manifest, src = build_manifest(version, tensors, chunk_bytes=1 << 16)
-
-    def fill(view, start, end):
-        offset = 0
-        for piece in src.pieces(start, end):
-            view[offset:offset + len(piece)] = piece
-            offset += len(piece)
-
-    weights = WeightStore(shm_dir)
-    weights.put_local(manifest, fill)
-    return weights
 
 
 def register_relay(store: EtcdStore, rid: str, shm_dir, chunks: str) -> Lease:
