@@ -55,7 +55,7 @@ def add_host(j: LabJob, extra_inventory: Path) -> dict[str, Any]:
 def lost_after_end(j: LabJob, tmp: Path, inventories: tuple[str, ...] = ()) -> int:
     """End the job at a step, stop it, and count lost trajectories over every host's journals."""
     end = j.version() + 100
-    j.playbook("job.yml", "-e", f"rlfleet_job_spec={job_spec(tmp, end)}")
+    j.playbook("job.yml", "-e", f"rlfleet_job_spec={job_spec(tmp, end)}", "-e", "rlfleet_job_replace=true")
     j.host_sh("h1", f"systemctl reload 'rlfleet@{JOB}:trainer-0.service'")
     wait_for(f"training done at step {end}", lambda: j.trainer().get("training") == "done", timeout_s=600)
     j.playbook("stop.yml", inventories=inventories)
