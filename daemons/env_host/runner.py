@@ -35,6 +35,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
+from rlfleet.common.log_throttle import LogThrottle
 from rlfleet.common.outbox import Acked
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.common.wire import Trajectory, Turn
@@ -113,6 +114,9 @@ class EnvRunner:
         self._flush_scheduled = False
         self._acked_keys: collections.deque[str] = collections.deque()  # acked, not yet forgotten
         self._forget_pending = False
+        # Finished while the journal's disk was full: handed on once their line is written.
+        self._held: list[tuple[str, Trajectory, str, int]] = []
+        self._journal_errors = LogThrottle(10.0)
         # Metric children looked up once, not per turn / trajectory (.labels() costs a lock
         # and a dict lookup on a tuple of label values).
         self._turns_metric = TURNS.labels(id=name)
@@ -147,10 +151,16 @@ class EnvRunner:
         """Called on the outbox thread: journal the acks, then free capacity."""
         ok = [k for k, good, _ in acked if good]
         refused = [(k, err) for k, good, err in acked if not good]
-        self.journal.record_acked(ok)
-        for key, err in refused:
-            log.warning("%s refused by the reward-host: %s", key, err, extra={"trajectory": key})
-            self.journal.record_acked([key], ok=False, error=err)
+        try:
+            self.journal.record_acked(ok)
+            for key, err in refused:
+                log.warning("%s refused by the reward-host: %s", key, err, extra={"trajectory": key})
+                self.journal.record_acked([key], ok=False, error=err)
+        except OSError as exc:
+            # A full disk: the lines wait in the journal. Forgetting goes on (else the prompt
+            # stays live for good); a crash before the write re-sends, and receivers dedup.
+            self._journal_errors.warning(log, "ack", "acks not journaled yet: %s", exc,
+                                         extra={"event": "journal_full"})
         self.acked += len(acked)
         # One wake-up of the loop (a write to its self-pipe) per pass of the loop, not
         # per ack: keys pile up in a deque (thread-safe) while a wake-up is pending; the
@@ -245,6 +255,8 @@ class EnvRunner:
         # fewer compare-and-swaps on the one cursor key that every env-host contends for.
         batch = max(1, self.max_prompts // 4) if self.env_mode == "async" else self.round_size
         while not self._stopping:
+            if self._held:
+                await self._hand_on_held()
             if self.env_mode == "async":
                 free = min(2 * self.max_prompts - len(self._live),
                            (self.max_concurrent - self.running) // self.launch)
@@ -265,7 +277,7 @@ class EnvRunner:
                     self.paced += 1
                     await self._sleep(1.0)
                     continue
-                await self._in_journal(self.journal.record_claim, prompts)
+                await self._journal_claim(prompts)
                 self.claimed += len(prompts)
                 PROMPTS_CLAIMED.labels(id=self.name).inc(len(prompts))
                 log.info("claimed prompts [%d, %d)", prompts.start, prompts.stop,
@@ -310,7 +322,7 @@ class EnvRunner:
             if lost:
                 log.warning("adopting prompts [%d, %d) claimed in etcd but not journaled",
                             lost.start, lost.stop, extra={"event": "adopted"})
-                await self._in_journal(self.journal.record_claim, lost)
+                await self._journal_claim(lost)
                 adopted.append(lost)
         return adopted
 
@@ -377,7 +389,7 @@ class EnvRunner:
             verdict = group.finished(ok=not traj.dropped_reason)
             if verdict == "spare":
                 reason = traj.dropped_reason or REDUNDANT
-                self.journal.record_spare(tid, reason)
+                record = lambda: self.journal.record_spare(tid, reason)  # noqa: E731
                 self.spares[reason] = self.spares.get(reason, 0) + 1
                 SPARES.labels(id=self.name, reason=reason).inc()
             else:
@@ -388,7 +400,14 @@ class EnvRunner:
                     metric = self._trajectories_metric[traj.dropped_reason] = TRAJECTORIES.labels(
                         id=self.name, reason=traj.dropped_reason)
                 metric.inc()
-                self.journal.record_done(traj)  # no fsync: written inline, see _journal_turn
+                record = lambda: self.journal.record_done(traj)  # noqa: E731 — no fsync, see _journal_turn
+            try:
+                record()
+            except OSError as exc:  # a full disk: the line waits in the journal, the trajectory here
+                self._held.append((tid, traj, verdict, prompt_id))
+                self._journal_errors.warning(log, "held", "%s held until the journal can be written: %s",
+                                             tid, exc, extra={"event": "journal_full"})
+                return
         except Exception:  # noqa: BLE001 — e.g. the journal's disk is full
             # Not handed on: the prompt stays live here and in the journal, and the next
             # start resumes the trajectory from what was journaled.
@@ -398,11 +417,36 @@ class EnvRunner:
             self.running -= 1
             self._running.pop(tid, None)
             self._poke()  # a trajectory's slot is free: maybe claim
+        self._hand_on(tid, traj, verdict, prompt_id)
+
+    def _hand_on(self, tid: str, traj: Trajectory, verdict: str, prompt_id: int) -> None:
         if verdict == "spare":
             self._forget([tid])
         else:
             self.submit(tid, traj)
         self._cancel_unneeded(prompt_id)
+
+    async def _hand_on_held(self) -> None:
+        """Only what the journal can rebuild leaves this host: the held trajectories go
+        once their lines (kept in memory by the journal, in order) are written."""
+        try:
+            await self._in_journal(self.journal.flush)
+        except OSError:
+            return
+        held, self._held = self._held, []
+        log.info("the journal is written again: %d held trajectories handed on", len(held),
+                 extra={"event": "journal_written"})
+        for item in held:
+            self._hand_on(*item)
+
+    async def _journal_claim(self, prompts: range) -> None:
+        try:
+            await self._in_journal(self.journal.record_claim, prompts)
+        except OSError as exc:
+            # The journal keeps the line for its next write; a crash before then is covered
+            # by adopting the claim from etcd at the next start (_adopt_lost_claims).
+            self._journal_errors.warning(log, "claim", "claim [%d, %d) not journaled yet: %s",
+                                         prompts.start, prompts.stop, exc, extra={"event": "journal_full"})
 
     def _cancel_unneeded(self, prompt_id: int) -> None:
         """Cancel what a whole group, or a round with enough groups, no longer needs."""
@@ -444,8 +488,9 @@ class EnvRunner:
         self._flush_scheduled = False
         try:
             self.journal.flush()
-        except OSError:  # e.g. the disk is full: as when a turn's own write failed
-            log.exception("could not write the journal")
+        except OSError as exc:  # a full disk: the lines wait for the next write
+            self._journal_errors.warning(log, "flush", "could not write the journal: %s", exc,
+                                         extra={"event": "journal_full"})
 
     async def _in_journal(self, fn: Callable[..., None], *args: Any) -> None:
         # fsynced writes off the loop, in order (one writer thread).

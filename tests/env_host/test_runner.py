@@ -4,6 +4,7 @@ the adoption of a claim that was made in etcd but never journaled."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -79,11 +80,11 @@ class Host:
 
     def __init__(self, store, rollout, reward_host, path, owner: str = "env-0",
                  group_size: int = G, max_concurrent: int = 8, *, task=None, config=None,
-                 **runner_options) -> None:
+                 journal_cls=Journal, **runner_options) -> None:
         """``runner_options``: EnvRunner's env_mode / redundant_* (test_agentic_modes.py)."""
         task = task or get_task("arithmetic")
         launch = group_size + runner_options.get("redundant_samples", 0)
-        self.journal = Journal(path, launch)
+        self.journal = journal_cls(path, launch)
         self.claimer = PromptClaimer(store, KEYS, owner)
         self.outbox = OutboxThread("test-outbox", on_acked=lambda acked: self.runner.on_acked(acked),
                                    resend_after_s=0.3, max_backoff_s=0.5)
@@ -164,3 +165,44 @@ def test_a_claim_lost_between_etcd_and_the_journal_is_adopted(world):
     host.stop()
     assert not {3, 4} & {parse_trajectory_id(t)[0] for t in reward_host.unique()}
     check_accounting(store, reward_host, path, foreign=frozenset({3, 4}))
+
+
+class FullDiskJournal(Journal):
+    """While ``full`` is set every write fails as a full disk does (ENOSPC, the lines kept
+    in memory for the next write: what Journal._write does on a short write)."""
+
+    full = False
+
+    def _write(self) -> None:
+        if self.full:
+            raise OSError(28, f"{self.path}: no space left (test)")
+        super()._write()
+
+
+def test_a_full_disk_holds_finished_trajectories_and_hands_them_on_once_written(world):
+    """A trajectory whose "done" line a full disk refused used to stay live for good (its
+    prompt never completed), and a claim that could not be journaled ended the env loop.
+    Now both wait in memory: nothing leaves before the journal holds it, and everything
+    goes once the disk has room."""
+    store, rollout, reward_host, path = world
+    host = Host(store, rollout, reward_host, path, journal_cls=FullDiskJournal)
+    wait_for("10 trajectories delivered", lambda: len(reward_host.unique()) >= 10, timeout_s=30)
+    host.journal.full = True
+    wait_for("trajectories held by the full disk", lambda: len(host.runner._held) >= 2, timeout_s=30)
+    wait_for("a claim made while the disk is full",
+             lambda: host.runner.claimed > max(parse_trajectory_id(t)[0] for t in reward_host.unique()) + 1,
+             timeout_s=30)
+    sent_while_full = set(reward_host.unique())
+    # Read, not opened: a second Journal on the live file would compact it under the first.
+    lines = [json.loads(raw) for raw in path.read_bytes().splitlines()]
+    on_disk = {r["id"] for r in lines if r["t"] in ("done", "spare")}
+    held = {tid for tid, *_ in host.runner._held}
+    assert not held & on_disk and not held & sent_while_full, "a held trajectory left before it was journaled"
+    assert host.runner.alive(), host.runner.error
+    host.journal.full = False
+    wait_for("the held trajectories handed on", lambda: held <= set(reward_host.unique()), timeout_s=30)
+    claimed = host.runner.claimed
+    wait_for("new claims after the disk has room", lambda: host.runner.claimed > claimed, timeout_s=30)
+    host.stop()
+    nxt, live = check_accounting(store, reward_host, path)
+    assert nxt >= claimed and host.runner.error is None
