@@ -305,10 +305,15 @@ class EtcdStore(Store):
         return ttl
 
     def revoke_lease(self, lease: Lease) -> None:
-        try:
-            self._call("revoke_lease", lambda c: c.revoke_lease(lease.id))
-        except etcd_exc.Etcd3Exception:
-            pass  # already gone: revoking is idempotent for us
+        def revoke(c: pyetcd.MultiEndpointEtcd3Client) -> None:
+            try:
+                c.revoke_lease(lease.id)
+            except grpc.RpcError as exc:
+                # "lease not found" is etcd's answer, not an outage (_call would retry every
+                # endpoint and say unreachable): expired or revoked already is what we want.
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+        self._call("revoke_lease", revoke)
 
     def lease_remaining(self, lease_id: int) -> int:
         return self._call("lease_remaining", lambda c: c.get_lease_info(lease_id)).TTL
