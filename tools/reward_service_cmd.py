@@ -34,14 +34,16 @@ def _listen(value: str) -> tuple[str, int]:
 @click.option("--spec", "spec_file", required=True, type=click.Path(dir_okay=False),
               help="The service's spec (TOML: [service], [pipeline] with its [[pipeline.stages]]).")
 @click.option("--listen", default="127.0.0.1:8800", show_default=True, metavar="HOST:PORT",
-              help="Where to serve POST /score (port 0: any free port; the URL is printed).")
+              help="Where to serve POST /score (port 0: any free port; the URL is printed). "
+                   "Without the spec's [tls]: a loopback address only.")
 @click.option("--check", is_flag=True, help="Validate the spec and exit (like `rlfleet job validate`).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def reward_service(spec_file: str, listen: str, check: bool, log_level: str) -> None:
     """Serve a reward pipeline to several jobs: each job's reward-host points its
-    remote_http backend at http://HOST:PORT/score."""
+    remote_http backend at https://HOST:PORT/score (the spec's [tls]; without it, plain
+    http:// on a loopback address only)."""
     from rlfleet.common.spec import SpecError
-    from rlfleet.daemons.reward_host.shared_spec import load_service_spec
+    from rlfleet.daemons.reward_host.shared_spec import listen_refusal, load_service_spec
 
     host, port = _listen(listen)
     try:
@@ -49,10 +51,14 @@ def reward_service(spec_file: str, listen: str, check: bool, log_level: str) -> 
     except SpecError as exc:
         click.echo(str(exc), err=True)
         sys.exit(Exit.BAD_SPEC)
+    if why := listen_refusal(spec, host):
+        click.echo(why, err=True)
+        sys.exit(Exit.BAD_SPEC)
     stages = ", ".join(s.name for s in spec.pipeline.stages)
     if check:
+        tls = "" if spec.tls is None else "; https" + (", client certificates" if spec.tls.client_ca_file else "")
         click.echo(f"{spec_file}: ok ({len(spec.pipeline.stages)} stages: {stages}; queue "
-                   f"{spec.pipeline.queue}, scaling {spec.pipeline.scaling})")
+                   f"{spec.pipeline.queue}, scaling {spec.pipeline.scaling}{tls})")
         return
 
     from rlfleet.common.logs import setup_json_logging
@@ -66,7 +72,7 @@ def reward_service(spec_file: str, listen: str, check: bool, log_level: str) -> 
     try:
         summary = serve(spec, host, port, stop,
                         on_listening=lambda url: click.echo(f"listening on {url}"))  # echo flushes
-    except ValueError as exc:  # an unreadable auth_secret_file
+    except ValueError as exc:  # an unreadable auth_secret_file, a [tls] file changed since validation
         click.echo(str(exc), err=True)
         sys.exit(Exit.BAD_SPEC)
     except JournalUnusable as exc:  # taken by another service, or not writable

@@ -16,7 +16,9 @@ service, shared_service.py; other endpoints ignore them) and the header ``Idempo
 ``X-Rlfleet-Attempt`` and the optional auth header); the answer ``200 {"reward": <finite
 number>, "info": {...}}``. An endpoint must answer a repeated key with the result it
 gave, without scoring again: a retry after a lost answer, or the same trajectory
-re-sent by an env-host to a restarted reward-host, then costs one scoring.
+re-sent by an env-host to a restarted reward-host, then costs one scoring. An
+``https://`` endpoint's certificate is checked against ``ca_file`` (remote_config.py,
+which also refuses a token over plain http:// to a host that is not loopback).
 
 Failures, per attempt: a connect error, a broken connection, a timeout, 408, 429 or a
 5xx is retried (with full-jitter exponential backoff, ``Retry-After`` honoured up to
@@ -39,6 +41,7 @@ import math
 import os
 import random
 import select
+import ssl
 import threading
 import time
 from typing import Any
@@ -118,6 +121,7 @@ class RemoteBackend(RewardBackend):
         self._headers = {"content-type": "application/json"}
         if config.auth_secret_file:
             self._headers[config.auth_header.lower()] = read_secret(config.auth_secret_file)
+        self._tls = config.client_tls()  # ca_file, a client certificate: read now, TlsFileError if unusable
         b = config.breaker
         self.endpoints = [Endpoint(url, config.max_concurrency, Breaker(b.failures, b.open_s,
                                                                         b.half_open_probes))
@@ -210,7 +214,7 @@ class RemoteBackend(RewardBackend):
             timeout=httpx2.Timeout(self.config.timeout_s,
                                    connect=min(self.config.connect_timeout_s, self.config.timeout_s)),
             limits=httpx2.Limits(max_connections=None, max_keepalive_connections=total),
-            follow_redirects=False, trust_env=False)
+            verify=self._tls if self._tls is not None else True, follow_redirects=False, trust_env=False)
         started.set()
         try:
             self._loop.run_forever()
@@ -350,7 +354,9 @@ class RemoteBackend(RewardBackend):
                     timeout=httpx2.Timeout(timeout, connect=min(self.config.connect_timeout_s, timeout)))
         except (TimeoutError, httpx2.TimeoutException):
             raise _Retry(f"{ep.url}: no answer within {timeout:.3g} s") from None
-        except httpx2.TransportError as exc:  # refused, reset, closed mid-answer
+        except (httpx2.TransportError, ssl.SSLError) as exc:  # refused, reset, closed mid-answer;
+            # SSLError: a TLS 1.3 alert after the handshake (no client certificate, a foreign
+            # one) comes on the first read, which the HTTP client does not wrap.
             raise _Retry(f"{ep.url}: {type(exc).__name__}: {exc}") from None
         status, content = resp.status_code, resp.content
         if status == 200:

@@ -28,6 +28,13 @@ before any caller sees the answer, so a restarted service answers those keys fro
 kill still loses the queues, the running requests and the planner's history: the
 callers' retries score those trajectories on the restarted service (without the journal,
 the answered ones too; each reward-host forwards one outcome per trajectory either way).
+
+Transport: with the spec's ``[tls]`` every connection is HTTPS (TLS 1.2+, the
+certificate issued by the job's CA; with ``client_ca_file``, a client certificate too).
+The handshake runs in the connection's own thread under the handler's socket timeout, so
+a client that stalls it holds only that thread; a refused handshake (a plain-HTTP client,
+an unknown client certificate) is logged once per address. Without ``[tls]``, plain HTTP
+on a loopback address only (shared_spec.listen_refusal), with a warning.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import json
 import logging
 import os
 import select
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -49,7 +57,7 @@ from .answer_journal import AnswerJournal
 from .pipeline_backend import PipelineBackend
 from .remote_config import read_secret
 from .shared_protocol import BadRequest, ScoreRequest, read_request, split_key
-from .shared_spec import ServiceSpec
+from .shared_spec import ServiceSpec, listen_refusal
 
 log = logging.getLogger("rlfleet.reward_service")
 
@@ -331,20 +339,53 @@ class Handler(BaseHTTPRequestHandler):
 class Server(ThreadingHTTPServer):
     daemon_threads = True  # a waiting request must not keep a stopping process alive
     request_queue_size = 128
+    _MAX_REMEMBERED = 1000  # addresses whose refused handshake was logged; past that, none
 
-    def __init__(self, address: tuple[str, int], scorer: Scorer, auth: str | None) -> None:
+    def __init__(self, address: tuple[str, int], scorer: Scorer, auth: str | None,
+                 tls: ssl.SSLContext | None = None) -> None:
         super().__init__(address, Handler)
-        self.scorer, self.auth = scorer, auth
+        self.scorer, self.auth, self.tls = scorer, auth, tls
+        self._refused: set[str] = set()
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        """In the connection's thread: the TLS handshake (when serving HTTPS), then the
+        handler. Not in accept()'s thread, where one slow client would stop the others."""
+        if self.tls is None:
+            super().finish_request(request, client_address)
+            return
+        request.settimeout(Handler.timeout)
+        try:
+            conn = self.tls.wrap_socket(request, server_side=True)  # closes itself if refused
+        except (ssl.SSLError, OSError) as exc:
+            self._refuse(client_address[0], exc)
+            return
+        try:
+            super().finish_request(conn, client_address)
+        finally:
+            self.shutdown_request(conn)  # the plain socket was handed over (detached) to conn
+
+    def _refuse(self, peer: str, exc: BaseException) -> None:
+        if peer in self._refused or len(self._refused) >= self._MAX_REMEMBERED:
+            return
+        self._refused.add(peer)  # one line per address: a scanner cannot flood the log
+        reason = getattr(exc, "reason", None) or type(exc).__name__
+        log.warning("refused a connection from %s: TLS handshake failed (%s)", peer, reason,
+                    extra={"event": "auth_refused", "reason": "tls_handshake"})
 
 
 def serve(spec: ServiceSpec, host: str, port: int, stop: threading.Event,
           on_listening: Any = None) -> str:
     """Run the service until ``stop`` is set; ``on_listening(url)`` once it accepts.
     Returns the exit line: what was scored, per tenant, and the pipeline's summary."""
+    if why := listen_refusal(spec, host):
+        raise ValueError(why)
     auth = read_secret(spec.service.auth_secret_file) if spec.service.auth_secret_file else None
+    tls = spec.tls.context() if spec.tls is not None else None  # TlsFileError: a ValueError
+    if tls is None:
+        log.warning("serving plain HTTP on %s (loopback only): give the spec [tls] to serve HTTPS", host)
     scorer = Scorer(spec)
     try:
-        server = Server((host, port), scorer, auth)
+        server = Server((host, port), scorer, auth, tls)
     except BaseException:
         scorer.close()
         raise
@@ -354,7 +395,7 @@ def serve(spec: ServiceSpec, host: str, port: int, stop: threading.Event,
     thread.start()
     bound_host, bound_port = server.server_address[:2]
     if on_listening is not None:
-        on_listening(f"http://{bound_host}:{bound_port}/score")
+        on_listening(f"{'https' if tls else 'http'}://{bound_host}:{bound_port}/score")
     try:
         while not stop.wait(1.0):
             if not scorer.alive():

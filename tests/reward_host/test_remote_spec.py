@@ -80,9 +80,29 @@ P = "reward_host.backend"
     (URL + "[reward_host.backend.breaker]\nopn_s = 3", f"{P}.breaker.opn_s: unknown key (did you mean 'open_s'?)"),
     (URL + "[reward_host.backend.breaker]\nfailures = 0", f"{P}.breaker.failures: must be > 0, got 0"),
     (URL + "max_concurrency = 2\n[reward_host.backend.breaker]\nhalf_open_probes = 3", f"{P}: breaker.half_open_probes (3) must be <= max_concurrency (2)"),
+    # The token goes over https://, or over http:// to this machine only (issue 28).
+    ('endpoints = ["https://a/s", "http://10.0.0.5:8000/score"]\nauth_secret_file = "/t"',
+     f"{P}: endpoints[1]: http://10.0.0.5:8000/score is plain http:// to 10.0.0.5, which is not a loopback "
+     "address: the auth_secret_file token would cross the network in clear; use https:// (with ca_file, "
+     "the CA that issued its certificate)"),
+    ('endpoints = "HTTP://reward.example/s"\nauth_secret_file = "/t"', f"{P}: endpoints[0]: HTTP://reward.example/s is plain http:// to reward.example, which is not a loopback "
+     "address: the auth_secret_file token would cross the network in clear; use https:// (with ca_file, "
+     "the CA that issued its certificate)"),
+    (URL + 'ca_file = "/etc/ca.crt"', f"{P}: ca_file is set but no endpoint is https:// (TLS is only spoken to https:// URLs)"),
+    ('endpoints = "https://a/s"\nclient_cert_file = "/c.crt"', f"{P}: client_cert_file and client_key_file go together: give both or neither"),
+    ('endpoints = "https://a/s"\nca_file = "ca.crt"', f"{P}.ca_file: must be an absolute path (the reward-host reads it on its own machine), got 'ca.crt'"),
 ])
 def test_refused_with_its_path(tmp_path, text, expected):
     assert errors(tmp_path, text + "\n") == [expected]
+
+
+def test_a_token_over_https_or_to_loopback_is_accepted(tmp_path):
+    path = tmp_path / "job.toml"
+    for text in ('endpoints = ["https://10.0.0.5:8800/score"]\nca_file = "/etc/rlfleet/ca.crt"\n'
+                 'client_cert_file = "/c.crt"\nclient_key_file = "/c.key"\n',
+                 'endpoints = ["http://127.0.0.2:8800/s", "http://localhost/s", "http://[::1]:80/s"]\n'):
+        path.write_text(HEAD + text + 'auth_secret_file = "/etc/rlfleet/reward-token"\n')
+        assert load_spec(path).reward_host.backend.auth_secret_file == "/etc/rlfleet/reward-token"
 
 
 def test_validating_imports_no_http_client():

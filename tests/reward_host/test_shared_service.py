@@ -67,12 +67,14 @@ class SharedService:
     restart after kill -9 serves the callers' configured URL again."""
 
     def __init__(self, tmp_path: Path, *, service: str = "", judge_s: float = 0.02,
-                 port: int | None = None) -> None:
+                 port: int | None = None, tls: str = "") -> None:
+        """``tls``: the keys of a [tls] section (the service then serves https://)."""
         self.spec = tmp_path / "service.toml"
-        self.spec.write_text(SERVICE_SPEC.format(service=service, judge_s=judge_s))
+        self.spec.write_text(SERVICE_SPEC.format(service=service + (f"\n[tls]\n{tls}" if tls else ""),
+                                                 judge_s=judge_s))
         self.log = tmp_path / "service.log"
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}/score"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}/score"
         self.base = self.url.rsplit("/", 1)[0]
         self.proc: subprocess.Popen | None = None
         self.start()
@@ -87,9 +89,9 @@ class SharedService:
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
         assert line == f"listening on {self.url}\n", (line, self.log.read_text()[-2000:])
 
-    def stats(self, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    def stats(self, headers: dict[str, str] | None = None, context: Any = None) -> dict[str, Any]:
         req = urllib.request.Request(f"{self.base}/_stats", headers=headers or {})
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=10, context=context) as r:
             return json.loads(r.read())
 
     def kill9(self) -> None:
@@ -118,14 +120,14 @@ def body(i: int, tenant: str = "", right: bool = True, **extra: Any) -> dict[str
 
 
 def post(url: str, doc: Any, key: str | None = None, headers: dict[str, str] | None = None,
-         raw: bytes | None = None) -> tuple[int, dict[str, Any]]:
+         raw: bytes | None = None, context: Any = None) -> tuple[int, dict[str, Any]]:
     data = raw if raw is not None else json.dumps(doc).encode()
     if key is None and isinstance(doc, dict):
         key = str(doc.get("trajectory_id", ""))
     req = urllib.request.Request(url, data=data, method="POST",
                                  headers={"Idempotency-Key": key or "", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=30, context=context) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
