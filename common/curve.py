@@ -17,10 +17,15 @@ Refusals are logged once per peer and kind and counted in
 IP and key), and a client that does not speak CURVE or has the wrong server key
 (a socket monitor on each server socket; libzmq drops those before ZAP is asked).
 
+Roles (common/edges.py): each server socket names its edge, and its ZAP handler admits
+only keys of the roles that edge lists; a key's role is the folder it is authorized in.
+
 The directory::
 
-    <dir>/daemon.key_secret     this process's key pair (pyzmq certificate format, mode 0600)
-    <dir>/authorized/*.key      public keys of every daemon allowed to connect
+    <dir>/<role>.key_secret         the key pair of this machine's daemons of <role> (0600)
+    <dir>/daemon.key_secret         the pair of a daemon whose role has none (one pair for all)
+    <dir>/authorized/<role>/*.key   public keys that speak for <role>
+    <dir>/authorized/*.key          keys without a role: admitted only by sockets naming no edge
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from prometheus_client import Counter
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
+from . import edges
+from .spec_placement import ROLES
 from .secret_files import read_private, write_private
 
 log = logging.getLogger("rlfleet.auth")
@@ -48,7 +55,6 @@ ENV_DIR = "RLFLEET_CURVE_DIR"
 SECRET_FILE = "daemon.key_secret"
 AUTHORIZED_DIR = "authorized"
 KEY_MARK = "?curve="  # endpoint + KEY_MARK + the server's Z85 public key
-ZAP_DOMAIN = b"rlfleet"
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP RFC (27/ZAP)
 _MAX_REMEMBERED = 10_000  # peers logged once each; past this many only counted (a flood)
 
@@ -66,31 +72,53 @@ class CurveError(ValueError):
 class CurveSetup:
     public: bytes            # Z85, 40 bytes
     secret: bytes
-    authorized: frozenset[bytes]  # Z85 public keys of the clients allowed in
+    roles: dict[bytes, str]  # Z85 public key of each client allowed in -> the role it speaks for ("": none)
     directory: str
 
+    @property
+    def authorized(self) -> frozenset[bytes]:
+        return frozenset(self.roles)
+
     @classmethod
-    def load(cls, directory: str | os.PathLike[str]) -> CurveSetup:
+    def load(cls, directory: str | os.PathLike[str], role: str = "") -> CurveSetup:
+        """The pair of ``role`` (``<role>.key_secret``) where there is one, else the
+        directory's one pair (``daemon.key_secret``)."""
         d = Path(directory)
-        keys = dict((k.decode(), v) for k, v in _CERT_KEY.findall(read_private(d / SECRET_FILE,
-                                                                                 "CURVE secret key file")))
+        path = d / secret_file(role) if role and (d / secret_file(role)).exists() else d / SECRET_FILE
+        keys = dict((k.decode(), v) for k, v in _CERT_KEY.findall(read_private(path, "CURVE secret key file")))
         if "public" not in keys or "secret" not in keys:
-            raise CurveError(f"{d / SECRET_FILE}: no public-key/secret-key pair "
-                             "(create one with `rlfleet curve-keys DIR`)")
+            raise CurveError(f"{path}: no public-key/secret-key pair "
+                             "(create one with `rlfleet curve-keys DIR --role ROLE`)")
         if zmq.curve_public(keys["secret"]) != keys["public"]:
-            raise CurveError(f"{d / SECRET_FILE}: the public key does not belong to the secret key")
+            raise CurveError(f"{path}: the public key does not belong to the secret key")
         return cls(keys["public"], keys["secret"], load_authorized(d / AUTHORIZED_DIR), str(d))
 
 
-def load_authorized(directory: Path) -> frozenset[bytes]:
+def secret_file(role: str) -> str:
+    return f"{role}.key_secret" if role else SECRET_FILE
+
+
+def load_authorized(directory: Path) -> dict[bytes, str]:
+    """{public key: role} from ``*.key`` (no role) and ``<role>/*.key``. A key listed
+    under two roles is refused: it could speak for either."""
     if not directory.is_dir():
         raise CurveError(f"{directory}: no such directory of authorized public keys (*.key)")
-    found = set()
-    for path in sorted(directory.glob("*.key")):
-        found.update(v for k, v in _CERT_KEY.findall(path.read_bytes()) if k == b"public")
+    found: dict[bytes, str] = {}
+    folders = [("", directory)] + [(p.name, p) for p in sorted(directory.iterdir()) if p.is_dir()]
+    for role, folder in folders:
+        if role and role not in ROLES:
+            raise CurveError(f"{folder}: not a role ({', '.join(ROLES)}); a key's folder names its role")
+        for path in sorted(folder.glob("*.key")):
+            for kind, value in _CERT_KEY.findall(path.read_bytes()):
+                if kind != b"public":
+                    continue
+                if found.get(value, role) != role:
+                    raise CurveError(f"{path}: key {value.decode()} is authorized for two roles "
+                                     f"({found[value] or 'none'} and {role or 'none'})")
+                found[value] = role
     if not found:
         raise CurveError(f"{directory}: no public key in any *.key file; no client could connect")
-    return frozenset(found)
+    return found
 
 
 def _cert(public: bytes, secret: bytes | None) -> bytes:
@@ -101,16 +129,20 @@ def _cert(public: bytes, secret: bytes | None) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
-def create_keys(directory: str | os.PathLike[str], name: str = "daemon") -> bytes:
-    """A new key pair in ``directory`` (secret 0600), its public key authorized there too;
-    returns the public key. On a cluster, copy each host's ``authorized/<name>.key`` into
-    every other host's ``authorized/``."""
+def create_keys(directory: str | os.PathLike[str], name: str = "daemon", role: str = "") -> bytes:
+    """A new key pair in ``directory`` (secret 0600: ``<role>.key_secret``, or
+    ``daemon.key_secret`` without a role), its public key authorized there too, as
+    ``authorized/<role>/<name>.key``; returns the public key. On a cluster, copy each
+    host's public keys into every other host's ``authorized/<role>/``."""
+    if role and role not in ROLES:
+        raise CurveError(f"{role!r} is not a role ({', '.join(ROLES)})")
     d = Path(directory)
-    (d / AUTHORIZED_DIR).mkdir(parents=True, exist_ok=True)
+    folder = d / AUTHORIZED_DIR / role if role else d / AUTHORIZED_DIR
+    folder.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)
     public, secret = zmq.curve_keypair()
-    write_private(d / SECRET_FILE, _cert(public, secret))
-    (d / AUTHORIZED_DIR / f"{name}.key").write_bytes(_cert(public, None))
+    write_private(d / secret_file(role), _cert(public, secret))
+    (folder / f"{name}.key").write_bytes(_cert(public, None))
     return public
 
 
@@ -132,13 +164,14 @@ def configure(setup: CurveSetup | None) -> None:
             _guards.clear()
 
 
-def configure_from_env(directory: str | None = None) -> CurveSetup | None:
-    """From ``$RLFLEET_CURVE_DIR`` (else ``directory``, the spec's security.curve_dir);
-    None when neither names one. CurveError / SecretFileError when it cannot be used."""
+def configure_from_env(directory: str | None = None, role: str = "") -> CurveSetup | None:
+    """From ``$RLFLEET_CURVE_DIR`` (else ``directory``, the spec's security.curve_dir),
+    with ``role``'s key pair; None when neither names a directory. CurveError /
+    SecretFileError when it cannot be used."""
     where = os.environ.get(ENV_DIR) or directory
     if not where:
         return None
-    setup = CurveSetup.load(where)
+    setup = CurveSetup.load(where, role)
     configure(setup)
     return setup
 
@@ -159,8 +192,10 @@ def reload_authorized() -> str:
 
 
 # ----------------------------------------------------------------- sockets
-def arm(sock: zmq.Socket, server: bool) -> None:
-    """Give a new socket the process's keys (nothing when CURVE is off)."""
+def arm(sock: zmq.Socket, server: bool, edge: str = "") -> None:
+    """Give a new socket the process's keys (nothing when CURVE is off); a server names
+    its ``edge`` (common/edges.py), which decides the roles it admits."""
+    zap_domain = edges.domain(edge)  # an unknown edge is a ValueError, CURVE on or off
     setup = _active
     if setup is None:
         return
@@ -168,7 +203,7 @@ def arm(sock: zmq.Socket, server: bool) -> None:
     sock.curve_secretkey = setup.secret
     if server:
         _guard(sock.context).watch(sock)  # ZAP bound before this socket can accept anyone
-        sock.zap_domain = ZAP_DOMAIN
+        sock.zap_domain = zap_domain
         sock.curve_server = True
 
 
@@ -253,15 +288,27 @@ class _ZapHandler(threading.Thread):
     def _answer(self, msg: list[bytes]) -> list[bytes]:
         if len(msg) < 6:
             return [b"1.0", msg[1] if len(msg) > 1 else b"", b"400", b"malformed ZAP request", b"", b""]
-        version, request_id, _domain, address, _identity, mechanism, *credentials = msg
+        version, request_id, domain, address, _identity, mechanism, *credentials = msg
         setup = _active
         peer_ip = address.decode(errors="replace")
         if mechanism == b"CURVE" and credentials and len(credentials[0]) == 32:
             key = z85.encode(credentials[0])
-            if setup is not None and key in setup.authorized:
-                return [version, request_id, b"200", b"OK", key, b""]
-            _refused_once((peer_ip, key), "unknown_key",
-                          "refused a CURVE client from %s: key %s is not authorized", peer_ip, key.decode())
+            role = setup.roles.get(key) if setup is not None else None
+            try:
+                edge = edges.edge_of(domain)
+            except ValueError as exc:
+                _refused_once((peer_ip, key, domain), "edge", "refused a CURVE client from %s: %s", peer_ip, exc)
+                return [version, request_id, b"400", b"unknown socket", b"", b""]
+            if role is not None and edges.admits(edge, role):
+                return [version, request_id, b"200", b"OK", f"{role}:{key.decode()}".encode(), b""]
+            if role is None:
+                _refused_once((peer_ip, key), "unknown_key",
+                              "refused a CURVE client from %s: key %s is not authorized", peer_ip, key.decode())
+            else:
+                _refused_once((peer_ip, key, edge), "role",
+                              "refused a CURVE client from %s on %s: key %s speaks for %s; %s admits %s",
+                              peer_ip, edge, key.decode(), role or "no role", edge,
+                              ", ".join(sorted(edges.EDGES[edge] if edge else ())))
         else:
             _refused_once((peer_ip, mechanism), "mechanism",
                           "refused a %s client from %s: CURVE is required", mechanism.decode(errors="replace"),

@@ -173,8 +173,8 @@ class ReliableReceiver(_Endpoint):
 
     def __init__(self, address: str, *, expect: Expect = None, ctx: zmq.Context | None = None,
                  curve: CurveKeys | None = None, hwm: int = DEFAULT_HWM,
-                 max_bytes: int = MAX_FRAME_BYTES, name: str = "reliable-receiver") -> None:
-        opts = dict(expect=expect, ctx=ctx, curve=curve, hwm=hwm, max_bytes=max_bytes, name=name)
+                 max_bytes: int = MAX_FRAME_BYTES, name: str = "reliable-receiver", edge: str = "") -> None:
+        opts = dict(expect=expect, ctx=ctx, curve=curve, hwm=hwm, max_bytes=max_bytes, name=name, edge=edge)
         super().__init__(zmq.ROUTER, address, True, opts)
         self._senders: dict[str, bytes] = {}  # id -> identity of the sender to ack
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from . import curve
+from . import curve, edges
 from .secret_files import SecretFileError
 from .spec import JobSpec
 
@@ -29,11 +29,19 @@ def enforce(spec: JobSpec, role: str) -> str:
     said = []
     if curve.active() is None:
         try:
-            setup = curve.configure_from_env(sec.curve_dir)
+            setup = curve.configure_from_env(sec.curve_dir, role)
         except (curve.CurveError, SecretFileError, OSError) as exc:
             raise SecurityError(f"CURVE keys unusable: {exc}") from None
         if setup is not None:
-            said.append(f"CURVE on: public key {setup.public.decode()}, {len(setup.authorized)} "
+            speaks_for = setup.roles.get(setup.public)
+            if role in edges.SENDERS and speaks_for != role:
+                # It sends on an edge that admits only its role: every peer would refuse it.
+                curve.configure(None)
+                where = "nowhere" if speaks_for is None else f"for {speaks_for}" if speaks_for else "without a role"
+                raise SecurityError(f"CURVE: this {role}'s key {setup.public.decode()} is authorized {where} "
+                                    f"in {setup.directory}, so its peers would refuse it: make the role's own pair "
+                                    f"with `rlfleet curve-keys DIR --role {role}` (docs/security.md)")
+            said.append(f"CURVE on: public key {setup.public.decode()} ({role}), {len(setup.authorized)} "
                         f"authorized client key(s) in {setup.directory}")
     if sec.curve and curve.active() is None:
         raise SecurityError("the job requires CURVE ([security] curve = true) and this daemon has no keys: "

@@ -119,8 +119,9 @@ _MAX_SOCKETS = 65536
 
 def make_socket(kind: int, *, server: bool, ctx: zmq.Context | None = None,
                 curve: CurveKeys | None = None, hwm: int = DEFAULT_HWM,
-                max_bytes: int = MAX_FRAME_BYTES) -> zmq.Socket:
-    """A socket with the fleet's options; ``server`` is the binding side."""
+                max_bytes: int = MAX_FRAME_BYTES, edge: str = "") -> zmq.Socket:
+    """A socket with the fleet's options; ``server`` is the binding side, and its ``edge``
+    (common/edges.py) says which roles' keys it admits under CURVE."""
     sock = (ctx or shared_context()).socket(kind)
     sock.setsockopt(zmq.LINGER, 0)  # close() never blocks on unsent data; senders resend
     sock.setsockopt(zmq.SNDHWM, hwm)
@@ -138,7 +139,7 @@ def make_socket(kind: int, *, server: bool, ctx: zmq.Context | None = None,
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
     if curve is None:
-        curve_setup.arm(sock, server)  # the process's keys, when CURVE is on (common/curve.py)
+        curve_setup.arm(sock, server, edge)  # the process's keys, when CURVE is on (common/curve.py)
     else:
         sock.curve_publickey = curve.public
         sock.curve_secretkey = curve.secret
@@ -265,8 +266,8 @@ class RequestServer(_Endpoint):
 
     def __init__(self, address: str, *, expect: Expect = None, ctx: zmq.Context | None = None,
                  curve: CurveKeys | None = None, hwm: int = DEFAULT_HWM,
-                 max_bytes: int = MAX_FRAME_BYTES, name: str = "request-server") -> None:
-        opts = dict(expect=expect, ctx=ctx, curve=curve, hwm=hwm, max_bytes=max_bytes, name=name)
+                 max_bytes: int = MAX_FRAME_BYTES, name: str = "request-server", edge: str = "") -> None:
+        opts = dict(expect=expect, ctx=ctx, curve=curve, hwm=hwm, max_bytes=max_bytes, name=name, edge=edge)
         super().__init__(zmq.ROUTER, address, True, opts)
 
     def recv(self, timeout: float | None = None) -> tuple[bytes, str, Message] | None:

@@ -289,16 +289,21 @@ def accounting(run_dir: str, job: str, etcd: str, group_size: int | None) -> Non
 @main.command("curve-keys")
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--name", default=socket.gethostname(), show_default=True,
-              help="Name of the public key file (authorized/NAME.key) to copy to the other machines.")
-def curve_keys(directory: str, name: str) -> None:
-    """Make this machine's CURVE key pair in DIRECTORY (docs/security.md): DIRECTORY/daemon.key_secret
-    (mode 0600), its public key authorized in DIRECTORY/authorized/NAME.key."""
-    from rlfleet.common.curve import SECRET_FILE, create_keys
-    if (Path(directory) / SECRET_FILE).exists():
-        raise click.UsageError(f"{Path(directory) / SECRET_FILE} exists; move it away to make a new pair")
-    public = create_keys(directory, name)
-    click.echo(f"public key {public.decode()}: copy {Path(directory) / 'authorized' / (name + '.key')} "
-               "into every other machine's authorized/ (then SIGHUP their daemons)")
+              help="Name of the public key file (authorized/ROLE/NAME.key) to copy to the other machines.")
+@click.option("--role", "role", type=click.Choice(ROLES), default=None,
+              help="The role the pair speaks for (its daemons use it; common/edges.py says where it may send).")
+def curve_keys(directory: str, name: str, role: str | None) -> None:
+    """Make this machine's CURVE key pair for ROLE in DIRECTORY (docs/security.md):
+    DIRECTORY/ROLE.key_secret (mode 0600), its public key authorized in
+    DIRECTORY/authorized/ROLE/NAME.key. Without --role: DIRECTORY/daemon.key_secret and
+    authorized/NAME.key, a key no daemon socket admits (for a socket that names no edge)."""
+    from rlfleet.common.curve import create_keys, secret_file
+    if (Path(directory) / secret_file(role or "")).exists():
+        raise click.UsageError(f"{Path(directory) / secret_file(role or '')} exists; move it away to make a new pair")
+    public = create_keys(directory, name, role or "")
+    key_file = Path(directory) / "authorized" / (role or "") / (name + ".key")
+    click.echo(f"public key {public.decode()}: copy {key_file} "
+               f"into every other machine's authorized/{role + '/' if role else ''} (then SIGHUP their daemons)")
 
 
 # -- job specs ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from rlfleet.common import curve
 from rlfleet.common.etcd_auth import EtcdCredentials
 from rlfleet.common.secret_files import write_private
 from rlfleet.common.security import JOB_SECRET_ENV
+from rlfleet.common.spec_placement import ROLES
 CERT_DAYS = 30  # a run's certificates outlive any run, and are worthless after it
 _EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-noenc"]
 
@@ -91,7 +92,8 @@ class RunCredentials:
         directory.mkdir(parents=True, exist_ok=True)
         os.chmod(directory, 0o700)
         tls = make_etcd_tls(directory / "etcd") if private_etcd else None
-        curve.create_keys(directory / "curve", name="job")
+        for role in ROLES:  # one pair per role: a daemon can speak only for its own (common/edges.py)
+            curve.create_keys(directory / "curve", name=role, role=role)
         return cls(tls, directory / "curve", make_job_secret(directory / "job.secret"))
 
     def env(self) -> dict[str, str]:

@@ -56,7 +56,8 @@ class RewardHost(Daemon):
         assert self.spec is not None
         spec = self.spec
         self.receiver = ReliableReceiver(f"tcp://{spec.reward_host.bind_host}:0", expect=Trajectory,
-                                         name=f"{self.options.member_id}<-env-hosts")
+                                         name=f"{self.options.member_id}<-env-hosts",
+                                         edge="reward-host-trajectories")
         self.addresses["trajectories"] = self.receiver.endpoint
         rh = spec.reward_host
         # Prompts per training batch, as the env-hosts claim them (env_host/pacing.py: a

@@ -85,7 +85,7 @@ class Rollout(Daemon):
                                        dtype=self.spec.model.dtype)
         self.server = RequestServer(f"tcp://{rs.bind_host}:0",
                                     expect=EXPECT,
-                                    name=f"{self.options.member_id}-requests")
+                                    name=f"{self.options.member_id}-requests", edge="rollout-requests")
         self.addresses["requests"] = self.server.endpoint
         self.follower = self._follow_relay()
         self.loop = EngineLoop(engine, self.server, self.options.member_id, self.follower, mode=rs.mode)

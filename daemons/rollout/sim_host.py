@@ -191,4 +191,5 @@ class SimHost:
 def bind_servers(count: int, bind_host: str, host_id: str, expect: tuple[type, ...]) -> list[RequestServer]:
     ctx = shared_context()
     return [RequestServer(f"tcp://{bind_host}:0", expect=expect, ctx=ctx,
-                          name=f"{sim_member_id(host_id, k, count)}-requests") for k in range(count)]
+                          name=f"{sim_member_id(host_id, k, count)}-requests", edge="rollout-requests")
+            for k in range(count)]

@@ -10,6 +10,8 @@ import pytest
 import zmq
 
 from rlfleet.common import curve
+from rlfleet.common.edges import EDGES
+from rlfleet.common.spec_placement import ROLES
 from rlfleet.common.secret_files import SecretFileError
 from rlfleet.common.sockets import CurveKeys, PeerTimeout, RequestClient, RequestServer
 from rlfleet.common.wire import Abort
@@ -114,3 +116,68 @@ def test_reload_admits_a_key_added_to_authorized(job_keys, tmp_path):
             assert sum(server.rejected.values()) == 1
         finally:
             sock.close(linger=0)
+
+
+# ----------------------------------------------------------------- roles and edges
+@pytest.fixture
+def role_keys(tmp_path):
+    """A key pair per role in one directory, as `rlfleet run` makes them; the process
+    serves with the trainer's pair. Returns {role: CurveSetup of that role's pair}."""
+    for role in ROLES:
+        curve.create_keys(tmp_path / "job", name=role, role=role)
+    setups = {role: curve.CurveSetup.load(tmp_path / "job", role) for role in ROLES}
+    curve.configure(setups["trainer"])
+    yield setups
+    curve.configure(None)
+
+
+def _admitted(server: RequestServer, setup: curve.CurveSetup) -> bool:
+    _, server_key = curve.split(server.endpoint)
+    keys = CurveKeys(setup.public, setup.secret, server_public=server_key)
+    with RequestClient(server.endpoint, curve=keys) as client:
+        try:  # refused by ZAP: the handshake never completes, so no connected server
+            rid = client.send(Abort("probe"), timeout_s=2.0)
+        except PeerTimeout:
+            return False
+        if not _serve_one(server, 1.5):
+            return False
+        return client.poll_replies(5.0) == [(rid, Abort("probe"))]
+
+
+def test_each_socket_admits_exactly_the_roles_of_its_edge(role_keys, caplog):
+    """Every (role, edge) pair: the 4 edges of common/edges.py admitted, the 17 others
+    refused at the handshake with a log line naming the role and the edge."""
+    caplog.set_level(logging.WARNING, logger="rlfleet.auth")
+    assert len({role_keys[r].public for r in ROLES}) == len(ROLES)  # a pair each
+    refused_before = _refused("role")
+    seen = {}
+    for edge in EDGES:
+        with RequestServer(LOCAL, edge=edge) as server:
+            for role in ROLES:
+                seen[edge, role] = _admitted(server, role_keys[role])
+    assert {pair for pair, ok in seen.items() if ok} == {(e, r) for e, roles in EDGES.items() for r in roles}
+    forbidden = sum(1 for ok in seen.values() if not ok)
+    assert forbidden == len(EDGES) * len(ROLES) - sum(len(r) for r in EDGES.values())
+    assert _refused("role") - refused_before == forbidden
+    messages = [r.getMessage() for r in caplog.records]
+    env_key = role_keys["env-host"].public.decode()
+    assert any(f"on trainer-trajectories: key {env_key} speaks for env-host; trainer-trajectories admits "
+               "reward-host" in m for m in messages), messages
+
+
+def test_a_key_authorized_under_two_roles_or_a_folder_that_is_no_role_is_refused(tmp_path):
+    curve.create_keys(tmp_path / "k", name="h1", role="env-host")
+    key = (tmp_path / "k" / "authorized" / "env-host" / "h1.key").read_bytes()
+    (tmp_path / "k" / "authorized" / "reward-host").mkdir()
+    (tmp_path / "k" / "authorized" / "reward-host" / "h1.key").write_bytes(key)
+    with pytest.raises(curve.CurveError, match="authorized for two roles"):
+        curve.CurveSetup.load(tmp_path / "k", "env-host")
+    (tmp_path / "k" / "authorized" / "reward-host" / "h1.key").unlink()
+    (tmp_path / "k" / "authorized" / "admins").mkdir()
+    with pytest.raises(curve.CurveError, match="admins: not a role"):
+        curve.CurveSetup.load(tmp_path / "k", "env-host")
+
+
+def test_an_unknown_edge_is_an_error_at_bind():
+    with pytest.raises(ValueError, match="unknown socket edge 'trainer'"):
+        RequestServer(LOCAL, edge="trainer")
