@@ -25,6 +25,7 @@ from rlfleet.common.validation import confined
 from rlfleet.common.wire import ScoredTrajectory, count_rejection
 
 from .batching import INVALID, check_trajectory, drop_reason, identity_problem
+from .claimed import ClaimedPrompts
 from .failpoints import FAILPOINT_ENV
 from .journal import Journal, until_written
 
@@ -54,11 +55,13 @@ class Triage:
 
 def triage(got: Sequence[tuple[str, ScoredTrajectory]], duplicate: Sequence[bool],
            group_sizes: dict[str, int], group_size: int, vocab_size: int | None,
-           max_version: int | None = None, launched: int | None = None) -> Triage:
+           max_version: int | None = None, launched: int | None = None,
+           claimed_below: int | None = None) -> Triage:
     """Decide each arrival. ``duplicate[i]``: the journal already holds ``got[i]``;
     ``group_sizes``: trajectories the journal holds per group (not modified);
     ``max_version``: the newest version the trainer made (a later weight_version is forged);
-    ``launched``: trajectories a prompt launches (group_size + redundant samples; default G)."""
+    ``launched``: trajectories a prompt launches (group_size + redundant samples; default G);
+    ``claimed_below``: prompts below it were claimed (claimed.py; None: not checked)."""
     out = Triage()
     counts = dict(group_sizes)
     seen: set[tuple[str, str]] = set()
@@ -69,6 +72,10 @@ def triage(got: Sequence[tuple[str, ScoredTrajectory]], duplicate: Sequence[bool
             continue
         if problem := identity_problem(st, launched or group_size):
             out.refused.append((key, f"identity: {problem}"))
+            continue
+        if claimed_below is not None and t.prompt_id >= claimed_below:
+            out.refused.append((key, f"identity: prompt {t.prompt_id} was never claimed "
+                                     f"(the cursor is at {claimed_below})"))
             continue
         if dup or (t.group_id, t.trajectory_id) in seen:
             out.counts["duplicate"] += 1
@@ -102,7 +109,8 @@ class Intake:
     def __init__(self, journal: Journal, *, bind_host: str, group_size: Callable[[], int],
                  vocab_size: int | None, counts: Counter[str], on_data: Callable[[], None],
                  on_bound: Callable[[], None] = lambda: None,
-                 launched: Callable[[], int] | None = None) -> None:
+                 launched: Callable[[], int] | None = None,
+                 claimed: ClaimedPrompts | None = None) -> None:
         """``group_size`` is asked per batch (a reloaded spec applies at once);
         ``on_data`` wakes the training loop when something was journaled; ``on_bound``
         tells the daemon the address to publish is known."""
@@ -110,6 +118,7 @@ class Intake:
         self.group_size, self.vocab_size = group_size, vocab_size
         self.launched = launched or group_size  # a prompt's trajectories: G + redundant samples
         self.counts, self.on_data, self.on_bound = counts, on_data, on_bound
+        self.claimed = claimed  # None: prompt ids are not checked against the cursor (unit tests)
         self.endpoint: str | None = None
         self.bound = threading.Event()
         self._refused_log = LogThrottle(REFUSED_LOG_EVERY_S)
@@ -118,7 +127,7 @@ class Intake:
         from rlfleet.common.sockets import ReliableReceiver
 
         receiver = ReliableReceiver(f"tcp://{self.bind_host}:0", expect=ScoredTrajectory,
-                                    name="trainer-trajectories")
+                                    name="trainer-trajectories", edge="trainer-trajectories")
         try:
             self.endpoint = receiver.endpoint
             self.bound.set()
@@ -175,8 +184,10 @@ class Intake:
         journal = self.journal
         arrived = [st for _, st in got]
         sizes = journal.group_sizes({st.trajectory.group_id for st in arrived})
+        newest = max((st.trajectory.prompt_id for st in arrived), default=-1)
+        claimed_below = self.claimed.below(newest) if self.claimed is not None else None
         decided = triage(got, journal.duplicates(arrived), sizes, self.group_size(), self.vocab_size,
-                         journal.state.max_version, self.launched())
+                         journal.state.max_version, self.launched(), claimed_below)
         self.counts.update(decided.counts)
         for _, reason, _ in decided.drops:  # untrainable content (NaN reward, out-of-vocab ids):
             if reason == INVALID:  # its group is dropped durably, and the rejection counted

@@ -50,6 +50,7 @@ from .intake import Intake
 from .journal import Journal
 from .metrics_log import MetricsLog
 from .progress import ProgressWriter, progress_record
+from .claimed import ClaimedPrompts
 from .resume import restore
 from .training import TrainerState, TrainingLoop
 
@@ -256,7 +257,7 @@ class TrainingWorker:
                               launched=lambda: self.spec.task.group_size + self.spec.env_host.redundant_samples,
                               vocab_size=getattr(learner, "vocab_size", None),
                               counts=self.state.counts, on_data=self._data.set,
-                              on_bound=self.on_bound)
+                              on_bound=self.on_bound, claimed=ClaimedPrompts(self.store, self.keys))
         log.info("resumed at version %d (the checkpoint's), %d steps (%d groups) to re-train up to "
                  "version %d, %d pending groups in the journal", self.state.version, replay.steps_left,
                  replay.groups_left, replay.made_up_to, len(journal.state.pending), extra={"event": "resume"})

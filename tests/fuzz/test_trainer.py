@@ -17,7 +17,7 @@ from rlfleet.common.validation import check_message
 from rlfleet.common.wire import ScoredTrajectory, WireError
 from rlfleet.daemons.trainer.sim_learner import read_vocab_size
 from tests.integration.helpers import TINY_MODEL, wait_for
-from tests.trainer.conftest import scored
+from tests.trainer.conftest import claim_prompts, scored
 
 from . import strategies as hs
 from .conftest import DAEMON_FUZZ
@@ -43,6 +43,7 @@ ascii_keys = st.text(alphabet="abcdefghij0123456789-", min_size=1, max_size=24)
 def test_hostile_scored_trajectories_are_refused_and_a_valid_one_is_taken(tmp_path, etcd):
     vocab = read_vocab_size(TINY_MODEL)
     d = DaemonProcess(tmp_path, etcd, "trainer", "t-0", "fuzztr", SPEC, model=TINY_MODEL)
+    claim_prompts(d.store, "fuzztr", up_to=1000)
     sender = None
     try:
         sender = ReliableSender(d.address("trajectories", timeout_s=90), resend_after_s=5.0,
@@ -80,6 +81,12 @@ def test_hostile_scored_trajectories_are_refused_and_a_valid_one_is_taken(tmp_pa
         good = scored(9, 0, 1.0)
         sender.send(good.trajectory.trajectory_id, good)
         assert _answer(sender, good.trajectory.trajectory_id) == (True, "")
+        # A well-formed trajectory of a prompt no env-host claimed: a squat on a group
+        # that a real env-host will fill later. Refused, its group left alone.
+        squat = scored(5000, 0, 1.0)
+        sender.send(squat.trajectory.trajectory_id, squat)
+        assert _answer(sender, squat.trajectory.trajectory_id) == (
+            False, "identity: prompt 5000 was never claimed (the cursor is at 1000)")
         assert d.alive()
     finally:
         if sender is not None:

@@ -44,3 +44,10 @@ def scored(prompt_id: int, k: int, reward: float, *, prompt=(1, 5, 6), tokens=(7
                       task="arithmetic", turns=[turn] * turns, env_reward=reward,
                       dropped_reason=dropped_reason)
     return ScoredTrajectory(trajectory=traj, reward=reward, reward_error=reward_error)
+
+
+def claim_prompts(store, job: str, up_to: int = 1_000_000) -> None:
+    """Play every env-host: prompts [0, up_to) claimed in etcd, so the trainer's intake
+    (daemons/trainer/claimed.py) takes trajectories of any of them."""
+    from rlfleet.common.keys import JobKeys
+    store.put(JobKeys(job).prompts_cursor, {"next": up_to, "claims": {"test-feeder": [[0, up_to]]}})

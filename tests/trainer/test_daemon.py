@@ -24,7 +24,7 @@ from rlfleet.daemons.trainer.journal import Journal
 from rlfleet.daemons.trainer.intake import FAILPOINT_ENV
 
 from ..integration.helpers import stop, wait_for, write_spec
-from .conftest import scored
+from .conftest import claim_prompts, scored
 
 JOB = "tt"
 SPEC = """\
@@ -68,6 +68,7 @@ def member(store: EtcdStore, member_id: str) -> dict:
 
 
 def address(store: EtcdStore, member_id: str, log: Path) -> str:
+    claim_prompts(store, JOB)
     return wait_for(f"{member_id} serving trajectories (log: {log})",
                     lambda: member(store, member_id).get("addresses", {}).get("trajectories"),
                     timeout_s=60)

@@ -27,7 +27,7 @@ from rlfleet.common.spec import load_spec
 from rlfleet.common.store import StoreUnavailable
 
 from ..integration.helpers import TINY_MODEL, stop, wait_for, write_spec
-from .conftest import scored
+from .conftest import claim_prompts, scored
 
 JOB = "fsafe"
 TTL_S = 2.0  # FAST_SPEC's lease TTL
@@ -114,6 +114,7 @@ def test_quorum_loss_longer_than_the_ttl_loses_no_step(fleet):
              lambda: (m := RelayMaster.read(store, keys)) is not None and m.id == "relay-a")
     start("trainer", "trainer-a")
     log = tmp / "trainer-a.log"
+    claim_prompts(store, JOB)
     address = wait_for(f"trainer-a serving trajectories (log: {log})",
                        lambda: member(store, "trainer-a").get("addresses", {}).get("trajectories"))
     sender = ReliableSender(address, resend_after_s=0.5)

@@ -23,7 +23,7 @@ from rlfleet.common.sockets import ReliableSender
 from rlfleet.common.spec import load_spec
 
 from ..integration.helpers import TINY_MODEL, stop, wait_for, write_spec
-from .conftest import scored
+from .conftest import claim_prompts, scored
 
 JOB = "simt"
 WEIGHT_MIB = 4
@@ -81,6 +81,8 @@ def metrics(tmp_path: Path) -> list[dict]:
 
 
 def trainer_address(store: EtcdStore, member_id: str, log: Path) -> str:
+    claim_prompts(store, JOB)
+
     def addr() -> str | None:
         kv = store.get(JobKeys(JOB).member("trainer", member_id))
         return (kv.value.get("addresses") or {}).get("trajectories") if kv else None

@@ -19,7 +19,7 @@ from rlfleet.daemons.trainer import training as training_module
 from rlfleet.daemons.trainer.worker import TrainingWorker
 
 from ..integration.helpers import wait_for
-from .conftest import scored
+from .conftest import claim_prompts, scored
 
 
 class Recorder:
@@ -45,6 +45,7 @@ def start_worker(tmp_path, etcd, tiny_model, paused=False, **trainer):
                     "learning_rate": 1e-3, **trainer},
     })
     store = EtcdStore(etcd.endpoints)
+    claim_prompts(store, "tw")
     recorder = Recorder()
     w = TrainingWorker(spec, store, JobKeys("tw"), publisher=recorder, paused=paused)
     w.start()

@@ -160,6 +160,8 @@ def run_once(outage_s: float, warmup_s: float, after_s: float, rate: float, chec
     store = EtcdStore(cluster.endpoints, timeout_s=0.5)
     from rlfleet.common.spec import load_spec
     store.put(keys.spec, load_spec(spec).to_dict())
+    # The feeder plays the env-hosts too: its prompts are claimed, as the trainer's intake requires.
+    store.put(keys.prompts_cursor, {"next": 10**9, "claims": {"feeder": [[0, 10**9]]}})
     procs: list[subprocess.Popen] = []
 
     def start(role: str, member_id: str) -> None:
