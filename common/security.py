@@ -11,6 +11,7 @@ import os
 from . import curve, edges
 from .secret_files import SecretFileError
 from .spec import JobSpec
+from .spec_placement import ROLES
 
 from .job_secret import ENV_VAR as JOB_SECRET_ENV  # the relay's chunk transport reads it
 # Who speaks the relay's chunk transport: relays, and the trainer that pushes to the master.
@@ -27,7 +28,8 @@ def enforce(spec: JobSpec, role: str) -> str:
     something this process does not have. Returns a sentence for the log ("" if nothing)."""
     sec = spec.security
     said = []
-    if curve.active() is None:
+    zmq_role = role in ROLES  # a node agent speaks no ZeroMQ and has no role key
+    if zmq_role and curve.active() is None:
         try:
             setup = curve.configure_from_env(sec.curve_dir, role)
         except (curve.CurveError, SecretFileError, OSError) as exc:
@@ -43,7 +45,7 @@ def enforce(spec: JobSpec, role: str) -> str:
                                     f"with `rlfleet curve-keys DIR --role {role}` (docs/security.md)")
             said.append(f"CURVE on: public key {setup.public.decode()} ({role}), {len(setup.authorized)} "
                         f"authorized client key(s) in {setup.directory}")
-    if sec.curve and curve.active() is None:
+    if zmq_role and sec.curve and curve.active() is None:
         raise SecurityError("the job requires CURVE ([security] curve = true) and this daemon has no keys: "
                             f"set ${curve.ENV_DIR} or [security] curve_dir (docs/security.md)")
     if sec.job_secret_file and not os.environ.get(JOB_SECRET_ENV):

@@ -6,6 +6,12 @@ ScoredTrajectory into the trainer's published socket, once with no CURVE and onc
 a CURVE key of its own (knowing the trainer's public key, which etcd shows). Without
 security such a message was accepted, journaled and counted; here both are refused,
 the trainer logs each refusal, and nothing of them reaches the journal.
+
+Then it plays a compromised daemon: with each role's own key pair (from the run's
+credentials), a client process of its own tries every server socket of the running
+daemons (trainer, reward-host, rollout). Exactly the edges of common/edges.py are
+admitted; the reward-host's key, which the trainer admits, injects a trajectory of a
+prompt nobody claimed, and it is refused with the reason.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import pytest
 
 from rlfleet.common import curve
 from rlfleet.common.etcd_auth import EtcdCredentials, open_store
+from rlfleet.common.edges import EDGES
 from rlfleet.common.keys import JobKeys
+from rlfleet.common.spec_placement import ROLES
 from rlfleet.common.sockets import CurveKeys, ReliableSender
 from rlfleet.common.store import StoreUnavailable
 from rlfleet.daemons.trainer.journal import Journal
@@ -112,6 +120,7 @@ def test_a_secure_run_trains_and_refuses_injected_trajectories(tmp_path):
         wait_for("the trainer to log both refusals", lambda: "is not authorized" in (text := trainer_log.read_text())
                  and ("does not speak CURVE" in text or "the connection ended during the handshake" in text), 60)
         wait_for("a progress line (steps trained)", lambda: out.find(" reward "), 120)
+        _every_role_against_every_socket(run_dir, endpoints, creds)
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -123,6 +132,44 @@ def test_a_secure_run_trains_and_refuses_injected_trajectories(tmp_path):
     assert f"p{INJECTED}" not in groups and state.trained, sorted(groups)[:10]
     assert "accounting" in "".join(out.lines) and "invariant holds" in "".join(out.lines)
     assert not (run_dir / "credentials").exists()  # secrets do not outlive the run
+
+
+SOCKETS = {"trainer-trajectories": ("trainer", "trajectories"),
+           "reward-host-trajectories": ("reward-host", "trajectories"),
+           "rollout-requests": ("rollout", "requests")}
+
+
+def _every_role_against_every_socket(run_dir: Path, endpoints: str, creds: EtcdCredentials) -> None:
+    keys_dir = run_dir / "credentials" / "curve"
+    store = open_store(endpoints, creds=creds)
+    try:
+        addresses = {edge: wait_for(f"the {role}'s {name} address", lambda role=role, name=name: next(
+            (m.value["addresses"][name] for m in store.get_prefix(JobKeys("secure").role_members_prefix(role))
+             if m.value.get("addresses", {}).get(name)), None), 60) for edge, (role, name) in SOCKETS.items()}
+    finally:
+        store.close()
+    assert set(addresses) == set(EDGES)
+    probes = {(edge, role): subprocess.Popen(
+        [sys.executable, "-m", "tests.security.edge_probe", str(keys_dir / curve.secret_file(role)), address, "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=_clean_env())
+        for edge, address in addresses.items() for role in ROLES}
+    seen = {pair: proc.communicate(timeout=60)[0].strip() for pair, proc in probes.items()}
+    expected = {(edge, role): "admitted" if role in EDGES[edge] else "refused (auth)" for edge, role in probes}
+    assert seen == expected
+    logs = {edge: run_dir / "logs" / f"{role}-0.log" for edge, (role, _) in SOCKETS.items()}
+    env_key = curve.CurveSetup.load(keys_dir, "env-host").public.decode()
+    wait_for("the trainer to name the env-host's key and role", lambda: f"key {env_key} speaks for env-host; "
+             "trainer-trajectories admits reward-host" in logs["trainer-trajectories"].read_text(), 30)
+
+    # The trainer admits the reward-host's key; what it sends is still checked.
+    pair = curve.CurveSetup.load(keys_dir, "reward-host")
+    keys = CurveKeys(pair.public, pair.secret, server_public=curve.split(addresses["trainer-trajectories"])[1])
+    squat = scored(INJECTED, 0, 1.0)
+    with ReliableSender(addresses["trainer-trajectories"], curve=keys, name="compromised-reward-host") as sender:
+        sender.send(squat.trajectory.trajectory_id, squat)
+        assert sender.flush(30.0)
+        assert len(sender.failed) == 1 and sender.failed[0][1].startswith(
+            f"identity: prompt {INJECTED} was never claimed"), sender.failed
 
 
 def test_a_daemon_without_the_keys_the_job_requires_refuses_to_start(tmp_path, etcd):
