@@ -53,11 +53,12 @@ class Triage:
     counts: Counter[str] = field(default_factory=Counter)  # new, dropped, duplicate
 
 
-def triage(got: Sequence[tuple[str, ScoredTrajectory]], duplicate: Sequence[bool],
+def triage(got: Sequence[tuple[str, ScoredTrajectory]], duplicate: Sequence[bool | str],
            group_sizes: dict[str, int], group_size: int, vocab_size: int | None,
            max_version: int | None = None, launched: int | None = None,
            claimed_below: int | None = None) -> Triage:
-    """Decide each arrival. ``duplicate[i]``: the journal already holds ``got[i]``;
+    """Decide each arrival. ``duplicate[i]``: the journal already holds ``got[i]`` (a
+    string: holds another trajectory under its id, and why, Journal.duplicates);
     ``group_sizes``: trajectories the journal holds per group (not modified);
     ``max_version``: the newest version the trainer made (a later weight_version is forged);
     ``launched``: trajectories a prompt launches (group_size + redundant samples; default G);
@@ -76,6 +77,9 @@ def triage(got: Sequence[tuple[str, ScoredTrajectory]], duplicate: Sequence[bool
         if claimed_below is not None and t.prompt_id >= claimed_below:
             out.refused.append((key, f"identity: prompt {t.prompt_id} was never claimed "
                                      f"(the cursor is at {claimed_below})"))
+            continue
+        if isinstance(dup, str):  # a squat, or its victim arriving second: refused, never merged
+            out.refused.append((key, f"identity: {dup}"))
             continue
         if dup or (t.group_id, t.trajectory_id) in seen:
             out.counts["duplicate"] += 1

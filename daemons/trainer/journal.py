@@ -129,6 +129,16 @@ class JournalState:
         return (t.group_id in self.trained or t.group_id in self.dropped
                 or t.trajectory_id in self.pending.get(t.group_id, ()))
 
+    def conflict(self, st: ScoredTrajectory) -> str:
+        """Why ``st`` cannot be the trajectory the journal holds under its id ("" when it
+        is, or when none is held): an id completes its group once, and a resend is the
+        same trajectory (its score may differ: a reward-host may score it again)."""
+        t = st.trajectory
+        held = self.pending.get(t.group_id, {}).get(t.trajectory_id)
+        if held is None or (held.trajectory.turns == t.turns and held.trajectory.prompt_id == t.prompt_id):
+            return ""
+        return f"{t.trajectory_id} is already in group {t.group_id} with other turns"
+
 
 class Journal:
     """Open (replaying) or create the journal at ``path``.
@@ -404,9 +414,11 @@ class Journal:
                 return {g: len(ts) for g, ts in pending.items()}
             return {g: len(pending[g]) for g in groups if g in pending}
 
-    def duplicates(self, items: Sequence[ScoredTrajectory]) -> list[bool]:
+    def duplicates(self, items: Sequence[ScoredTrajectory]) -> list[bool | str]:
+        """Per item: False (new), True (held already: a resend), or why it conflicts
+        with the trajectory held under its id (JournalState.conflict)."""
         with self._lock:
-            return [self.state.is_duplicate(st) for st in items]
+            return [self.state.conflict(st) or self.state.is_duplicate(st) for st in items]
 
     def summary(self) -> dict[str, Any]:
         """Accounting totals: groups dropped by reason, trained, pending."""

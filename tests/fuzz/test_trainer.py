@@ -87,6 +87,13 @@ def test_hostile_scored_trajectories_are_refused_and_a_valid_one_is_taken(tmp_pa
         sender.send(squat.trajectory.trajectory_id, squat)
         assert _answer(sender, squat.trajectory.trajectory_id) == (
             False, "identity: prompt 5000 was never claimed (the cursor is at 1000)")
+        # An id completes its group once: a second p9-g0 with other turns is refused (the
+        # first in is kept); a resend of the same turns, scored again, is a duplicate.
+        other = scored(9, 0, 1.0, tokens=(11, 12))
+        sender.send("p9-g0-again", other)
+        assert _answer(sender, "p9-g0-again") == (False, "identity: p9-g0 is already in group p9 with other turns")
+        sender.send("p9-g0-rescored", scored(9, 0, 0.5))
+        assert _answer(sender, "p9-g0-rescored") == (True, "")
         assert d.alive()
     finally:
         if sender is not None:
