@@ -22,6 +22,7 @@ class RunMetrics:
     train: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     bad_lines: int = 0
+    carried: Counter = field(default_factory=Counter)  # staleness of training lines a MetricsTail let go
 
     @property
     def t0(self) -> float:
@@ -29,7 +30,7 @@ class RunMetrics:
         return min(times) if times else 0.0
 
     def staleness(self) -> Counter:
-        total: Counter = Counter()
+        total: Counter = Counter(self.carried)
         # a step made again after a restore has two lines: the later one's batch is the one trained
         for r in {r.get("step"): r for r in self.train}.values():
             total.update({int(k): int(v) for k, v in (r.get("staleness") or {}).items()})
@@ -61,11 +62,16 @@ def read_metrics(path: Path) -> RunMetrics:
 class MetricsTail:
     """metrics.jsonl followed while the trainer writes it: each `poll()` parses only the
     lines appended since the last one (the live view polls twice a second, and a long
-    run's file is megabytes). A line without its newline yet is left for the next poll."""
+    run's file is megabytes). A line without its newline yet is left for the next poll.
 
-    def __init__(self, path: Path) -> None:
+    Only the last ``keep_train`` training lines are kept (their staleness is carried in a
+    counter): a run of hours would otherwise hold every line in memory. The whole run is
+    read again from the file at the end (``read_metrics``)."""
+
+    def __init__(self, path: Path, keep_train: int = 2000) -> None:
         self.path = path
         self.metrics = RunMetrics()
+        self.keep_train = keep_train
         self._offset = 0
 
     def poll(self) -> tuple[int, int]:
@@ -83,7 +89,14 @@ class MetricsTail:
         n_train, n_evals = len(self.metrics.train), len(self.metrics.evals)
         for line in chunk[:end].decode(errors="replace").splitlines():
             _add_line(self.metrics, line)
-        return len(self.metrics.train) - n_train, len(self.metrics.evals) - n_evals
+        new = len(self.metrics.train) - n_train, len(self.metrics.evals) - n_evals
+        train = self.metrics.train
+        if len(train) > self.keep_train:
+            let_go = train[:len(train) - self.keep_train]
+            for r in {r.get("step"): r for r in let_go}.values():
+                self.metrics.carried.update({int(k): int(v) for k, v in (r.get("staleness") or {}).items()})
+            del train[:len(let_go)]
+        return new
 
 
 def throughput(m: RunMetrics) -> dict[str, Any]:

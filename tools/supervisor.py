@@ -67,7 +67,7 @@ from rlfleet.tools.etcd_local import EtcdCluster
 from rlfleet.tools.exit_codes import Exit, Outcome
 from rlfleet.tools.fleet_view import members_table, nodes_table, paused_banner, take_snapshot
 from rlfleet.tools.job_owner import JobOwned, JobOwner, RegistrationCheck
-from rlfleet.tools.report import MetricsTail, RunMetrics, plot, summary
+from rlfleet.tools.report import MetricsTail, RunMetrics, plot, read_metrics, summary
 from rlfleet.tools.run_layout import new_run_dir, torch_threads
 from rlfleet.tools.run_summary import end_summary, eval_line, progress_line
 
@@ -114,6 +114,7 @@ class Supervisor:
         self.accounting: dict | None = None
         self.plots: list[Path] = []
         self.metrics: MetricsTail | None = None
+        self.final_metrics: RunMetrics | None = None  # the whole run, read once at the end
         self._accounting_failure: Outcome | None = None
         self._progress_step = -1  # the step of the last progress line printed
         self.take_over = take_over
@@ -368,10 +369,10 @@ class Supervisor:
         return None
 
     def finish_report(self) -> None:
-        m = self.metrics.metrics if self.metrics is not None else None
-        if m is None:
+        if self.metrics is None:
             return
-        self.metrics.poll()
+        # The whole run, from the file: the live tail keeps only its last lines.
+        m = self.final_metrics = read_metrics(self.metrics.path)
         if not m.train and not m.evals:
             return
         result = {**summary(m), "cpu_s": self.cpu_report}
@@ -379,7 +380,7 @@ class Supervisor:
         self.plots = plot(m, self.run_dir, title=f"{self.spec.job.name} ({self.spec.task.env.kind})")
 
     def print_end_summary(self, headline: str) -> None:
-        text = end_summary(self.metrics.metrics if self.metrics is not None else RunMetrics(),
+        text = end_summary(self.final_metrics or RunMetrics(),
                            job=self.spec.job.name, max_steps=self.spec.trainer.max_steps, headline=headline,
                            run_dir=self.run_dir, accounting=self.accounting,
                            restarts=self.restarts(),

@@ -72,3 +72,16 @@ def test_metrics_tail_reads_only_complete_new_lines(tmp_path):
     assert tail.poll() == (2, 0)
     assert [r["step"] for r in tail.metrics.train] == [1, 2] and tail.metrics.bad_lines == 0
     assert tail.poll() == (0, 0)
+
+
+def test_metrics_tail_keeps_its_last_lines_and_the_whole_runs_staleness(tmp_path):
+    """A run of hours held every training line in `rlfleet run`'s memory (the soak saw its
+    RSS climb): the tail keeps the last ``keep_train`` and carries the staleness of the rest."""
+    path = tmp_path / "metrics.jsonl"
+    tail = MetricsTail(path, keep_train=10)
+    with open(path, "w") as f:
+        for step in range(1, 101):
+            f.write(json.dumps({"time": float(step), "step": step, "staleness": {"0": 3, "2": 1}}) + "\n")
+    assert tail.poll() == (100, 0)
+    assert [r["step"] for r in tail.metrics.train] == list(range(91, 101))
+    assert tail.metrics.staleness() == read_metrics(path).staleness() == {0: 300, 2: 100}
