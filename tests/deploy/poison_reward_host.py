@@ -1,6 +1,6 @@
 """Run inside a lab host (the job's venv, its env file loaded): send the reward-host one
 hostile but decodable trajectory — a prompt whose seed is past int64 — with the host's
-own CURVE key, and print the reward-host's answer as JSON. Exit 0 when it was refused
+env-host CURVE key (the role the reward-host's socket admits), and print the reward-host's answer as JSON. Exit 0 when it was refused
 with a reason, 1 when it was taken, 2 when no answer came. Used by
 tests/deploy/test_live_fleet.py::test_runbook_poisoned_input (docs/runbook.md).
 
@@ -26,7 +26,7 @@ from rlfleet.daemons.tasks import get_task
 
 
 def main(job: str) -> int:
-    curve.configure_from_env()
+    curve.configure_from_env(role="env-host")
     store = open_store(os.environ["RLFLEET_ETCD"], creds=EtcdCredentials.from_env())
     keys = JobKeys(job)
     reward_hosts = members_from(keys, store.get_prefix(keys.role_members_prefix("reward-host")))
