@@ -6,7 +6,14 @@ Thread ``rollout-relay`` (``RelayFollower.start``) loops::
             -> the same relay as now: nothing to do
             -> another one: build a reader pinned to its store directory, scan it once,
                then swap it in (one attribute assignment) and say so in ``events``
-    wait interval_s, or the back-off after a failed look
+    wait for a change that matters (a watch on members/relay/: a relay of this host
+    registered, changed its store or state, or gone), at most RESYNC_S; the back-off
+    after a failed look; interval_s between looks while no watch can be opened
+
+The watch replaced a look every second: a relay's registration changes with every
+weight version, so only events about this host's relays that change what
+``choose_relay`` reads wake the thread, and a fleet of rollouts no longer reads the
+whole prefix once a second each.
 
 The engine thread (``loop.EngineLoop``; ``sim_host.SimHost`` for simulated rollouts)
 calls ``get(now)`` before each tick: an attribute read. It never reads etcd and never
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
@@ -36,12 +44,14 @@ from typing import Callable
 
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.members import RelayMember, members_from
-from rlfleet.common.store import Store, StoreUnavailable
+from rlfleet.common.store import KeyValue, Store, StoreUnavailable, Watch, WatchEvent
 from rlfleet.relay.topology import natural_key  # the chain's order: relay-2 before relay-10
 
 from .core import WeightReader
 
 log = logging.getLogger("rlfleet.rollout")
+
+RESYNC_S = 30.0  # a look without a change too: a watch that broke unnoticed cannot pin a dead relay
 
 
 def choose_relay(relays: Iterable[RelayMember], host: str, current: str | None) -> RelayMember | None:
@@ -78,6 +88,8 @@ class RelayFollower:
         self.events: deque[str] = deque()  # one sentence per switch, read by the daemon's cycle()
         self.failures = 0  # failed looks in a row
         self._logged: set[str] = set()  # failure kinds logged since the last good look
+        self._seen: dict[str, tuple] = {}  # this host's relays at the last look: key -> what choose_relay reads
+        self.events_let_pass = 0  # watch events that could not change the choice (tests, debugging)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-relay", daemon=True)
 
@@ -96,8 +108,52 @@ class RelayFollower:
         return self._thread.is_alive()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._stop.wait(self.look())
+        watch: Watch | None = None
+        try:
+            while not self._stop.is_set():
+                if watch is None:
+                    watch = self._open_watch()  # before the look: a change after it wakes the next
+                delay = self.look()
+                if self.failures or watch is None:
+                    if watch is not None and self.failures:
+                        watch.cancel()  # reopened after the back-off, with a fresh look
+                        watch = None
+                    self._stop.wait(delay)
+                elif not self._await_change(watch):
+                    watch.cancel()
+                    watch = None
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    def _open_watch(self) -> Watch | None:
+        try:
+            return self.store.watch_prefix(self.keys.role_members_prefix("relay"))
+        except StoreUnavailable:
+            return None  # the look fails too and backs off; the watch is tried again after
+
+    def _await_change(self, watch: Watch) -> bool:
+        """Until an event that may change the choice, RESYNC_S, or stop; False when the
+        watch failed (the next pass opens another)."""
+        deadline = time.monotonic() + RESYNC_S
+        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            try:
+                event = watch.get(timeout=min(0.5, left))
+            except StoreUnavailable:
+                return False
+            if event is not None:
+                if self._matters(event):
+                    return True
+                self.events_let_pass += 1
+        return True
+
+    def _matters(self, event: WatchEvent) -> bool:
+        if event.kind == "delete":
+            return event.key in self._seen
+        value = event.value if isinstance(event.value, dict) else {}
+        if value.get("host") != self.host:
+            return event.key in self._seen  # moved away from this host (or malformed): look again
+        return _fingerprint(value) != self._seen.get(event.key)
 
     def look(self) -> float:
         """One look at etcd (switching relays if needed); the seconds until the next."""
@@ -123,6 +179,7 @@ class RelayFollower:
 
     def _follow(self) -> None:
         kvs = self.store.get_prefix(self.keys.role_members_prefix("relay"))
+        self._seen = _host_relays(kvs, self.host)
         relays = [RelayMember.of(m) for m in members_from(self.keys, kvs) if m.role == "relay"]
         current = self.relay.id if self.relay else None
         target = choose_relay(relays, self.host, current)
@@ -143,3 +200,13 @@ class RelayFollower:
                            f"which holds {'no version yet' if newest is None else f'version {newest}'}")
         if self.on_switch is not None:
             self.on_switch()
+
+
+def _fingerprint(value: dict) -> tuple:
+    """What choose_relay and the reader depend on in a relay's registration."""
+    return (value.get("id"), value.get("shm_dir"), value.get("state"))
+
+
+def _host_relays(kvs: list[KeyValue], host: str) -> dict[str, tuple]:
+    return {kv.key: _fingerprint(kv.value) for kv in kvs
+            if isinstance(kv.value, dict) and kv.value.get("host") == host}

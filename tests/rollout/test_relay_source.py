@@ -53,6 +53,9 @@ class DictStore:
             raise StoreUnavailable("etcd get_prefix: no endpoint answered (127.0.0.1:2379)")
         return [KeyValue(KEYS.member("relay", rid), {"id": rid, **v}, 1, 1) for rid, v in sorted(self.relays.items())]
 
+    def watch_prefix(self, prefix: str, start_revision: int | None = None):
+        raise StoreUnavailable("the stand-in has no watch: the follower looks every interval_s")
+
 
 def register(store: DictStore, rid: str, shm_dir) -> None:
     store.relays[rid] = {"role": "relay", "host": HOST, "state": "running", "shm_dir": str(shm_dir),
@@ -178,3 +181,54 @@ def test_the_engine_thread_serves_while_the_relay_lookup_hangs(tiny_model, tmp_p
         loop.stop()
         client.close()
         server.close()
+
+
+class CountingStore:
+    """A real EtcdStore whose get_prefix calls are counted."""
+
+    def __init__(self, store) -> None:
+        self.store, self.reads = store, 0
+
+    def get_prefix(self, prefix: str):
+        self.reads += 1
+        return self.store.get_prefix(prefix)
+
+    def watch_prefix(self, prefix: str, start_revision: int | None = None):
+        return self.store.watch_prefix(prefix, start_revision)
+
+
+def test_the_follower_waits_on_a_watch_and_wakes_only_for_its_hosts_relays(etcd, tmp_path):
+    """It read members/relay/ once a second; now once, then again only when a relay of
+    its host registers, changes its store or state, or goes. A relay's registration
+    changes with every version: those puts (and other hosts' relays) wake nothing."""
+    from rlfleet.common.etcd_store import EtcdStore
+    from tests.integration.helpers import wait_for
+
+    real = EtcdStore(etcd.endpoints)
+    store = CountingStore(real)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+
+    def put(rid: str, host: str, shm_dir, newest: int = 0) -> None:
+        real.put(KEYS.member("relay", rid), {"role": "relay", "host": host, "state": "running",
+                                             "shm_dir": str(shm_dir), "newest": newest,
+                                             "addresses": {"chunks": "tcp://127.0.0.1:1"}})
+
+    put("relay-a", HOST, tmp_path / "a")
+    follower = RelayFollower(store, JOB, HOST, lambda r: MemoryReader())  # type: ignore[arg-type,return-value]
+    follower.start()
+    try:
+        wait_for("the first look", lambda: follower.relay is not None and follower.relay.id == "relay-a", 10)
+        reads = store.reads
+        for version in range(1, 21):  # the relay's registration changes with each version
+            put("relay-a", HOST, tmp_path / "a", newest=version)
+        put("relay-z", "gpu-9", tmp_path / "b")  # another host's relay
+        wait_for("the 21 events seen and let pass", lambda: follower.events_let_pass >= 21, 10)
+        assert store.reads == reads, f"{store.reads - reads} looks for changes that do not matter"
+        real.delete(KEYS.member("relay", "relay-a"))  # relay-a dies; relay-b takes this host over
+        put("relay-b", HOST, tmp_path / "b")
+        wait_for("the switch to relay-b", lambda: follower.relay.id == "relay-b", 10)
+        assert store.reads - reads <= 3
+    finally:
+        follower.stop()
+        real.close()
