@@ -1,11 +1,16 @@
-"""The soak benchmark's pure parts: its fault schedule and its verdicts on synthetic series."""
+"""The soak benchmark's pure parts: its fault schedule and its verdicts on synthetic series;
+and its results page, rendered from the committed records (a figure typed by hand into
+docs/results/soak.md fails here)."""
 
 from __future__ import annotations
 
 import json
+import os
 
-from rlfleet.tools.bench.soak import (ETCD_PHASE_S, Fault, MetricsReader, drop_counts, fault_schedule,
-                                      growth_verdict, judge_series, verdict_window_s)
+from rlfleet.tools.bench.soak import page
+from rlfleet.tools.bench.soak.faults import ETCD_PHASE_S, Fault, fault_schedule
+from rlfleet.tools.bench.soak.sampling import MetricsReader
+from rlfleet.tools.bench.soak.verdicts import drop_counts, growth_verdict, judge_series, verdict_window_s
 
 
 def test_the_default_two_hour_schedule():
@@ -104,3 +109,57 @@ def test_samples_after_the_duration_are_not_judged():
     v = growth_verdict(samples, 10, until_s=360)
     assert v["run_end_s"] == 360 and v["ok"] and not v["members_not_judged"]
     assert {s["rss_kb"]["windows"] for s in v["per_series"].values()} == {"run"}
+
+
+def test_the_results_page_is_rendered_from_the_records():
+    assert page.PAGE.read_text() == page.render(page.read_records()), \
+        "docs/results/soak.md differs from its records: python -m rlfleet.tools.bench.soak --render"
+
+
+def _record() -> dict:
+    """A finished soak's record, cut down to what the page reads (the shape of a real one)."""
+    job = {"task": "arithmetic", "exit": 7, "accounting_ok": True, "drop_share": 0.0412, "restarts_logged": 3,
+           "journal_lines_skipped": 0, "longest_no_step_s": 21.5}
+    return {
+        "command": "python -m rlfleet.tools.bench.soak --hours 0.2", "commit": "751927baaa5e0c8b814f",
+        "dirty_files": 0, "machine": "vm 2 cores x86_64 24 GiB", "date": "2026-11-27 15:49:00 UTC",
+        "hours": 0.2, "ran_s": 736.7, "stopped_early": False, "error": None, "window_s": 120.0,
+        "note": "a synthetic record",
+        "verdicts": {"accounting_ok_both": True, "no_growth": False, "drop_share_arithmetic": 0.0412,
+                     "drop_share_ok": False, "ok": False},
+        "growth": {"ok": False, "window_s": 176.4, "run_end_s": 705.6,
+                   "failed": ["arithmetic-soak/reward-host-0/20840 rss_kb +13.8%"],
+                   "members_not_judged": ["longtail-sim-soak/trainer-0"],
+                   "per_member": {"arithmetic-soak/reward-host-0": {"series": 1, "judged": 1, "ok": False},
+                                  "longtail-sim-soak/trainer-0": {"series": 3, "judged": 0, "ok": True}},
+                   "per_series": {"arithmetic-soak/reward-host-0/20840": {
+                       "rss_kb": {"judged": True, "windows": "run", "baseline": 100.0, "final": 113.8,
+                                  "growth": 0.138, "ok": False},
+                       "fds": {"judged": True, "windows": "run", "baseline": 40, "final": 40, "growth": 0.0,
+                               "ok": True}},
+                                  "longtail-sim-soak/trainer-0/31": {
+                       "rss_kb": {"judged": False, "why": "short: lived 240 s, from 15 s to 256 s"}}}},
+        "etcd_growth_not_judged": {"ok": True, "failed": []},
+        "jobs": {"arithmetic-soak": job, "longtail-sim-soak": {**job, "task": "longtail-sim", "drop_share": None}},
+        "fault_summary": {"count": {"kill": 7, "etcd_down": 2, "etcd_up": 2}, "kills_skipped": 0,
+                          "kills_back": 7, "kills_not_back": 0, "back_after_s_median": 4.1,
+                          "back_after_s_max": 25.0, "orphaned_children": 0, "etcd_healthy_after_s_max": 0.9},
+    }
+
+
+def test_the_page_shows_each_verdict_as_the_record_judged_it(tmp_path):
+    path = tmp_path / "soak-trial.json"
+    path.write_text(json.dumps(_record()))
+    path.with_suffix(".png").write_bytes(b"")
+    text = page.render(page.read_records(tmp_path))
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["accounting"].endswith("| pass |") and "arithmetic-soak: exit 7" in rows["accounting"]
+    assert rows["no growth"].endswith("| **FAIL** |") and "1 of 2 judged" in rows["no growth"]
+    assert rows["drop share"].endswith("| **FAIL** |") and "4.12%" in rows["drop share"]
+    assert rows["all"].endswith("| **FAIL** |")
+    assert "it fails: no growth, drop share" in text and "Note: a synthetic record" in text
+    assert "`arithmetic-soak/reward-host-0/20840 rss_kb +13.8%`" in text
+    assert "`longtail-sim-soak/trainer-0` (0 of 3 series judged)" in text
+    assert "| `longtail-sim-soak` | longtail-sim | 7 | True | – | 3 | 22 s | 0 |" in text
+    assert f"({os.path.relpath(path.with_suffix('.png'), page.PAGE.parent)})" in text  # from docs/results/
+    assert "method only" not in text
