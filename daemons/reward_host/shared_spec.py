@@ -40,14 +40,13 @@ the service on loopback.
 from __future__ import annotations
 
 import os
-import tomllib
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, StrictStr, ValidationError
 
 from rlfleet.common.spec import SpecError
-from rlfleet.common.spec_errors import describe, dotted, suggest, toml_error
+from rlfleet.common.spec_errors import describe, dotted, suggest
+from rlfleet.common.spec_file import read_spec_toml
 from rlfleet.common.spec_fields import PosFloat, PosInt, Section, fail, show
 
 from .pipeline import PipelineConfig
@@ -148,14 +147,5 @@ def parse_service_spec(data: Any, source: str = "<service spec>") -> ServiceSpec
 
 
 def load_service_spec(path: str | os.PathLike[str]) -> ServiceSpec:
-    # As common/spec.load_spec reads a job spec (that module is at its 500-line limit).
-    source = os.fspath(path)
-    try:
-        data = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
-    except OSError as exc:
-        raise SpecError([f"{source}: cannot read: {exc.strerror or exc}"]) from None
-    except UnicodeDecodeError as exc:
-        raise SpecError([f"{source}: invalid TOML: not UTF-8 ({exc.reason})"]) from None
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError([f"{source}: {toml_error(str(exc))}"]) from None
-    return parse_service_spec(data, source)
+    """As a job spec is read: a regular file of at most MAX_SPEC_BYTES of UTF-8 TOML."""
+    return parse_service_spec(read_spec_toml(path), os.fspath(path))
