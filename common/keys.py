@@ -84,7 +84,9 @@ class JobKeys:
     """Key names for one job. Build once per daemon: `keys = JobKeys("demo")`."""
 
     def __init__(self, job: str) -> None:
-        self.job = _check(job, "job name")
+        if not is_job_name(job):  # every key of the job starts with it: the stricter rule, here too
+            raise ValueError(f"invalid job name {job!r}: {JOB_NAME_RULE}")
+        self.job = job
         self.prefix = f"{ROOT}/{job}/"
 
     # -- whole-job -------------------------------------------------------

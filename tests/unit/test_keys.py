@@ -30,3 +30,11 @@ def test_parse_round_trips():
 def test_components_that_would_alias_other_keys_are_refused(bad):
     with pytest.raises(ValueError, match="etcd key component"):
         JobKeys("demo").member("rollout", bad)
+
+
+@pytest.mark.parametrize("bad", ["Demo", "my_job", "a.b", "-x", "x" * 64])
+def test_a_job_key_takes_only_a_job_name(bad):
+    """JobKeys checked the looser key-component rule, so a name `job validate` refuses
+    (upper case, '_', '.') could still address keys from a tool's --job."""
+    with pytest.raises(ValueError, match="invalid job name"):
+        JobKeys(bad)
