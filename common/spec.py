@@ -260,6 +260,9 @@ class EnvHostSection(Section):
     # Claim no more prompts than trainer.max_staleness batches ahead of what the trainer
     # has consumed (docs/dataflow.md); false: claim as fast as max_concurrent allows.
     pace_claims: bool = True
+    # Pacing also counts the weights the rollouts generate with: while they trail the trainer
+    # by L versions, L batches fewer may be outstanding (at least one). Off until measured.
+    pace_for_lag: bool = False
     routing: RoutingConfig = ENV_ROUTERS.field()  # which rollout gets a turn
     bind_host: Host = "127.0.0.1"
     # Agentic scheduling (docs/agentic.md). "async": each trajectory steps its environment on

@@ -107,7 +107,8 @@ class EnvHost(Daemon):
         self.journal = journal
         if self.pacer is not None:
             self.pacer.stop()
-        self.pacer = pacer_for(spec, self.store, self.keys, on_progress=lambda: self.runner and self.runner.wake())
+        self.pacer = pacer_for(spec, self.store, self.keys, on_progress=lambda: self.runner and self.runner.wake(),
+                               weights_seen=lambda: self.runner.newest_weights if self.runner else 0)
         self.claimer = PromptClaimer(self.store, self.keys, member_id,
                                      budget=self.pacer.budget if self.pacer else None)
         self.outbox = OutboxThread(f"{member_id}->reward-host", on_acked=self._on_acked)

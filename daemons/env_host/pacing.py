@@ -71,6 +71,16 @@ def claim_limit(spec: JobSpec) -> int | None:
     return max(1, alpha or 0) * per_batch + (extra or 0)
 
 
+def lag_limit(limit: int, prompts_per_batch: int, trainer_version: int, weights_seen: int) -> int:
+    """The pacer's limit while the rollouts generate with weights ``trainer_version -
+    weights_seen`` versions old (their lag): a prompt claimed now is trained about
+    outstanding/batch versions later, so its staleness is that plus the lag, and each
+    version of lag takes one batch off the limit. At least one batch stays allowed: the
+    turns it brings are what tells the lag again."""
+    lag = max(0, trainer_version - weights_seen)
+    return max(min(limit, prompts_per_batch), limit - lag * prompts_per_batch)
+
+
 def round_limit(prompts_per_batch: int, received: int) -> int:
     """after_batch: how far the cursor may go (prompt ids below the result). Round r is
     prompts r*P .. (r+1)*P - 1, claimed once every group of the rounds before it has
@@ -78,8 +88,11 @@ def round_limit(prompts_per_batch: int, received: int) -> int:
     return (received // prompts_per_batch + 1) * prompts_per_batch
 
 
-def pacer_for(spec: JobSpec, store: Store, keys: JobKeys, on_progress: Callable[[], None]) -> ClaimPacer | None:
-    """The env-host's pacer (not started), or None when nothing paces its claims."""
+def pacer_for(spec: JobSpec, store: Store, keys: JobKeys, on_progress: Callable[[], None],
+              weights_seen: Callable[[], int] | None = None) -> ClaimPacer | None:
+    """The env-host's pacer (not started), or None when nothing paces its claims.
+    ``weights_seen``: the newest weight version this env-host's turns were generated with
+    (used with env_host.pace_for_lag)."""
     limit = claim_limit(spec)
     gated = spec.rollout.mode in ("sync", "one_step_off") or (
         spec.trainer.no_signal_drops_per_batch > 0 and spec.trainer.filter_schedule == "after_batch")
@@ -89,7 +102,8 @@ def pacer_for(spec: JobSpec, store: Store, keys: JobKeys, on_progress: Callable[
     return ClaimPacer(store, keys, 1 << 30 if limit is None else limit, on_progress, mode=spec.rollout.mode,
                       prompts_per_batch=prompts_per_batch(spec),
                       rounds=spec.trainer.no_signal_drops_per_batch > 0
-                      and spec.trainer.filter_schedule == "after_batch")
+                      and spec.trainer.filter_schedule == "after_batch",
+                      weights_seen=weights_seen if spec.env_host.pace_for_lag and limit is not None else None)
 
 
 def barrier_limit(mode: str, prompts_per_batch: int, version: int, received: int) -> int | None:
@@ -118,13 +132,17 @@ class ClaimPacer:
 
     def __init__(self, store: Store, keys: JobKeys, limit: int,
                  on_progress: Callable[[], None] = lambda: None, *, mode: str = "trajectory",
-                 prompts_per_batch: int = 1, rounds: bool = False) -> None:
-        """``rounds``: claim in after_batch rounds (``round_limit``)."""
+                 prompts_per_batch: int = 1, rounds: bool = False,
+                 weights_seen: Callable[[], int] | None = None) -> None:
+        """``rounds``: claim in after_batch rounds (``round_limit``); ``weights_seen``: the
+        newest weight version turns were generated with, to pace for the rollouts' lag
+        (``lag_limit``)."""
         if limit < 1:
             raise ValueError(f"limit: must be >= 1, got {limit}")
         self.store, self.keys, self.limit = store, keys, limit
         self.on_progress = on_progress
         self.mode, self.prompts_per_batch, self.rounds = mode, prompts_per_batch, rounds
+        self.weights_seen = weights_seen
         self.outstanding = 0  # at the last budget asked: claimed job-wide, not consumed
         if limit < 1 << 30:
             CLAIM_LIMIT.set(limit)
@@ -155,15 +173,17 @@ class ClaimPacer:
         return allowed
 
     def _paced(self, next_prompt: int) -> int:
+        limit = self.limit if self.weights_seen is None else lag_limit(
+            self.limit, self.prompts_per_batch, self.version, self.weights_seen())
         outstanding = next_prompt - self.consumed - self.written_off
-        if outstanding >= self.limit and time.monotonic() - self._progress_at > STALL_S:
+        if outstanding >= limit and time.monotonic() - self._progress_at > STALL_S:
             log.warning("no trainer progress for %.0f s with %d prompts outstanding (limit %d): "
                         "claiming past them", STALL_S, outstanding, self.limit,
                         extra={"event": "pacing_stall"})
             self.written_off += outstanding
             self._progress_at = time.monotonic()
             outstanding = 0
-        return min(self.limit, self.limit - outstanding)
+        return min(limit, limit - outstanding)
 
     def _set(self, progress: TrainerProgress) -> None:
         # Never backwards: a stale event must not shrink them.
@@ -185,10 +205,14 @@ class ClaimPacer:
         while not self._stop.is_set():
             try:
                 if watch is None:
+                    # The revision before the read: a put between the read and the watch is
+                    # replayed (a value seen twice is harmless, _set never goes back); a watch
+                    # from "now" after the read lost it, and with it the trainer's first step.
+                    since = self.store.revision()
                     kv = self.store.get(key)
                     if kv is not None:
                         self._set(TrainerProgress.from_kv(kv))
-                    watch = self.store.watch_prefix(key, start_revision=(kv.mod_revision + 1) if kv else None)
+                    watch = self.store.watch_prefix(key, start_revision=since + 1)
                 event = watch.get(timeout=0.5)
                 if event is not None and event.key == key and event.kind == "put":
                     self._set(TrainerProgress.parse(event.value))

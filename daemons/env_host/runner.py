@@ -105,6 +105,7 @@ class EnvRunner:
         self.running = 0
         self.claimed = 0
         self.paced = 0  # claims the pacer refused (pacing.py), for tests and logs
+        self.newest_weights = 0  # the newest weight version a turn was generated with
         self.acked = 0
         self.dropped: dict[str, int] = {}
         self.spares: dict[str, int] = {}  # kept, not handed on, by reason
@@ -473,6 +474,8 @@ class EnvRunner:
 
     async def _journal_turn(self, tid: str, index: int, turn: Turn) -> None:
         self._turns_metric.inc()
+        if turn.weight_version > self.newest_weights:  # read by the claim pacer (pacing.lag_limit)
+            self.newest_weights = turn.weight_version
         # Inline, not on the journal thread: a turn record is one os.write() with no fsync
         # (microseconds), while the hop to the writer thread and back cost the loop more
         # than the write. Claims, which are fsynced, still go through _in_journal. The

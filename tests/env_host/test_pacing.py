@@ -133,3 +133,31 @@ def test_a_batch_mode_rounds_redundant_prompts_are_paced_with_their_batch():
                                env_host=SimpleNamespace(pace_claims=True, redundant_prompts=env.get("extra", 0)))
     assert claim_limit(spec()) == 2 * 4
     assert claim_limit(spec(extra=2)) == 2 * (4 + 2)  # a whole round per batch, not cut to the batch
+
+
+LAG_KEYS = JobKeys("pacing-lag")
+
+
+def test_the_lag_of_the_rollouts_weights_takes_batches_off_the_limit(etcd):
+    """env_host.pace_for_lag: a prompt claimed now is trained about outstanding/batch
+    versions later, plus the versions its rollout's weights trail the trainer by; each
+    version of lag takes one batch (4 prompts) off the limit of 8, down to one batch."""
+    assert [pacing.lag_limit(8, 4, 10, seen) for seen in (10, 11, 9, 8, 0)] == [8, 8, 4, 4, 4]
+    assert pacing.lag_limit(3, 4, 10, 0) == 3  # a limit under one batch is never raised
+    seen = [0]
+    assert pacer_for(spec(max_staleness=2), None, LAG_KEYS, lambda: None, weights_seen=lambda: seen[0]).weights_seen is None
+    lagged = parse_spec({**spec(max_staleness=2).to_dict(), "env_host": {"pace_for_lag": True}})
+    # (a job of its own: the module's etcd holds the other tests' trainer/progress)
+    store = EtcdStore(etcd.endpoints)
+    pacer = pacer_for(lagged, store, LAG_KEYS, lambda: None, weights_seen=lambda: seen[0]).start()
+    try:
+        store.put(LAG_KEYS.trainer_progress, {"version": 5, "consumed_groups": 20})
+        wait_for("the trainer's progress", lambda: pacer.version == 5, timeout_s=5)
+        assert pacer.budget(20) == 4                # the rollouts' weights: version 0, lag 5
+        seen[0] = 4
+        assert pacer.budget(20) == 4                # lag 1: one batch off
+        seen[0] = 5
+        assert pacer.budget(20) == 8 and pacer.budget(24) == 4  # no lag: the whole limit
+    finally:
+        pacer.stop()
+        store.close()

@@ -30,3 +30,22 @@ def test_the_results_page_is_rendered_from_the_records():
     records = [json.loads(p.read_text()) for p in sorted(drops.RECORDS.glob("drops-*.json"))]
     assert drops.PAGE.read_text() == drops.render(records), \
         "docs/results/drops.md differs from its records: python -m rlfleet.tools.bench.drops --render"
+
+
+def test_set_puts_toml_values_into_every_runs_spec(tmp_path):
+    import argparse
+    import tomllib
+
+    from rlfleet.tools.bench.drops import spec_for
+    from rlfleet.tools.bench.spec_variants import parse_override
+    settings = dict(map(parse_override, ["env_host.pace_for_lag=true", "trainer.max_staleness = 4"]))
+    assert settings == {"env_host.pace_for_lag": True, "trainer.max_staleness": 4}
+    examples = tmp_path / "examples"
+    examples.mkdir()
+    (examples / "arithmetic.toml").write_text('[job]\nname = "arithmetic"\n[trainer]\nmax_steps = 10\n')
+    spec = tomllib.loads(spec_for(examples, "arithmetic", 2, settings).read_text())
+    assert spec["job"]["name"] == "arithmetic-drops2" and spec["trainer"] == {"max_steps": 10**7, "max_staleness": 4}
+    assert spec["env_host"] == {"pace_for_lag": True}
+    for bad in ("no-equals", "=1", "x.y=not toml"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_override(bad)

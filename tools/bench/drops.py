@@ -44,17 +44,19 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rlfleet.tools.bench.spec_variants import write_variant
+from rlfleet.tools.bench.spec_variants import apply_overrides, parse_override, write_variant
 from rlfleet.tools.exit_codes import RUN_ENDED
 
 WASTE = ("staleness", "buffer_full")  # drops the bound made: paid-for generation thrown away
 
 
-def spec_for(examples: Path, task: str, run: int) -> Path:
-    """The example with max_steps lifted (the duration ends the run) and a job name of its own."""
+def spec_for(examples: Path, task: str, run: int, settings: dict[str, Any] | None = None) -> Path:
+    """The example with max_steps lifted (the duration ends the run), a job name of its
+    own and ``settings`` ({"section.key": value}, from --set) applied."""
     def change(spec: dict[str, Any]) -> None:
         spec["job"]["name"] = f"{spec['job']['name']}-drops{run}"
         spec["trainer"]["max_steps"] = 10**7
+        apply_overrides(spec, settings)
     return write_variant(examples / f"{task}.toml", f"drops{run}", change)
 
 
@@ -90,8 +92,9 @@ def windows(lines: list[dict[str, Any]], t0: float, window_s: float, alpha: int 
     return out
 
 
-def run_once(examples: Path, task: str, run: int, minutes: float, window_min: float) -> dict[str, Any]:
-    spec = spec_for(examples, task, run)
+def run_once(examples: Path, task: str, run: int, minutes: float, window_min: float,
+             settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec = spec_for(examples, task, run, settings)
     import tomllib
     alpha = tomllib.loads(spec.read_text()).get("trainer", {}).get("max_staleness")
     cmd = [sys.executable, "-m", "rlfleet.tools.cli", "run", str(spec), "--no-view", "--duration", str(minutes * 60)]
@@ -160,6 +163,8 @@ def render(records: list[dict[str, Any]]) -> str:
                 f"`{rec['command']}` at `{rec['commit'][:10]}` on {rec['machine']}, {rec['date']}."
                 + (f" Uncommitted changes in: {', '.join(rec['uncommitted_changes'])}."
                    if rec.get("uncommitted_changes") else "")
+                + (f" Spec settings: {', '.join(f'`{k} = {v}`' for k, v in rec['settings'].items())}."
+                   if rec.get("settings") else "")
                 + (f" Note: {rec['note']}" if rec.get("note") else ""), "",
                 "| run | steps | claimed | drop share | by window | at the bound (last window) | "
                 "pacing stalls | load before / after | |",
@@ -208,12 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--examples", type=Path, default=Path(__file__).resolve().parents[2] / "examples")
     ap.add_argument("--out", type=Path, default=Path("runs/bench/drops"), help="folder for drops-<task>.json")
     ap.add_argument("--tag", default="", help="drops-<task>-<tag>.json instead of drops-<task>.json")
+    ap.add_argument("--set", dest="settings", action="append", type=parse_override, default=[],
+                    metavar="SECTION.KEY=VALUE", help="a spec setting for every run (repeatable), e.g. "
+                    "env_host.pace_for_lag=true; recorded as `settings`")
     args = ap.parse_args(argv)
     commit, dirty = code_version()  # the code the runs start from, read before they start
     records = []
     for run in range(args.runs):
         for task in args.tasks.split(","):  # tasks alternate: a noisy hour hurts both alike
-            r = run_once(args.examples, task, run, args.minutes, args.window_min)
+            r = run_once(args.examples, task, run, args.minutes, args.window_min, dict(args.settings))
             records.append(r)
             print(f"{task} run {run}: " + (f"VOID ({r['void']})" if "void" in r else
                   f"{r['steps']} steps, drop share {r['drop_share']:.2%} of {r['claimed']} claimed, by window "
@@ -221,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['pacing_stalls']} pacing stalls"), flush=True)
     head = {"command": "python -m rlfleet.tools.bench.drops " + " ".join(argv if argv is not None else sys.argv[1:]),
             "commit": commit, "uncommitted_changes": dirty, "machine": f"{platform.node()} {os.cpu_count()} cores {platform.machine()}",
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "minutes": args.minutes, "window_min": args.window_min}
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "minutes": args.minutes, "window_min": args.window_min,
+            "settings": dict(args.settings)}
     args.out.mkdir(parents=True, exist_ok=True)
     for task, summary in summarise(records).items():
         runs = [r for r in records if r["task"] == task]

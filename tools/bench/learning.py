@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from rlfleet.tools.bench.spec_variants import write_variant
+from rlfleet.tools.bench.spec_variants import apply_overrides, parse_override, write_variant
 from rlfleet.tools.exit_codes import RUN_ENDED
 from rlfleet.tools.report import read_metrics
 
@@ -41,26 +41,8 @@ def spec_for(examples: Path, task: str, seed: int, overrides: dict[str, Any] | N
     def change(spec: dict[str, Any]) -> None:
         spec["job"]["seed"] = seed
         spec["job"]["name"] = f"{spec['job']['name']}-seed{seed}"
-        for dotted, value in (overrides or {}).items():
-            *tables, key = dotted.split(".")
-            node = spec
-            for t in tables:
-                node = node.setdefault(t, {})
-            node[key] = value
+        apply_overrides(spec, overrides)
     return write_variant(examples / f"{task}.toml", f"seed{seed}", change)
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """KEY=VALUE with VALUE read as TOML (1e-4, "linear", true)."""
-    import tomllib
-
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. trainer.learning_rate=1e-4), got {text!r}")
-    try:
-        return key.strip(), tomllib.loads(f"v = {value.strip()}")["v"]
-    except tomllib.TOMLDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: the value is not TOML: {exc}") from None
 
 
 def run_task(task: str, seed: int, budget_s: float, examples: Path,

@@ -3,6 +3,7 @@ written beside it (``examples/.*.toml`` is git-ignored) so its relative paths st
 
 from __future__ import annotations
 
+import argparse
 import json
 import tomllib
 from collections.abc import Callable
@@ -17,6 +18,27 @@ def write_variant(base: Path, suffix: str, change: Callable[[dict[str, Any]], No
     out = base.with_name(f".{base.stem}-{suffix}.toml")
     out.write_text(f"# {base.name} with {suffix}, written by a benchmark (tools/bench)\n" + to_toml(spec))
     return out
+
+
+def apply_overrides(spec: dict[str, Any], overrides: dict[str, Any] | None) -> None:
+    """{"trainer.learning_rate": 1e-4, ...} set in ``spec``, tables made as needed."""
+    for dotted, value in (overrides or {}).items():
+        *tables, key = dotted.split(".")
+        node = spec
+        for t in tables:
+            node = node.setdefault(t, {})
+        node[key] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """SECTION.KEY=VALUE with VALUE read as TOML (1e-4, "linear", true); for argparse."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. trainer.learning_rate=1e-4), got {text!r}")
+    try:
+        return key.strip(), tomllib.loads(f"v = {value.strip()}")["v"]
+    except tomllib.TOMLDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: the value is not TOML: {exc}") from None
 
 
 def to_toml(d: dict[str, Any], prefix: str = "") -> str:
