@@ -85,13 +85,24 @@ class CurveSetup:
         directory's one pair (``daemon.key_secret``)."""
         d = Path(directory)
         path = d / secret_file(role) if role and (d / secret_file(role)).exists() else d / SECRET_FILE
-        keys = dict((k.decode(), v) for k, v in _CERT_KEY.findall(read_private(path, "CURVE secret key file")))
-        if "public" not in keys or "secret" not in keys:
-            raise CurveError(f"{path}: no public-key/secret-key pair "
-                             "(create one with `rlfleet curve-keys DIR --role ROLE`)")
-        if zmq.curve_public(keys["secret"]) != keys["public"]:
-            raise CurveError(f"{path}: the public key does not belong to the secret key")
-        return cls(keys["public"], keys["secret"], load_authorized(d / AUTHORIZED_DIR), str(d))
+        public, secret = read_pair(path)
+        return cls(public, secret, load_authorized(d / AUTHORIZED_DIR), str(d))
+
+
+def read_pair(path: Path) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 keys from a secret key file (it must be 0600 or 0400)."""
+    keys = dict((k.decode(), v) for k, v in _CERT_KEY.findall(read_private(path, "CURVE secret key file")))
+    if "public" not in keys or "secret" not in keys:
+        raise CurveError(f"{path}: no public-key/secret-key pair "
+                         "(create one with `rlfleet curve-keys DIR --role ROLE`)")
+    if zmq.curve_public(keys["secret"]) != keys["public"]:
+        raise CurveError(f"{path}: the public key does not belong to the secret key")
+    return keys["public"], keys["secret"]
+
+
+def public_cert(public: bytes) -> bytes:
+    """An authorized/*.key file's content for ``public``."""
+    return _cert(public, None)
 
 
 def secret_file(role: str) -> str:

@@ -286,26 +286,6 @@ def accounting(run_dir: str, job: str, etcd: str, group_size: int | None) -> Non
     sys.exit(0 if result.ok else 1)
 
 
-@main.command("curve-keys")
-@click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--name", default=socket.gethostname(), show_default=True,
-              help="Name of the public key file (authorized/ROLE/NAME.key) to copy to the other machines.")
-@click.option("--role", "role", type=click.Choice(ROLES), default=None,
-              help="The role the pair speaks for (its daemons use it; common/edges.py says where it may send).")
-def curve_keys(directory: str, name: str, role: str | None) -> None:
-    """Make this machine's CURVE key pair for ROLE in DIRECTORY (docs/security.md):
-    DIRECTORY/ROLE.key_secret (mode 0600), its public key authorized in
-    DIRECTORY/authorized/ROLE/NAME.key. Without --role: DIRECTORY/daemon.key_secret and
-    authorized/NAME.key, a key no daemon socket admits (for a socket that names no edge)."""
-    from rlfleet.common.curve import create_keys, secret_file
-    if (Path(directory) / secret_file(role or "")).exists():
-        raise click.UsageError(f"{Path(directory) / secret_file(role or '')} exists; move it away to make a new pair")
-    public = create_keys(directory, name, role or "")
-    key_file = Path(directory) / "authorized" / (role or "") / (name + ".key")
-    click.echo(f"public key {public.decode()}: copy {key_file} "
-               f"into every other machine's authorized/{role + '/' if role else ''} (then SIGHUP their daemons)")
-
-
 # -- job specs ----------------------------------------------------------------------------
 @main.group()
 def job() -> None:
@@ -382,12 +362,15 @@ def submit(spec_file: str, etcd: str, force: bool) -> None:
 
 
 # -- operating a live job (docs/operations.md): each group is its own module ----------------
+from rlfleet.tools.curve_cmd import curve_authorize, curve_keys  # noqa: E402  (docs/security.md)
 from rlfleet.tools.etcd_cmd import etcd_group  # noqa: E402  (docs/etcd-maintenance.md)
 from rlfleet.tools.node_cmd import node  # noqa: E402
 from rlfleet.tools.pause_cmd import pause, resume  # noqa: E402  (docs/maintenance-mode.md)
 from rlfleet.tools.reward_service_cmd import reward_service  # noqa: E402  (docs/reward.md)
 from rlfleet.tools.switchover_cmd import switchover  # noqa: E402  (docs/switchover.md)
 
+main.add_command(curve_keys)
+main.add_command(curve_authorize)
 main.add_command(node)
 main.add_command(switchover)
 main.add_command(pause)
