@@ -57,7 +57,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StrictInt
 
-from rlfleet.common.registry import Kind, KindConfig, Problem
+from rlfleet.common.registry import Kind, KindConfig, Problem, import_failure
 from rlfleet.common.spec_fields import PosInt
 
 # -- the sim backend's model (see the module docstring for the sources) ------------------
@@ -194,6 +194,12 @@ class MegatronBackend(TrainerBackend):
                                total_steps=t.max_steps, temperature=1.0,  # as TorchBackend
                                tensor_parallel=config.tensor_parallel,
                                pipeline_parallel=config.pipeline_parallel)
+
+    @classmethod
+    def unavailable(cls, config: MegatronBackendConfig, /) -> str:
+        # `rlfleet job validate` asks: the optional extra rlfleet[megatron] may be missing
+        # where the trainer will run (found at validation, not by a trainer that crash-loops).
+        return import_failure("megatron.core")
 
     @classmethod
     def prewarm(cls, config: MegatronBackendConfig, /, *, model_path: str) -> None:

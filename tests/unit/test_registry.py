@@ -24,6 +24,7 @@ from rlfleet.common.seams import (
     ROLLOUT_ENGINES,
     SEAMS,
     TASKS,
+    TRAINER_BACKENDS,
 )
 from rlfleet.common.spec_errors import describe, dotted
 from rlfleet.common.spec_fields import PosInt
@@ -235,7 +236,7 @@ def test_the_shipped_kinds_build_what_the_daemons_used_to_build():
 
 
 def test_a_kind_says_whether_its_library_imports_here(tmp_path, monkeypatch):
-    """`rlfleet job validate` asks each kind (Kind.unavailable); only vllm's has a library to try."""
+    """`rlfleet job validate` asks each kind (Kind.unavailable): vllm and megatron have a library to try."""
     assert Kind.unavailable(AlphaConfig()) == ""  # the default: nothing to import
     assert import_failure("json") == ""
     assert import_failure("rlfleet_nope") == ("import rlfleet_nope failed: "
@@ -246,6 +247,11 @@ def test_a_kind_says_whether_its_library_imports_here(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     vllm = ROLLOUT_ENGINES.get("vllm")
     assert vllm.unavailable(vllm.Config()) == "import vllm failed: OSError: libtorch_cuda.so: not found"
+    (tmp_path / "megatron" / "core").mkdir(parents=True)  # the optional extra rlfleet[megatron], broken
+    (tmp_path / "megatron" / "__init__.py").write_text("")
+    (tmp_path / "megatron" / "core" / "__init__.py").write_text('raise ImportError("no apex")\n')
+    megatron = TRAINER_BACKENDS.get("megatron")
+    assert megatron.unavailable(megatron.Config()) == "import megatron.core failed: ImportError: no apex"
 
 
 def test_validating_a_spec_imports_no_implementation(tmp_path):
