@@ -44,7 +44,7 @@ from typing import Callable
 
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.members import RelayMember, members_from
-from rlfleet.common.store import KeyValue, Store, StoreUnavailable, Watch, WatchEvent
+from rlfleet.common.store import KeyValue, Store, StoreUnavailable, Watch, WatchEvent, apply_event
 from rlfleet.relay.topology import natural_key  # the chain's order: relay-2 before relay-10
 
 from .core import WeightReader
@@ -150,10 +150,12 @@ class RelayFollower:
     def _matters(self, event: WatchEvent) -> bool:
         if event.kind == "delete":
             return event.key in self._seen
-        value = event.value if isinstance(event.value, dict) else {}
-        if value.get("host") != self.host:
+        written: dict[str, KeyValue] = {}
+        apply_event(written, event)  # the registration the put wrote, as a read returns it
+        relays = [RelayMember.of(m) for m in members_from(self.keys, list(written.values())) if m.role == "relay"]
+        if not relays or relays[0].host != self.host:
             return event.key in self._seen  # moved away from this host (or malformed): look again
-        return _fingerprint(value) != self._seen.get(event.key)
+        return _fingerprint(relays[0]) != self._seen.get(event.key)
 
     def look(self) -> float:
         """One look at etcd (switching relays if needed); the seconds until the next."""
@@ -179,8 +181,8 @@ class RelayFollower:
 
     def _follow(self) -> None:
         kvs = self.store.get_prefix(self.keys.role_members_prefix("relay"))
-        self._seen = _host_relays(kvs, self.host)
         relays = [RelayMember.of(m) for m in members_from(self.keys, kvs) if m.role == "relay"]
+        self._seen = {self.keys.member("relay", r.id): _fingerprint(r) for r in relays if r.host == self.host}
         current = self.relay.id if self.relay else None
         target = choose_relay(relays, self.host, current)
         if target is None:
@@ -202,11 +204,6 @@ class RelayFollower:
             self.on_switch()
 
 
-def _fingerprint(value: dict) -> tuple:
+def _fingerprint(relay: RelayMember) -> tuple:
     """What choose_relay and the reader depend on in a relay's registration."""
-    return (value.get("id"), value.get("shm_dir"), value.get("state"))
-
-
-def _host_relays(kvs: list[KeyValue], host: str) -> dict[str, tuple]:
-    return {kv.key: _fingerprint(kv.value) for kv in kvs
-            if isinstance(kv.value, dict) and kv.value.get("host") == host}
+    return (relay.id, relay.shm_dir, relay.state)
