@@ -12,6 +12,7 @@ trainer's socket at all (common/edges.py).
 from __future__ import annotations
 
 import logging
+import time
 
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.log_throttle import LogThrottle
@@ -20,6 +21,8 @@ from rlfleet.common.store import Store, StoreUnavailable
 
 log = logging.getLogger("rlfleet.trainer")
 
+RETRY_S = 5.0  # while etcd is away, one read (up to its timeout) per this many seconds, not per batch
+
 
 class ClaimedPrompts:
     def __init__(self, store: Store, keys: JobKeys) -> None:
@@ -27,15 +30,20 @@ class ClaimedPrompts:
         self.next = 0          # prompts below this were claimed, as last read
         self.unverified = 0    # arrivals let through unchecked while etcd was away
         self._errors = LogThrottle(30.0)
+        self._retry_at = 0.0  # after a failed read: no other until then (each could block the intake)
 
     def below(self, prompt_id: int) -> int | None:
         """The cursor's ``next`` once it is known to be past ``prompt_id`` (or the last
         value read, when even etcd's is not); None when etcd cannot be read."""
         if prompt_id < self.next:
             return self.next
+        if time.monotonic() < self._retry_at:
+            self.unverified += 1
+            return None
         try:
             kv = self.store.get(self.keys.prompts_cursor)
         except StoreUnavailable as exc:
+            self._retry_at = time.monotonic() + RETRY_S
             self.unverified += 1
             self._errors.warning(log, "cursor", "cannot check prompt %d against the claims (etcd: %s); "
                                  "let through unchecked", prompt_id, exc, extra={"event": "claims_unchecked"})
