@@ -163,8 +163,9 @@ def smoothing_window(n: int) -> int:
 def draw(ax: Any, m: RunMetrics, axis: str) -> None:
     """Raw per-step reward (faint), its moving average, and the held-out evaluations
     as large marked points: the trend and each measurement readable at a glance."""
+    t0 = m.t0  # a scan of every line: once, not once per point (30k steps took 190 s)
     def xs(rows: list[dict[str, Any]]) -> list[float]:
-        return [r["time"] - m.t0 if axis == "time" else r["step"] for r in rows]
+        return [r["time"] - t0 if axis == "time" else r["step"] for r in rows]
     if m.train:
         rewards = [r.get("reward_mean", 0.0) for r in m.train]
         window = smoothing_window(len(rewards))

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 
-from rlfleet.tools.report import MetricsTail, draw, moving_average, plot, read_metrics, smoothing_window, summary
+from rlfleet.tools.report import MetricsTail, RunMetrics, draw, moving_average, plot, read_metrics, smoothing_window, summary
 
 
 def test_summary_and_plots_from_metrics(tmp_path):
@@ -58,6 +58,27 @@ def test_the_plot_draws_raw_reward_its_moving_average_and_marked_evaluations(tmp
     assert evals.get_label() == "held-out eval success (each evaluation)"
     assert evals.get_marker() == "D" and list(evals.get_xdata()) == [0, 200]
     plt.close(fig)
+
+
+def test_a_long_run_is_drawn_in_seconds():
+    # The soak's 29,561-step run took 190 s to draw (the start time was rescanned per point),
+    # and its rlfleet run was killed while drawing.
+    import time
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = RunMetrics(train=[{"time": 1000.0 + i * 0.25, "step": i, "reward_mean": (i % 7) / 7}
+                          for i in range(30_000)],
+                   evals=[{"time": 1000.0 + i * 12.5, "step": i * 50, "eval_success": 0.5}
+                          for i in range(600)])
+    fig, ax = plt.subplots()
+    start = time.monotonic()
+    draw(ax, m, "time")
+    elapsed = time.monotonic() - start
+    plt.close(fig)
+    assert elapsed < 10.0, f"drawing 30,000 steps took {elapsed:.1f} s"
 
 
 def test_metrics_tail_reads_only_complete_new_lines(tmp_path):
