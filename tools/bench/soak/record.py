@@ -23,7 +23,8 @@ from rlfleet.tools.bench.soak import REPO
 from rlfleet.tools.bench.soak.faults import fault_summary
 from rlfleet.tools.bench.soak.runner import Soak
 from rlfleet.tools.bench.soak.sampling import slim_step_lines
-from rlfleet.tools.bench.soak.verdicts import DROP_SHARE_LIMIT, DROP_SHARE_TASK, growth_verdict
+from rlfleet.tools.bench.soak.verdicts import (DROP_SHARE_LIMIT, DROP_SHARE_TASK, GROWTH_LIMIT, MIN_POINTS,
+                                               WINDOW_S, growth_verdict)
 
 JSON_DEFAULT = Path("runs/bench/soak.json")   # where --json writes the record (the PNG beside it)
 
@@ -78,6 +79,8 @@ def build_record(soak: Soak) -> dict[str, Any]:
             **provenance(), "hours": soak.args.hours, "ran_s": round(soak.t(), 1),
             "stopped_early": soak.stop.is_set(), "error": soak.error, "work_dir": str(soak.work),
             "window_s": window_s,
+            "limits": {"growth": GROWTH_LIMIT, "growth_window_s": WINDOW_S, "min_points": MIN_POINTS,
+                       "drop_share": DROP_SHARE_LIMIT, "drop_share_task": DROP_SHARE_TASK},
             "verdicts": verdicts, "growth": growth, "etcd_growth_not_judged": etcd, "jobs": jobs,
             "fault_summary": fault_summary(soak.faults), "faults": soak.faults, "samples": soak.samples}
 
