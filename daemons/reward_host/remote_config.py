@@ -263,12 +263,14 @@ def _pem(name: str, what: str, path: str, marker: bytes) -> None:
 
 def read_secret(path: str) -> str:
     """An auth header's value: the file's content without the trailing newline (the
-    remote_http backend's header, the shared reward service's expected one); read at start."""
+    remote_http backend's header, the shared reward service's expected one); read at start.
+    Like every secret, only from a file its owner alone can read (common/secret_files.py)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            value = f.read().strip()
-    except OSError as exc:
-        raise ValueError(f"auth_secret_file: cannot read {path}: {exc.strerror}") from None
+        value = read_private(path, "auth_secret_file").decode("utf-8").strip()
+    except SecretFileError as exc:
+        raise ValueError(str(exc)) from None
+    except UnicodeDecodeError:
+        raise ValueError(f"auth_secret_file: {path} is not UTF-8 text") from None
     if not value or any(c in value for c in "\r\n\0"):
         raise ValueError(f"auth_secret_file: {path} must hold one non-empty line (the header value)")
     return value

@@ -19,6 +19,7 @@ from rlfleet.daemons.reward_host.remote import RemoteBackend
 from rlfleet.daemons.reward_host.remote_policy import Breaker, backoff_s
 from rlfleet.daemons.reward_host.remote_config import RemoteHttpConfig, RetryConfig
 from rlfleet.daemons.reward_host.workers import RewardJob, RewardOutcome
+from rlfleet.common.secret_files import write_private
 from rlfleet.daemons.tasks import get_task
 
 from tests.integration.helpers import wait_for
@@ -188,7 +189,7 @@ def test_attempts_run_out_into_an_outcome_with_the_last_error(endpoints, backend
 
 def test_4xx_is_final_not_retried(endpoints, backends, tmp_path):
     secret = tmp_path / "token"
-    secret.write_text("Bearer s3cret\n")
+    write_private(secret, b"Bearer s3cret\n")
     e = endpoints("--auth-file", str(secret))
     without = backends(endpoints=e.url)
     without.submit(job(3))
@@ -315,7 +316,16 @@ def test_a_pipeline_plan_resizes_the_limit_over_all_endpoints(endpoints, backend
 
 def test_a_missing_secret_file_fails_at_start_with_its_path(tmp_path):
     path = tmp_path / "nope"
-    with pytest.raises(ValueError, match=f"auth_secret_file: cannot read {path}"):
+    with pytest.raises(ValueError, match=f"auth_secret_file {path}: cannot open"):
+        RemoteBackend(RemoteHttpConfig(endpoints="http://127.0.0.1:9/score",
+                                       auth_secret_file=str(path)))
+
+
+def test_a_secret_file_others_can_read_is_refused_at_start(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("Bearer s3cret\n")
+    path.chmod(0o640)
+    with pytest.raises(ValueError, match=f"mode 0640 lets group or others read it.*chmod 600 {path}"):
         RemoteBackend(RemoteHttpConfig(endpoints="http://127.0.0.1:9/score",
                                        auth_secret_file=str(path)))
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from rlfleet.common.secret_files import write_private
 from rlfleet.daemons.tasks import get_task
 
 from .test_remote import Endpoint
@@ -245,7 +246,7 @@ def test_hostile_bodies_and_framing_are_refused_and_the_service_keeps_serving(se
 
 def test_auth_token_file(service, tmp_path):
     token = tmp_path / "token"
-    token.write_text("Bearer s3cret\n")
+    write_private(token, b"Bearer s3cret\n")
     svc = service(service=f'auth_secret_file = "{token}"')
     assert post(svc.url, body(0, "t")) == (401, {"error": "wrong or missing Authorization header"})
     assert post(svc.url, body(0, "t"), headers={"Authorization": "Bearer s3cret"})[0] == 200

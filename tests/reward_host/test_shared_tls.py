@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from rlfleet.common.secret_files import write_private
 from rlfleet.common.spec import SpecError
 from rlfleet.daemons.reward_host.remote import RemoteBackend
 from rlfleet.daemons.reward_host.remote_config import RemoteHttpConfig, TlsFileError
@@ -46,7 +47,7 @@ def tls_keys(tls: EtcdTls, client_ca: Path | None = None) -> str:
 @pytest.fixture
 def token(tmp_path) -> Path:
     path = tmp_path / "token"
-    path.write_text(TOKEN + "\n")
+    write_private(path, (TOKEN + "\n").encode())
     return path
 
 
