@@ -53,6 +53,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
+from rlfleet.common.curve import REFUSED
+
 from .answer_journal import AnswerJournal
 from .pipeline_backend import PipelineBackend
 from .remote_config import read_secret
@@ -286,6 +288,7 @@ class Handler(BaseHTTPRequestHandler):
         if hmac.compare_digest(given.encode(), token.encode()):
             return True
         self.close_connection = True  # the body is not read: the connection cannot go on
+        self.server.refuse(self.client_address[0], "token", "wrong or missing Authorization header")
         self._answer(_error(401, "wrong or missing Authorization header"))
         return False
 
@@ -339,13 +342,13 @@ class Handler(BaseHTTPRequestHandler):
 class Server(ThreadingHTTPServer):
     daemon_threads = True  # a waiting request must not keep a stopping process alive
     request_queue_size = 128
-    _MAX_REMEMBERED = 1000  # addresses whose refused handshake was logged; past that, none
+    _MAX_REMEMBERED = 1000  # (address, reason) refusals logged; past that, only counted
 
     def __init__(self, address: tuple[str, int], scorer: Scorer, auth: str | None,
                  tls: ssl.SSLContext | None = None) -> None:
         super().__init__(address, Handler)
         self.scorer, self.auth, self.tls = scorer, auth, tls
-        self._refused: set[str] = set()
+        self._refused: set[tuple[str, str]] = set()
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         """In the connection's thread: the TLS handshake (when serving HTTPS), then the
@@ -357,20 +360,23 @@ class Server(ThreadingHTTPServer):
         try:
             conn = self.tls.wrap_socket(request, server_side=True)  # closes itself if refused
         except (ssl.SSLError, OSError) as exc:
-            self._refuse(client_address[0], exc)
+            reason = getattr(exc, "reason", None) or type(exc).__name__
+            self.refuse(client_address[0], "tls_handshake", f"TLS handshake failed ({reason})")
             return
         try:
             super().finish_request(conn, client_address)
         finally:
             self.shutdown_request(conn)  # the plain socket was handed over (detached) to conn
 
-    def _refuse(self, peer: str, exc: BaseException) -> None:
-        if peer in self._refused or len(self._refused) >= self._MAX_REMEMBERED:
+    def refuse(self, peer: str, reason: str, why: str) -> None:
+        """Counted with the daemons' CURVE refusals (``rlfleet_auth_refused_total``, one
+        metric for every authentication a job refuses); logged once per address and reason."""
+        REFUSED.labels("https" if self.tls is not None else "http", reason).inc()
+        if (peer, reason) in self._refused or len(self._refused) >= self._MAX_REMEMBERED:
             return
-        self._refused.add(peer)  # one line per address: a scanner cannot flood the log
-        reason = getattr(exc, "reason", None) or type(exc).__name__
-        log.warning("refused a connection from %s: TLS handshake failed (%s)", peer, reason,
-                    extra={"event": "auth_refused", "reason": "tls_handshake"})
+        self._refused.add((peer, reason))  # one line per address: a scanner cannot flood the log
+        log.warning("refused a connection from %s: %s", peer, why,
+                    extra={"event": "auth_refused", "reason": reason})
 
 
 def serve(spec: ServiceSpec, host: str, port: int, stop: threading.Event,

@@ -95,6 +95,15 @@ class SharedService:
         with urllib.request.urlopen(req, timeout=10, context=context) as r:
             return json.loads(r.read())
 
+    def metrics(self, headers: dict[str, str] | None = None, context: Any = None) -> str:
+        req = urllib.request.Request(f"{self.base}/metrics", headers=headers or {})
+        with urllib.request.urlopen(req, timeout=10, context=context) as r:
+            return r.read().decode()
+
+    def log_lines(self, event: str) -> list[dict[str, Any]]:
+        return [rec for line in self.log.read_text().splitlines() if line.startswith("{")
+                for rec in [json.loads(line)] if rec.get("event") == event]
+
     def kill9(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
@@ -254,6 +263,10 @@ def test_auth_token_file(service, tmp_path):
         svc.stats()
     assert exc.value.code == 401
     assert svc.stats({"Authorization": "Bearer s3cret"})["tenants"]["t"]["requests"]["scored"] == 1
+    # Counted with the daemons' CURVE refusals; one log line for the address, not one per request.
+    assert 'rlfleet_auth_refused_total{reason="token",transport="http"} 2.0' in \
+        svc.metrics({"Authorization": "Bearer s3cret"})
+    assert len(svc.log_lines("auth_refused")) == 1
 
 
 def test_answers_journaled_survive_kill_9_and_are_not_scored_again(service, tmp_path):

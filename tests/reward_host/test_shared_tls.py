@@ -98,6 +98,8 @@ def test_a_client_trusting_another_ca_is_refused(https_service, pki, token, back
     assert isinstance(exc.value.reason, ssl.SSLCertVerificationError)
     # The token never left: nothing reached the handlers.
     assert svc.stats({"Authorization": TOKEN}, context=trusting(pki[0].ca))["tenants"] == {}
+    assert 'rlfleet_auth_refused_total{reason="tls_handshake",transport="https"} 2.0' in \
+        svc.metrics({"Authorization": TOKEN}, context=trusting(pki[0].ca))
     assert "TLS handshake failed" in svc.log.read_text()
 
 
