@@ -27,6 +27,12 @@ INSTALL_HINT = ("etcd is not installed. On Debian/Ubuntu as root: "
                 "apt-get install -y etcd-server etcd-client (or put an etcd 3.4+ binary on PATH)")
 
 
+# The same as Ansible's etcd members (group_vars etcd_compaction_retention). A watch away
+# longer than this loses the events it missed (common/etcd_store.py logs it as an error);
+# a daemon away that long has lost its 3 s lease and registered again anyway.
+COMPACTION_RETENTION = "10m"
+
+
 def etcd_binary() -> str:
     path = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
     if path is None:
@@ -77,6 +83,10 @@ class EtcdCluster:
     # TLS on the client port, and only clients with a certificate from the same CA
     # (--client-cert-auth); None: plain http, anyone who can reach the port.
     tls: EtcdTls | None = None
+    # History kept before etcd compacts it (etcd's periodic auto-compaction): a job writes
+    # all the time (progress, claims, heartbeats), and an etcd never compacted keeps every
+    # revision in memory and on disk until its quota stops all writes.
+    compaction_retention: str = COMPACTION_RETENTION
     _own_dir: bool = False
 
     def __post_init__(self) -> None:
@@ -111,6 +121,8 @@ class EtcdCluster:
                 "--initial-cluster-token", f"rlfleet-{id(self):x}",
                 "--heartbeat-interval", str(self.heartbeat_ms),
                 "--election-timeout", str(self.election_ms),
+                "--auto-compaction-mode", "periodic",
+                "--auto-compaction-retention", self.compaction_retention,
                 "--log-level", "warn"]
 
     def start(self, timeout_s: float = 20.0) -> "EtcdCluster":
