@@ -25,6 +25,31 @@ def test_windows_count_what_each_window_consumed_and_wasted():
     assert w[0]["at_bound"] == round(32 / 48, 3) and w[1]["at_bound"] == 0.5
 
 
+def test_a_run_is_pinned_when_its_median_full_window_trains_most_at_the_bound():
+    def run(at_bound: list[float], full: list[bool], share: float = 0.02) -> dict:
+        return {"task": "arithmetic", "drop_share": share, "drop_share_by_window": [share] * len(at_bound),
+                "windows": [{"window": i, "at_bound": a, "full": f, "drop_share": share}
+                            for i, (a, f) in enumerate(zip(at_bound, full))]}
+    # The last window, cut short by the stop, is not judged: here it alone is above one half.
+    calm = run([0.3, 0.4, 0.45, 0.9], [True, True, True, False])
+    assert (drops.at_bound_median(calm), drops.pinned(calm)) == (0.4, False)
+    pinned = run([0.55, 0.6, 0.4, 0.1], [True, True, True, False])
+    assert (drops.at_bound_median(pinned), drops.pinned(pinned)) == (0.55, True)
+    s = drops.summarise([calm, run([0.3, 0.3], [True, False], share=0.031)])["arithmetic"]
+    assert (s["runs"], s["drop_share_max"], s["pinned_runs"], s["target_met"]) == (2, 0.031, 0, False)
+    s = drops.summarise([calm, pinned])["arithmetic"]
+    assert (s["pinned_runs"], s["target_met"]) == (1, False)
+    assert drops.summarise([calm])["arithmetic"]["target_met"] is True
+    # Records from before "full" was kept: every window but the last is full.
+    old = {"windows": [{"window": 0, "at_bound": 0.6}, {"window": 1, "at_bound": 0.6}, {"window": 2, "at_bound": 0.0}]}
+    assert [w["window"] for w in drops.full_windows(old)] == [0, 1] and drops.pinned(old) is True
+
+
+def test_windows_say_which_the_stop_cut_short():
+    lines = [line(10, 1, 4, {}, {"1": 16}), line(70, 2, 8, {}, {"1": 16}), line(130, 3, 12, {}, {"1": 16})]
+    assert [x["full"] for x in drops.windows(lines, t0=0.0, window_s=60.0, alpha=2)] == [True, True, False]
+
+
 @pytest.mark.skipif(not list(drops.RECORDS.glob("drops-*.json")), reason="no drops record committed yet")
 def test_the_results_page_is_rendered_from_the_records():
     records = [json.loads(p.read_text()) for p in sorted(drops.RECORDS.glob("drops-*.json"))]
