@@ -14,12 +14,12 @@ tells it which chunks that relay lacks, so nobody else restarts anything.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlfleet.common import failpoints
 from rlfleet.relay.admission import DEFAULT_MAX_OBJECT_BYTES, Limits
 from rlfleet.relay.link import Aborted, Link, Rejected, ServeContext, serve
 from rlfleet.relay.protocol import ProtocolError
@@ -45,16 +45,6 @@ class NodeConfig:
     store_and_forward: bool = False  # benchmark baseline: forward a version only once it is complete here
     max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES  # largest object a peer may offer ([relay] max_object_mib)
     secret: bytes | None = field(default=None, repr=False)  # job secret: authenticate every hop (relay.auth)
-
-
-def _corrupt_from_env() -> set[tuple[int, int, int]]:
-    # Fault injection for tests: RLFLEET_RELAY_CORRUPT="version:layout:chunk[,…]" makes this
-    # relay flip one byte of those outgoing chunks once (its own copy stays intact).
-    out = set()
-    for item in filter(None, os.environ.get("RLFLEET_RELAY_CORRUPT", "").split(",")):
-        v, lay, i = (int(x) for x in item.split(":"))
-        out.add((v, lay, i))
-    return out
 
 
 class _StoredSource:
@@ -86,7 +76,7 @@ class RelayNode:
         self.forward_errors = 0
         self.chunks_forwarded = self.bytes_forwarded = self.resends = 0
         self.forward_busy_s = 0.0
-        self.corrupt_once = _corrupt_from_env()
+        self.corrupt_once = failpoints.relay_corrupt_chunks()  # tests: corrupted hops
         self._link: Link | None = None
         self._stop = threading.Event()
         self._changed = threading.Event()
@@ -270,7 +260,7 @@ class RelayNode:
                     conn = self.transport.connect(member.address if member else "", timeout=2.0)
                     self._link = Link(conn, self.id, window=self.config.window_chunks,
                                       reply_timeout_s=self.config.reply_timeout_s, corrupt_once=self.corrupt_once,
-                                      pace_s=float(os.environ.get("RLFLEET_RELAY_PACE_S", "0") or 0))
+                                      pace_s=failpoints.relay_pace_s())
                 except (ConnectionError, ProtocolError, TimeoutError, ValueError) as exc:
                     self.forward_errors += 1
                     self._suspect(succ, f"connect: {exc}")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+from rlfleet.common import failpoints
 from rlfleet.common.keys import ROOT_PREFIX
 from rlfleet.common.spec import ROLES, SpecError, load_spec
 from rlfleet.daemons import NODE_DAEMON_CLASSES
@@ -26,11 +27,6 @@ from rlfleet.tools.exit_codes import RUN_CODES, Exit
 
 EXIT_SPEC = Exit.BAD_SPEC
 EXIT_ETCD = Exit.ETCD_UNREACHABLE
-# Tests only: `rlfleet daemon ROLE` exits 1 at once when this is "exit_at_start:ROLE", so an
-# integration test can make one daemon of a real fleet crash-loop without a broken spec;
-# "stall_if_file:ROLE:PATH": the first cycle that finds PATH deletes it and blocks for good
-# (a main loop stalled in the role's work, with its threads still running).
-DAEMON_FAILPOINT_ENV = "RLFLEET_DAEMON_FAILPOINT"
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """rlfleet: asynchronous RL post-training on a fleet of machines."""
@@ -64,13 +60,13 @@ def main() -> None:
 def daemon(role: str, job: str, etcd: str, member_id: str | None, host: str, spec_file: str | None,
            bind_host: str | None, metrics_host: str, metrics_port: int, log_level: str, backend: str | None,
            labels: tuple[str, ...]) -> None:
-    """Run one daemon of ROLE until SIGTERM (`agent`: this host's node agent, docs/agent.md)."""
+    """Run one daemon of ROLE until SIGTERM (`agent`: this host's node agent, docs/operations/agent.md)."""
     from rlfleet.common.daemon import INCARNATION_ENV, DaemonOptions
     from rlfleet.common.logs import setup_json_logging
     from rlfleet.daemons import daemon_class
 
-    if os.environ.get(DAEMON_FAILPOINT_ENV) == f"exit_at_start:{role}":
-        click.echo(f"{DAEMON_FAILPOINT_ENV}: {role} exits at start (test failpoint)", err=True)
+    if failpoints.daemon_exits_at_start(role):
+        click.echo(f"{failpoints.DAEMON}: {role} exits at start (test failpoint)", err=True)
         sys.exit(Exit.FAILURE)
     if spec_file:
         try:
@@ -86,8 +82,7 @@ def daemon(role: str, job: str, etcd: str, member_id: str | None, host: str, spe
                             bind_host=bind_host or None, metrics_host=metrics_host, metrics_port=metrics_port,
                             incarnation=os.environ.get(INCARNATION_ENV, ""))
     instance = daemon_class(role)(options, _store(etcd), **node_args)
-    failpoint, _, path = os.environ.get(DAEMON_FAILPOINT_ENV, "").partition(f"stall_if_file:{role}:")
-    if path and not failpoint:
+    if path := failpoints.daemon_stall_file(role):
         instance.cycle = _stall_if_file(instance.cycle, path)
     instance.install_signal_handlers()
     sys.exit(instance.run())
@@ -120,7 +115,7 @@ def _stall_if_file(cycle, path: str):
             os.unlink(path)  # only one process stalls per file
         except FileNotFoundError:
             return cycle()
-        click.echo(f"{DAEMON_FAILPOINT_ENV}: the main loop stalls now (test failpoint)", err=True)
+        click.echo(f"{failpoints.DAEMON}: the main loop stalls now (test failpoint)", err=True)
         import threading
         threading.Event().wait()
     return stalling_cycle
@@ -361,13 +356,13 @@ def submit(spec_file: str, etcd: str, force: bool) -> None:
     click.echo(f"submitted {spec_file} to {keys.spec}" + (" (replacing a live job's spec)" if live else ""))
 
 
-# -- operating a live job (docs/operations.md): each group is its own module ----------------
-from rlfleet.tools.curve_cmd import curve_authorize, curve_keys  # noqa: E402  (docs/security.md)
-from rlfleet.tools.etcd_cmd import etcd_group  # noqa: E402  (docs/etcd-maintenance.md)
+# -- operating a live job (docs/operations/live-fleet.md): each group is its own module ----------------
+from rlfleet.tools.curve_cmd import curve_authorize, curve_keys  # noqa: E402  (docs/operations/security.md)
+from rlfleet.tools.etcd_cmd import etcd_group  # noqa: E402  (docs/operations/etcd-maintenance.md)
 from rlfleet.tools.node_cmd import node  # noqa: E402
-from rlfleet.tools.pause_cmd import pause, resume  # noqa: E402  (docs/maintenance-mode.md)
-from rlfleet.tools.reward_service_cmd import reward_service  # noqa: E402  (docs/reward.md)
-from rlfleet.tools.switchover_cmd import switchover  # noqa: E402  (docs/switchover.md)
+from rlfleet.tools.pause_cmd import pause, resume  # noqa: E402  (docs/operations/maintenance-mode.md)
+from rlfleet.tools.reward_service_cmd import reward_service  # noqa: E402  (docs/design/reward.md)
+from rlfleet.tools.switchover_cmd import switchover  # noqa: E402  (docs/operations/switchover.md)
 
 main.add_command(curve_keys)
 main.add_command(curve_authorize)

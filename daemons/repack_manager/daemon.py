@@ -32,6 +32,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
+from rlfleet.common import failpoints
 from rlfleet.common.daemon import Daemon
 from rlfleet.common.members import members_from
 from rlfleet.common.records import RepackPlan, WeightsLatest
@@ -45,7 +46,6 @@ from .rollout_view import check_stats, engine_batch_limit
 
 log = logging.getLogger("rlfleet.repack")
 
-FAILPOINT_ENV = "RLFLEET_REPACK_FAILPOINT"
 POLL_EVERY_S = 1.0
 POLL_TIMEOUT_S = 1.0
 ORDER_TIMEOUT_S = 2.0
@@ -275,7 +275,7 @@ class RepackManager(Daemon):
     def _failpoint_mid_plan(self) -> None:
         """Tests: RLFLEET_REPACK_FAILPOINT=kill_mid_plan kills this process (SIGKILL) once per
         run, after a plan's orders went out and before it is recorded done."""
-        if os.environ.get(FAILPOINT_ENV) != "kill_mid_plan":
+        if not failpoints.repack_kills_mid_plan():
             return
         marker = job_run_dir(self.spec) / "repack-failpoint-fired"  # type: ignore[arg-type]
         if marker.exists():

@@ -11,7 +11,7 @@ A checkpoint is written only while leadership is confirmed: a trainer that may h
 been replaced must not write into the shared checkpoint folder. The folder is the
 truth; ``trainer/checkpoint`` in etcd is advisory (an unreachable etcd skips it).
 
-A checkpoint that fails for a full disk or another I/O error (docs/disk-full.md) is
+A checkpoint that fails for a full disk or another I/O error (docs/operations/disk-full.md) is
 removed (the temporary folder and the space it took), the previous complete ones are
 kept, and training goes on: ``Checkpointer.save`` logs one error line naming the folder
 and the free bytes, counts it (CHECKPOINT_FAILURES), keeps the sentence in ``error``
@@ -29,10 +29,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlfleet.common import failpoints
 from rlfleet.common.durable import fsync_path
 from rlfleet.common.store import Store, StoreUnavailable
 
-from .failpoints import kill_at
 from .journal import Journal
 from .metrics_log import CHECKPOINT_FAILURES, io_reason, member_id
 
@@ -126,7 +126,7 @@ def write_checkpoint(root: str | os.PathLike[str], version: int, fill: Callable[
     try:
         tmp.mkdir()
         fill(tmp)
-        kill_at("mid_checkpoint", version)
+        failpoints.trainer_kill_at("mid_checkpoint", version)
         for f in tmp.iterdir():
             fsync_path(f)
         fsync_path(tmp)
@@ -205,7 +205,7 @@ class Checkpointer:
                       f"{exc.free_after} bytes free in {self.folder}; "
                       f"keeping {kept[0].name if kept else 'no checkpoint'}")[:300]
         log.error("checkpoint %s not written (%s: %s): %d bytes free when it failed, %d after "
-                  "removing the partial folder; keeping %s; training goes on (docs/disk-full.md)",
+                  "removing the partial folder; keeping %s; training goes on (docs/operations/disk-full.md)",
                   exc.folder, exc.reason, exc.cause, exc.free_at_failure, exc.free_after,
                   kept[0] if kept else "no checkpoint", extra={"event": "checkpoint_error",
                                                                "reason": exc.reason})

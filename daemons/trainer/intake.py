@@ -20,19 +20,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlfleet.common import failpoints
 from rlfleet.common.log_throttle import LogThrottle
 from rlfleet.common.validation import confined
 from rlfleet.common.wire import ScoredTrajectory, count_rejection
 
 from .batching import INVALID, check_trajectory, drop_reason, identity_problem
 from .claimed import ClaimedPrompts
-from .failpoints import FAILPOINT_ENV
 from .journal import Journal, until_written
 
 log = logging.getLogger("rlfleet.trainer")
 
-# Test-only fault injection: "exit_after_journal" ends the process right after a
-# batch is journaled and before it is acked (tests/trainer/test_daemon.py).
 
 REFUSED_LOG_EVERY_S = 10.0  # one "refused" line per kind of refusal this often
 MAX_BATCH = 512  # arrivals journaled (one fsync) and acked together, at most
@@ -145,7 +143,7 @@ class Intake:
                     # trajectory). Acks wait at most LINGER_S more.
                     got += receiver.drain(timeout=LINGER_S, max_n=MAX_BATCH - len(got))
                 if got:
-                    # A journal that cannot be written (a full disk, docs/disk-full.md) holds
+                    # A journal that cannot be written (a full disk, docs/operations/disk-full.md) holds
                     # this batch, unacked, until it can: the senders wait or resend; acking
                     # first would lose it, ending the intake would crash-loop the trainer.
                     until_written(lambda: self.ingest_confined(receiver, got), stop)
@@ -198,7 +196,7 @@ class Intake:
                 count_rejection(getattr(receiver, "name", "trainer-trajectories"), "invalid")
         journal.append_trajectories(decided.new)
         journal.record_dropped(decided.drops)
-        if os.environ.get(FAILPOINT_ENV) == "exit_after_journal" and (decided.new or decided.drops):
+        if failpoints.trainer_exits_after_journal() and (decided.new or decided.drops):
             log.warning("failpoint: exiting after journaling, before the ack")
             os._exit(17)
         receiver.ack(decided.ok)

@@ -11,19 +11,20 @@ A step that meets a non-finite number (guard.py) is skipped before the update: i
 are dropped as ``non_finite``; ``max_skipped_steps`` in a row restore the last checkpoint
 (``rewind``), as does an update that made the weights non-finite, before any publication.
 
-A full disk (docs/disk-full.md): a journal record that cannot be written is retried
+A full disk (docs/operations/disk-full.md): a journal record that cannot be written is retried
 (``until_written``) with the loop's status ``stalled: journal ...``; a step whose TRAINED
 record is not written yet is neither published nor checkpointed, nor is another batch
 taken, so a trainer stopped meanwhile resumes as if the step never ran. A checkpoint that
 fails is skipped (``checkpoint_error``) and tried again ``checkpoint_every`` versions later.
 
-Paused (`rlfleet pause`, docs/maintenance-mode.md): checked at the top of each pass,
+Paused (`rlfleet pause`, docs/operations/maintenance-mode.md): checked at the top of each pass,
 i.e. at a step boundary: the step in progress has finished; the last version is
 checkpointed, and no batch is taken until resumed. The intake goes on journaling and
 acknowledging what arrives (nothing is lost); it waits, pending, for the resume.
 
-``RLFLEET_TRAINER_STEP_DELAY_S`` (tests and tools/bench/losses.py only): the loop waits that
-many seconds after every step, a slow trainer, so that staleness really reaches α.
+``RLFLEET_TRAINER_STEP_DELAY_S`` (tests and tools/bench/losses.py only; common/failpoints.py):
+the loop waits that many seconds after every step, a slow trainer, so that staleness really
+reaches α.
 
 A version is journaled (TRAINED) before it is published, so a restarted trainer's
 versions start above every version the relays have seen. When everything arriving
@@ -33,7 +34,6 @@ is too stale to train, the current version is published again (``republish_if_st
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfleet.common import failpoints
 from rlfleet.common.spec import JobSpec
 
 from .batching import (INVALID, NO_SIGNAL, NON_FINITE, STALENESS, NonFiniteStep, in_finished_rounds,
@@ -49,7 +50,6 @@ from .batching import (INVALID, NO_SIGNAL, NON_FINITE, STALENESS, NonFiniteStep,
 from .buffer import capacity_groups, evict_overflow, evict_stale, ordered
 from .checkpointing import Checkpointer, checkpoints
 from .evaluation import policy_to_evaluate
-from .failpoints import kill_at
 from .journal import Journal, JournalUnwritable, until_written
 from .metrics_log import PAUSED, MetricsLog, batch_versions, step_line
 from .resume import Replay, restore
@@ -58,18 +58,6 @@ log = logging.getLogger("rlfleet.trainer")
 
 REPUBLISH_AFTER_S = 5.0  # of only-stale arrivals before the current version is pushed again
 PAUSE_CHECKPOINT_RETRY_S = 5.0  # paused, its checkpoint refused (leadership unconfirmed): try again after
-STEP_DELAY_ENV = "RLFLEET_TRAINER_STEP_DELAY_S"  # a slowed trainer (module docstring)
-
-
-def step_delay_s() -> float:
-    raw = os.environ.get(STEP_DELAY_ENV, "")
-    try:
-        delay = float(raw) if raw else 0.0
-    except ValueError:
-        delay = -1.0
-    if not 0.0 <= delay < float("inf"):
-        raise ValueError(f"{STEP_DELAY_ENV} must be a number of seconds >= 0, got {raw!r}")
-    return delay
 
 
 @dataclass
@@ -126,10 +114,10 @@ class TrainingLoop:
         self._stop = stop or threading.Event()  # run()'s: ends a wait for the journal, an evaluation
         state.journal = journal
         self._pause_checkpoint_at = 0.0  # the last checkpoint attempt while paused
-        self.step_delay_s = step_delay_s()
+        self.step_delay_s = failpoints.trainer_step_delay_s()
         if self.step_delay_s:
             log.warning("%s=%g: the trainer waits that long after every step (a test knob)",
-                        STEP_DELAY_ENV, self.step_delay_s, extra={"event": "step_delay"})
+                        failpoints.TRAINER_STEP_DELAY_S, self.step_delay_s, extra={"event": "step_delay"})
 
     def run(self, stop: threading.Event) -> None:
         journal, learner = self.journal, self.learner
@@ -242,7 +230,7 @@ class TrainingLoop:
             log.warning("dropped %d groups, batch refused: %s", len(groups), exc,
                         extra={"event": "drop", "reason": INVALID})
             return
-        kill_at("mid_step", self.learner.version)
+        failpoints.trainer_kill_at("mid_step", self.learner.version)
         if not self.journaled(lambda: self.journal.record_trained(self.learner.version, groups)):
             # The learner's weights hold a step the journal does not: no checkpoint on the
             # way out (the worker's drain would write one), the next leader re-trains it.
@@ -253,7 +241,7 @@ class TrainingLoop:
         snapshot_s = self.publish()
         every = self.spec().trainer.checkpoint_every
         # Also once a checkpoint is overdue: one skipped while leadership was unconfirmed
-        # (an etcd outage, docs/failsafe.md) is written at the first step after; one that
+        # (an etcd outage, docs/operations/failsafe.md) is written at the first step after; one that
         # failed (a full disk) is tried again `every` versions later.
         due = version % every == 0 or (version - self.state.checkpoint_version >= every
                                        and self.checkpointer.retry_due(version, every))
@@ -309,7 +297,7 @@ class TrainingLoop:
     def hold(self) -> None:
         """One pass while paused, at a step boundary: checkpoint the current version if the
         last checkpoint is older (retried every PAUSE_CHECKPOINT_RETRY_S while leadership is
-        unconfirmed: an etcd outage, docs/failsafe.md), then
+        unconfirmed: an etcd outage, docs/operations/failsafe.md), then
         report paused; take no batch. What arrives meanwhile stays pending in the journal."""
         now = time.monotonic()
         if (self.state.version > self.state.checkpoint_version
@@ -337,7 +325,7 @@ class TrainingLoop:
             return 0.0  # a re-trained version the relays hold already (resume.py)
         started = time.monotonic()
         self.publisher.submit(self.state.version, self.learner.state_tensors())
-        kill_at("mid_publish", self.state.version)
+        failpoints.trainer_kill_at("mid_publish", self.state.version)
         return time.monotonic() - started
 
     def republish_if_starved(self, stale_since: float) -> None:

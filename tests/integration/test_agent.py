@@ -21,7 +21,7 @@ import urllib.request
 from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.spec import load_spec
-from rlfleet.tools.cli import DAEMON_FAILPOINT_ENV
+from rlfleet.common.failpoints import DAEMON as DAEMON_FAILPOINT_ENV
 from rlfleet.tools.exit_codes import Exit
 
 from .helpers import agent_host_placement, wait_for, write_spec

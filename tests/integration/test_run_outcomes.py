@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.tools.cli import DAEMON_FAILPOINT_ENV
+from rlfleet.common.failpoints import DAEMON as DAEMON_FAILPOINT_ENV
 from rlfleet.tools.exit_codes import Exit
 
 from .helpers import TINY_MODEL, write_spec

@@ -19,7 +19,7 @@ from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.procs import ProcessId, boot_id
 from rlfleet.common.spec import load_spec
-from rlfleet.tools.cli import DAEMON_FAILPOINT_ENV
+from rlfleet.common.failpoints import DAEMON as DAEMON_FAILPOINT_ENV
 from rlfleet.tools.etcd_local import EtcdCluster
 from rlfleet.tools.exit_codes import Exit
 

@@ -21,7 +21,7 @@ import pytest
 from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.spec import load_spec
-from rlfleet.tools.cli import DAEMON_FAILPOINT_ENV
+from rlfleet.common.failpoints import DAEMON as DAEMON_FAILPOINT_ENV
 
 from ..integration.helpers import stop, wait_for, write_spec
 from .notify_listener import NotifyListener

@@ -14,7 +14,9 @@ from rlfleet.common.spec import SpecError, load_spec, parse_spec
 from rlfleet.daemons.trainer import buffer
 from rlfleet.daemons.trainer.journal import Journal
 from rlfleet.daemons.trainer.metrics_log import MetricsLog
-from rlfleet.daemons.trainer.training import STEP_DELAY_ENV, TrainerState, TrainingLoop, step_delay_s
+from rlfleet.common.failpoints import TRAINER_STEP_DELAY_S as STEP_DELAY_ENV
+from rlfleet.common.failpoints import trainer_step_delay_s as step_delay_s
+from rlfleet.daemons.trainer.training import TrainerState, TrainingLoop
 
 from tests.integration.helpers import TINY_MODEL
 

@@ -21,7 +21,7 @@ from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.keys import JobKeys
 from rlfleet.common.sockets import ReliableSender
 from rlfleet.daemons.trainer.journal import Journal
-from rlfleet.daemons.trainer.intake import FAILPOINT_ENV
+from rlfleet.common.failpoints import TRAINER as FAILPOINT_ENV
 
 from ..integration.helpers import stop, wait_for, write_spec
 from .conftest import claim_prompts, scored

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from rlfleet.common.etcd_store import EtcdStore
 from rlfleet.common.sockets import ReliableSender
-from rlfleet.daemons.trainer.failpoints import FAILPOINT_ENV
+from rlfleet.common.failpoints import TRAINER as FAILPOINT_ENV
 from rlfleet.daemons.trainer.journal import Journal
 from rlfleet.tools.report import read_metrics, summary
 

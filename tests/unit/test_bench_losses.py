@@ -1,5 +1,5 @@
 """tools/bench/losses.py without running a fleet: the spec changes of a run, the record it
-writes (the fields the README table is built from), the summary, the slowed trainer's
+writes (the fields the table of docs/results/losses.md is built from), the summary, the slowed trainer's
 environment, and the plot."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.daemons.trainer.training import STEP_DELAY_ENV
+from rlfleet.common.failpoints import TRAINER_STEP_DELAY_S as STEP_DELAY_ENV
 from rlfleet.tools.bench import losses as bench
 from rlfleet.tools.bench.learning import spec_for
 

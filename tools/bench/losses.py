@@ -1,4 +1,4 @@
-"""Loss benchmark: which policy loss holds up under staleness (docs/losses.md)?
+"""Loss benchmark: which policy loss holds up under staleness (docs/guide/losses.md)?
 
 Runs `rlfleet run examples/<task>.toml` (the learning bench's run_task: private etcd,
 every daemon, this machine) for every loss x task x seed, twice:
@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rlfleet.daemons.trainer.training import STEP_DELAY_ENV
+from rlfleet.common.failpoints import TRAINER_STEP_DELAY_S as STEP_DELAY_ENV
 from rlfleet.tools.bench.learning import run_task
 
 LOSSES = ("ppo_clip", "decoupled_ppo", "tis", "cispo", "topr")
@@ -124,7 +124,7 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def markdown_table(records: list[dict[str, Any]]) -> str:
-    """The README's table: per loss, each task x condition as mean ± std (min, seeds) of the
+    """The table of docs/results/losses.md: per loss, each task x condition as mean ± std (min, seeds) of the
     final held-out success; a stress cell adds the mean and max staleness it trained at."""
     tasks = list(dict.fromkeys(r["task"] for r in records))
     losses = [x for x in LOSSES if any(r["loss"] == x for r in records)]
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true",
                     help="keep the records already in OUT/losses.json and run only the missing ones")
     ap.add_argument("--table", type=Path, default=None, metavar="LOSSES_JSON",
-                    help="print the README table of a finished run's losses.json and exit")
+                    help="print the docs/results/losses.md table of a finished run's losses.json and exit")
     args = ap.parse_args(argv)
     if args.table is not None:
         print(markdown_table(load_records(args.table)))
