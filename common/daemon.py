@@ -109,7 +109,7 @@ class Daemon:
         return {}
 
     def prepare_handover(self, to: str) -> bool:
-        """A switchover to `to` is requested (docs/switchover.md): save what the successor
+        """A switchover to `to` is requested (docs/operations/switchover.md): save what the successor
         must resume from. Asked once a cycle while leading, until it returns True; then
         the leader resigns. Keep it short (start the work, report when it is done): the
         lease is refreshed by the same loop. While ``session.handover_to`` is set, start

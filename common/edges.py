@@ -1,4 +1,4 @@
-"""Who may send to whom: the role-to-socket edges that CURVE enforces (docs/security.md).
+"""Who may send to whom: the role-to-socket edges that CURVE enforces (docs/operations/security.md).
 
 Every daemon role has its own CURVE key pair, and ``authorized/<role>/*.key`` says which
 role a public key speaks for. A server socket names its edge (``RequestServer(...,

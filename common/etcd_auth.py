@@ -1,5 +1,5 @@
 """How a process proves itself to etcd: TLS (a CA to trust, a client certificate and
-key) and etcd's own users (a user and a password file). docs/security.md.
+key) and etcd's own users (a user and a password file). docs/operations/security.md.
 
 These must be known before the job spec is read (daemons read it from etcd), so they
 come from command-line flags and the environment, never from the spec:

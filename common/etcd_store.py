@@ -271,7 +271,7 @@ class EtcdStore(Store):
 
     def revision(self) -> int:
         # Any read returns the store's revision; this key is inside the prefix a job's etcd
-        # role may read (docs/security.md), where b"\0" would be refused with etcd auth on.
+        # role may read (docs/operations/security.md), where b"\0" would be refused with etcd auth on.
         return self._call("revision", lambda c: c.get_response(_REVISION_KEY).header.revision)
 
     # -- leases -----------------------------------------------------------

@@ -1,5 +1,5 @@
 """A job's durable etcd keys as one JSON file, and putting them back (`rlfleet etcd
-snapshot` / `restore`, docs/etcd-maintenance.md).
+snapshot` / `restore`, docs/operations/etcd-maintenance.md).
 
 Durable means: not bound to a lease. What a lease holds (member and leader keys, the
 owner, node inventories, the master relay, switchover requests) belongs to a process
@@ -237,7 +237,7 @@ def apply(store: Store, restore: RestorePlan) -> int:
 
 
 def _clamp_terms(rel: str, value: Any, revision: int) -> tuple[Any, str]:
-    """A fencing term is an etcd revision of the cluster that issued it (docs/failsafe.md).
+    """A fencing term is an etcd revision of the cluster that issued it (docs/operations/failsafe.md).
     In a fresh etcd the revisions start again at 1, and a term above the revision would
     fence every trainer elected there until etcd's revision passed it. Such a term is set
     to 0, "no fence": older than any leader elected from now on, and the same on every

@@ -2,7 +2,7 @@
 
 Every value under these keys is JSON, so `etcdctl get --prefix /rlfleet/<job>/`
 is readable by an operator without Python. Keys are part of the operator
-interface: change them only with a migration note in docs/etcd-keys.md.
+interface: change them only with a migration note in docs/operations/etcd-keys.md.
 
     /rlfleet/<job>/spec                            the job spec, as submitted
     /rlfleet/<job>/owner                           the `rlfleet run` running the job: incarnation, host, pid (lease)
@@ -104,7 +104,7 @@ class JobKeys:
         """The job's operating state: running, or paused for maintenance (`rlfleet pause`)."""
         return f"{self.prefix}{STATE}"
 
-    # -- the live fleet: operator intent and admission (docs/operations.md) ----
+    # -- the live fleet: operator intent and admission (docs/operations/live-fleet.md) ----
     @property
     def node_states_prefix(self) -> str:
         return f"{self.prefix}{NODE_STATE}/"
@@ -155,7 +155,7 @@ class JobKeys:
         return f"{self.leaders_prefix}{_check(role, 'role')}"
 
     def term(self, role: str) -> str:
-        """The fencing term of a failsafe role's last leader (docs/failsafe.md); no lease."""
+        """The fencing term of a failsafe role's last leader (docs/operations/failsafe.md); no lease."""
         return f"{self.prefix}{TERM}/{_check(role, 'role')}"
 
     # -- desired state ---------------------------------------------------

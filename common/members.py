@@ -25,7 +25,7 @@ ROLE_FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = MappingProxyType({
     "relay": {"shm_dir": (str,), "transport": (str,), "newest": (int,), "newest_at": (int, float),
               "versions": (list,), "successor": (str,), "master": (bool,)},
     "trainer": {"training": (str,), "version": (int,), "checkpoint_version": (int,), "paused": (bool,),
-                "checkpoint_error": (str,), "journal_error": (str,),  # these two: docs/disk-full.md
+                "checkpoint_error": (str,), "journal_error": (str,),  # these two: docs/operations/disk-full.md
                 "non_finite_groups": (int,), "non_finite_steps": (int,), "non_finite": (str,),
                 "rewinds": (int,)},  # trainer/guard.py
     "rollout": {"weight_version": (int,), "first_result_at": (int, float), "relay": (str,)},

@@ -1,5 +1,5 @@
 """Records of the live-fleet keys: what operators ask of the job and its hosts, and
-what the resource-manager decided about them (docs/operations.md).
+what the resource-manager decided about them (docs/operations/live-fleet.md).
 
     state                 JobState     running | paused (`rlfleet pause` / `resume`)
     node_state/<host>     NodeState    cordoned | draining | drained | removed (`rlfleet node ...`)

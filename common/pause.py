@@ -1,4 +1,4 @@
-"""The job's maintenance state as a daemon follows it (docs/maintenance-mode.md).
+"""The job's maintenance state as a daemon follows it (docs/operations/maintenance-mode.md).
 
 `rlfleet pause` writes `state` = paused; the trainer, every node agent and the
 supervisor of `rlfleet run` each read it once per cycle (one Range on one key)

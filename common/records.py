@@ -12,7 +12,7 @@ or a field of the wrong type, yields a record with that field's default and a
 loop, and `rlfleet status` shows what is wrong instead of a traceback. Each
 consumer decides what a record with a problem is still good for (an address
 that parsed is usable even when `pid` did not). Keys come from
-`common/keys.py`; the values are described in docs/etcd-keys.md.
+`common/keys.py`; the values are described in docs/operations/etcd-keys.md.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class WeightsLatest(_KeyRecord):
     bytes: int = 0
     checksum: str = ""
     master: str = ""
-    term: int = 0  # the publishing trainer leader's fencing term (docs/failsafe.md); 0: none
+    term: int = 0  # the publishing trainer leader's fencing term (docs/operations/failsafe.md); 0: none
     problem: str = ""
 
     @classmethod

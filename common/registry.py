@@ -1,6 +1,6 @@
 """Seams: a small base class per variant (a *kind*), a registry per seam, and a tagged
 section of the job spec per seam (ARCHITECTURE §5; the seams are listed in
-``common/seams.py``, the how-to is ``docs/seams.md``).
+``common/seams.py``, the how-to is ``docs/design/seams.md``).
 
 A kind is a Config (the keys of its spec table, ``kind`` first) and a ``Kind`` class
 that builds the implementation from it::
@@ -80,7 +80,7 @@ class Kind:
     @classmethod
     def uses_sandbox(cls, config: Any, /) -> bool:
         """Whether what ``config`` builds runs untrusted code in common/sandbox.py: the
-        node agent then grants its unit the sandbox's capabilities (docs/sandbox.md)."""
+        node agent then grants its unit the sandbox's capabilities (docs/operations/sandbox.md)."""
         return False
 
     @classmethod

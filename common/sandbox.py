@@ -6,7 +6,7 @@
 
 Pure mechanism, shared by the tool-use task (daemons/tasks/tool_use.py) and anything
 else that must run code it does not trust. What confines the child, and how
-(docs/sandbox.md):
+(docs/operations/sandbox.md):
 
 - its own session and process group (start_new_session), SIGKILLed on the wall-clock
   timeout;
@@ -58,7 +58,7 @@ _REAP_DEADLINE_S = 5.0
 # What the child needs to confine itself, by number (linux/capability.h).
 REQUIRED_CAPABILITIES = {"CAP_KILL": 5, "CAP_SETGID": 6, "CAP_SETUID": 7, "CAP_SYS_ADMIN": 21}
 _HOW_TO_GRANT = ("run as root or, under systemd, in a unit with the node agent's drop-in "
-                 "50-sandbox.conf (docs/sandbox.md)")
+                 "50-sandbox.conf (docs/operations/sandbox.md)")
 
 # The failure reasons that are not the code's own doing: a limit hit or an access denied.
 CONTAINED = frozenset({"timeout", "cpu_limit", "memory_limit", "fork_limit", "network_denied",

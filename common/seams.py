@@ -12,7 +12,7 @@
 
 A daemon asks the registry of its seam for the implementation
 (``ROLLOUT_ENGINES.build(spec.rollout.engine, model_path=...)``) rather than
-branching on the kind; docs/seams.md says how to add one.
+branching on the kind; docs/design/seams.md says how to add one.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A daemon's start against the job's `[security]` section (docs/security.md): turn on
+"""A daemon's start against the job's `[security]` section (docs/operations/security.md): turn on
 CURVE from the keys it finds, and refuse to run without what the job requires, so a
 daemon started without its keys stops with one clear line instead of running in the
 clear (where its peers would refuse it anyway, in silence).
@@ -42,16 +42,16 @@ def enforce(spec: JobSpec, role: str) -> str:
                 where = "nowhere" if speaks_for is None else f"for {speaks_for}" if speaks_for else "without a role"
                 raise SecurityError(f"CURVE: this {role}'s key {setup.public.decode()} is authorized {where} "
                                     f"in {setup.directory}, so its peers would refuse it: make the role's own pair "
-                                    f"with `rlfleet curve-keys DIR --role {role}` (docs/security.md)")
+                                    f"with `rlfleet curve-keys DIR --role {role}` (docs/operations/security.md)")
             said.append(f"CURVE on: public key {setup.public.decode()} ({role}), {len(setup.authorized)} "
                         f"authorized client key(s) in {setup.directory}")
     if zmq_role and sec.curve and curve.active() is None:
         raise SecurityError("the job requires CURVE ([security] curve = true) and this daemon has no keys: "
-                            f"set ${curve.ENV_DIR} or [security] curve_dir (docs/security.md)")
+                            f"set ${curve.ENV_DIR} or [security] curve_dir (docs/operations/security.md)")
     if sec.job_secret_file and not os.environ.get(JOB_SECRET_ENV):
         os.environ[JOB_SECRET_ENV] = sec.job_secret_file  # where job_secret_from_env() looks
     if sec.relay_auth and role in RELAY_AUTH_ROLES and not os.environ.get(JOB_SECRET_ENV):
         raise SecurityError("the job requires an authenticated relay transport ([security] relay_auth = true) "
                             f"and this daemon has no job secret: set ${JOB_SECRET_ENV} or "
-                            "[security] job_secret_file (docs/security.md)")
+                            "[security] job_secret_file (docs/operations/security.md)")
     return "; ".join(said)

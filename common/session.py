@@ -21,7 +21,7 @@ what it did; losing etcd is an ordinary outcome ("etcd unreachable …"), not an
 exception.
 
 A role that sets ``failsafe`` (the trainer) does not throw its leader's work away
-when etcd stops answering (docs/failsafe.md, after Patroni's failsafe mode): it
+when etcd stops answering (docs/operations/failsafe.md, after Patroni's failsafe mode): it
 loses the *authority* of a leader at once (``is_leader`` False: nothing that needs
 it, such as publishing or checkpointing, happens) but keeps ``failsafe_since`` set,
 and its local work goes on. When etcd answers again the session decides, from the
@@ -31,7 +31,7 @@ superseded, and its in-memory state must be discarded. ``term`` (the leader key'
 create revision, strictly increasing over takeovers) is the fencing token that a
 leader's writes carry.
 
-A switchover (`rlfleet switchover`, docs/switchover.md) hands leadership to a named
+A switchover (`rlfleet switchover`, docs/operations/switchover.md) hands leadership to a named
 standby: the leader reads `switchover/<role>` each cycle; when it names another live
 member, the leader prepares (``prepare_handover``, the daemon's hook), marks the leader
 key with ``handover_to`` (the target, reading that key each cycle anyway, then cycles

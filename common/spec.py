@@ -14,7 +14,7 @@ the short phrases above (``spec_errors``).
 
 Where a capability comes in variants (engine, loss, reward backend, task,
 schedulers) its table is tagged: ``kind = "..."`` plus only that kind's keys,
-the kinds coming from the registries in ``common/seams.py`` (docs/seams.md).
+the kinds coming from the registries in ``common/seams.py`` (docs/design/seams.md).
 Keys that an earlier spec had and that moved or went away are refused with
 where they went (``MOVED``), so an old spec never half-works.
 """
@@ -205,9 +205,9 @@ class TrainerSection(Section):
     max_steps: PosInt = 100
     checkpoint_every: PosInt = 10
     max_staleness: NonNegInt | None = None  # the bound α in versions; None = unbounded
-    buffer_order: Literal["fifo", "newest", "staleness"] = "fifo"  # trainer/buffer.py, docs/dataflow.md
+    buffer_order: Literal["fifo", "newest", "staleness"] = "fifo"  # trainer/buffer.py, docs/design/dataflow.md
     # Dynamic filtering: drop groups whose rewards are all equal ("no_signal", accounted), at
-    # most this many times a batch's groups per step; 0: off (docs/dataflow.md).
+    # most this many times a batch's groups per step; 0: off (docs/design/dataflow.md).
     no_signal_drops_per_batch: Annotated[float, Field(strict=False, ge=0, le=64, allow_inf_nan=False)] = 0.0
     # When filtering happens, and how far queue claims reach (common/spec_filter.py).
     filter_schedule: Annotated[FilterSchedule, AfterValidator(check_schedule)] = "queue"
@@ -224,7 +224,7 @@ class TrainerSection(Section):
     max_skipped_steps: PosInt = 3
 
 
-# How rollouts and the trainer coordinate weight versions (ARCHITECTURE §4, docs/modes.md):
+# How rollouts and the trainer coordinate weight versions (ARCHITECTURE §4, docs/design/modes.md):
 # sync: on-policy, a global barrier per batch; one_step_off: batch n+1 is generated with
 # version n while n trains; partial: every publish interrupts running requests, which go
 # on with the new weights (versions mix within a turn); trajectory: each rollout pulls the
@@ -258,14 +258,14 @@ class EnvHostSection(Section):
     trajectory_timeout_s: PosFloat = 300.0
     max_retries: NonNegInt = 3
     # Claim no more prompts than trainer.max_staleness batches ahead of what the trainer
-    # has consumed (docs/dataflow.md); false: claim as fast as max_concurrent allows.
+    # has consumed (docs/design/dataflow.md); false: claim as fast as max_concurrent allows.
     pace_claims: bool = True
     # Pacing also counts the weights the rollouts generate with: while they trail the trainer
     # by L versions, L batches fewer may be outstanding (at least one). Off until measured.
     pace_for_lag: bool = False
     routing: RoutingConfig = ENV_ROUTERS.field()  # which rollout gets a turn
     bind_host: Host = "127.0.0.1"
-    # Agentic scheduling (docs/agentic.md). "async": each trajectory steps its environment on
+    # Agentic scheduling (docs/guide/agentic.md). "async": each trajectory steps its environment on
     # its own; "batch": the prompts claimed together step together, a barrier per turn.
     env_mode: Literal["async", "batch"] = "async"
     # Redundant rollouts: this many extra trajectories per prompt (the first group_size that
@@ -309,7 +309,7 @@ def _absolute(path: str | None) -> str | None:
 
 
 class SecuritySection(Section):
-    """What the job requires of every daemon (docs/security.md). etcd's credentials are
+    """What the job requires of every daemon (docs/operations/security.md). etcd's credentials are
     not here: a daemon needs them to read the spec (--etcd-cacert etc., $RLFLEET_ETCD_*)."""
 
     curve: StrictBool = False  # CURVE on every ZeroMQ socket; a daemon without keys refuses to start

@@ -1,4 +1,4 @@
-"""Dynamic filtering's keys in ``[trainer]`` and their checks (docs/agentic.md, "Queue
+"""Dynamic filtering's keys in ``[trainer]`` and their checks (docs/guide/agentic.md, "Queue
 scheduling and dynamic filtering"; used by common/spec.py).
 
 - ``filter_schedule``: when a group without signal is filtered. ``"queue"``: as soon as it is
@@ -42,7 +42,7 @@ def filter_errors(sections: dict[str, Any]) -> list[tuple[tuple, str]]:
     if t is None:
         return errors
     if rollout is not None and t.no_signal_drops_per_batch > 0 and rollout.mode in ("sync", "one_step_off"):
-        # The barrier generates batch k from prompts k*P .. (k+1)*P - 1 only (docs/modes.md):
+        # The barrier generates batch k from prompts k*P .. (k+1)*P - 1 only (docs/design/modes.md):
         # a dropped group is never replaced, and the step would wait for it forever.
         errors.append((("trainer", "no_signal_drops_per_batch"),
                        f"dynamic filtering needs rollout.mode 'trajectory' or 'partial': mode {rollout.mode!r} "

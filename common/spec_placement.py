@@ -1,6 +1,6 @@
 """The spec's `[placement]`: which daemons run on which named host, and the pools
 that hosts the spec does not name are admitted into while the job runs
-(docs/operations.md; the resource-manager's admission policy is
+(docs/operations/live-fleet.md; the resource-manager's admission policy is
 daemons/resource_manager/admission.py).
 """
 

@@ -1,4 +1,4 @@
-"""What a singleton's members do about a `switchover/<role>` request (docs/switchover.md):
+"""What a singleton's members do about a `switchover/<role>` request (docs/operations/switchover.md):
 the decisions alone, kept apart from common/session.py, which does the reads and writes.
 
 The leader reads the request once a cycle; a candidate reads it only when the leader

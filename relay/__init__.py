@@ -2,5 +2,5 @@
 
 Entry points: `publisher.WeightPublisher` (trainer), `reader.WeightReader` (rollouts),
 `node.RelayNode` (a relay's data plane, run by daemons/relay), `status.chain_status` (operators).
-See docs/relay.md.
+See docs/design/relay.md.
 """

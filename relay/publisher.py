@@ -8,7 +8,7 @@ address); if the master dies mid-push, it waits for the next master to be
 elected and resumes there (the handshake says which chunks that relay already
 has, e.g. everything the old master had forwarded to it).
 
-Fencing (docs/failsafe.md): a publisher given its trainer leader's ``term`` stamps it
+Fencing (docs/operations/failsafe.md): a publisher given its trainer leader's ``term`` stamps it
 into weights/latest and will not publish under a term older than the one recorded
 there: a trainer that was superseded gets `PublishFenced` instead of a version that
 downstream could take.

@@ -344,7 +344,7 @@ def get_transport(name: str, secret: bytes | None = None) -> Transport:
         return TcpTransport(secret)
     if name == "ucx":
         if secret is not None:
-            # UCX has no authentication or encryption of its own (docs/relay.md, "Trust"):
+            # UCX has no authentication or encryption of its own (docs/design/relay.md, "Trust"):
             # running it unauthenticated while the job asked for a secret would be a silent downgrade.
             raise RuntimeError("relay transport 'ucx' cannot authenticate peers and this job has a job secret "
                                "(RLFLEET_JOB_SECRET_FILE); use transport = \"tcp\", or run UCX only on a "

@@ -7,7 +7,7 @@ Two shipped models of the same architecture: `tiny-qwen2` (arithmetic, FrozenLak
 the examples and tests train, and `tiny-qwen2-tools`, warm-started on the tool-use task too
 (examples/tool_use.toml). The three-task model is not the default because, with the
 tool-use skill sharing its 0.42M parameters, FrozenLake's recipe collapsed on one seed
-(README, "Shipped models"); the two-task build follows the code path from before tool use.
+(docs/guide/models.md, "Shipped models"); the two-task build follows the code path from before tool use.
 
 1. A character-level tokenizer (one token per character, <pad> and <eos>, no <bos>),
    saved as tokenizer.json + tokenizer_config.json; AutoTokenizer loads it.

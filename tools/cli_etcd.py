@@ -18,7 +18,7 @@ from rlfleet.tools.exit_codes import Exit
 EXIT_ETCD = Exit.ETCD_UNREACHABLE
 DEFAULT_ETCD = os.environ.get("RLFLEET_ETCD", "127.0.0.1:2379")
 
-# etcd credentials (docs/security.md): flags, else the environment. Kept in the click
+# etcd credentials (docs/operations/security.md): flags, else the environment. Kept in the click
 # context rather than passed to every command, so every command that talks to etcd
 # takes them and `_store` is the one place that builds the store.
 ETCD_CREDENTIAL_FLAGS = (

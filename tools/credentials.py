@@ -1,11 +1,11 @@
-"""The credentials `rlfleet run` makes for one run (docs/security.md): a private CA with
+"""The credentials `rlfleet run` makes for one run (docs/operations/security.md): a private CA with
 a server certificate for its etcd and a client certificate for everyone else, the
 job's CURVE key pair, and the relay's job secret. Nothing to set up, nothing reused
 across runs: they live in the run directory and die with it.
 
 Certificates come from the `openssl` command line (one call each, EC P-256), so no
 Python crypto package is needed. On a cluster the deployment makes its own with the
-same commands (docs/security.md).
+same commands (docs/operations/security.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`rlfleet curve-keys` and `rlfleet curve-authorize`: a machine's CURVE key files
-(docs/security.md, "Roles"), made and shared in one command per host each, as Ansible
+(docs/operations/security.md, "Roles"), made and shared in one command per host each, as Ansible
 runs them (ansible/roles/rlfleet/tasks/curve.yml): a file per (host, role) per host was
 a task each, N x 7 of them on every one of N hosts.
 
@@ -73,7 +73,7 @@ def authorize(directory: Path, keys: Any) -> list[str]:
 @click.option("--show", is_flag=True, help="Make nothing; print the pairs there are (with --json).")
 @click.option("--json", "as_json", is_flag=True, help='Print {"created": [...], "public": {role: key}}.')
 def curve_keys(directory: Path, name: str, roles: tuple[str, ...], show: bool, as_json: bool) -> None:
-    """Make this machine's CURVE key pairs in DIRECTORY (docs/security.md): DIRECTORY/ROLE.key_secret
+    """Make this machine's CURVE key pairs in DIRECTORY (docs/operations/security.md): DIRECTORY/ROLE.key_secret
     (mode 0600) per --role, each public key authorized in DIRECTORY/authorized/ROLE/NAME.key.
     Without --role (and --show): DIRECTORY/daemon.key_secret and authorized/NAME.key, a
     key no daemon socket admits (for a socket that names no edge)."""

@@ -1,4 +1,4 @@
-"""`rlfleet etcd`: maintenance of the etcd a live job runs on (docs/etcd-maintenance.md).
+"""`rlfleet etcd`: maintenance of the etcd a live job runs on (docs/operations/etcd-maintenance.md).
 
     rlfleet etcd snapshot FILE   the job's durable keys (not lease-bound) as one JSON file
     rlfleet etcd restore FILE    put them back (refused over a live job or newer counters)
@@ -27,7 +27,7 @@ from rlfleet.tools.exit_codes import Exit
 
 @click.group("etcd")
 def etcd_group() -> None:
-    """Snapshot and restore a job's keys; the etcd cluster's members (docs/etcd-maintenance.md)."""
+    """Snapshot and restore a job's keys; the etcd cluster's members (docs/operations/etcd-maintenance.md)."""
 
 
 @etcd_group.command()

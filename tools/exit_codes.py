@@ -1,7 +1,7 @@
 """Every exit code of the `rlfleet` command, in one place.
 
 A script that starts a job reads the code; the one-line reason printed beside it
-is for the person. Codes 4–8 are `rlfleet run`'s own outcomes; the README's
+is for the person. Codes 4–8 are `rlfleet run`'s own outcomes; docs/guide/running.md's
 "Exit codes" table and `rlfleet run --help` list the same codes.
 """
 
@@ -25,7 +25,7 @@ class Exit(IntEnum):
     TIMED_OUT = 10         # an operator command's request was written but not done within --timeout (it stays in effect)
 
 
-# What `rlfleet run --help` and the README say about each code of `rlfleet run`.
+# What `rlfleet run --help` and docs/guide/running.md say about each code of `rlfleet run`.
 RUN_CODES: dict[Exit, str] = {
     Exit.OK: "the trainer finished and the accounting invariant holds",
     Exit.FAILURE: "an unexpected error (its traceback says where)",
@@ -40,7 +40,7 @@ RUN_CODES: dict[Exit, str] = {
 
 
 # What the operator commands (`rlfleet node`, `switchover`, `pause`, `resume`, `etcd`) exit
-# with; the README's operator section lists the same codes.
+# with; docs/operations/live-fleet.md lists the same codes.
 OPERATOR_CODES: dict[Exit, str] = {
     Exit.OK: "done: the request took effect and what it waits for was seen",
     Exit.FAILURE: "an unexpected error (its message says what)",

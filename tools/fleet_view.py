@@ -13,7 +13,7 @@ to the lease of a dead one (a sim host's rollouts) are dead with it.
 
 A paused job (`rlfleet pause`) is said first, in one banner line (`paused_banner`).
 
-Nodes are the hosts' agents' records (docs/agent.md): a placed daemon its agent
+Nodes are the hosts' agents' records (docs/operations/agent.md): a placed daemon its agent
 reports `failing` (it keeps dying) is a problem, and so is an agent whose
 process on this machine is gone.
 """

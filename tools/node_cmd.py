@@ -1,5 +1,5 @@
 """`rlfleet node`: admit, cordon, drain and remove the machines of a live job
-(docs/operations.md). The commands write the operator's intent
+(docs/operations/live-fleet.md). The commands write the operator's intent
 (`node_state/<host>`); the resource-manager leader acts on it and the hosts'
 agents start and stop units. Waiting commands poll one snapshot of the job every
 POLL_S and print each step as it is seen.

@@ -1,4 +1,4 @@
-"""`rlfleet pause` and `rlfleet resume`: the job's maintenance mode (docs/maintenance-mode.md).
+"""`rlfleet pause` and `rlfleet resume`: the job's maintenance mode (docs/operations/maintenance-mode.md).
 
 `pause` writes `state` = paused (who, when, why) and waits until the fleet says it
 took effect: the trainer leader holds at a step boundary with its version

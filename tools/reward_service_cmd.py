@@ -1,5 +1,5 @@
 """`rlfleet reward-service`: one reward pipeline shared by several jobs' reward-hosts
-(daemons/reward_host/shared_service.py; docs/reward.md "Shared reward service").
+(daemons/reward_host/shared_service.py; docs/design/reward.md "Shared reward service").
 
 Its own command, not `rlfleet daemon ROLE`: a daemon belongs to one job (its `--job`,
 its registration and spec under that job's prefix in etcd), while this service belongs

@@ -2,7 +2,7 @@
 the spec written to it, the node agent's work for this machine, and a view: the
 live table on a terminal, plain event lines otherwise.
 
-The supervisor is the agent for localhost (daemons/agent/, docs/agent.md), run
+The supervisor is the agent for localhost (daemons/agent/, docs/operations/agent.md), run
 in-process with the process backend: it starts the spec's resource-managers
 itself, and every other daemon because its `placement/<host>/...` key appeared
 (written by the elected resource-manager), so `rlfleet run` and a cluster follow
@@ -15,7 +15,7 @@ a daemon that keeps dying (`give_up`: N deaths within a window), no new
 training step for `max_idle_s`, and another run taking the job over. A daemon
 that dies is restarted with backoff; one whose registration expired while its
 process still exists (stopped, or its loop stalled) is killed and restarted.
-While the job is paused (`rlfleet pause`, docs/maintenance-mode.md) it observes only,
+While the job is paused (`rlfleet pause`, docs/operations/maintenance-mode.md) it observes only,
 like any agent: nothing is started, restarted, stopped or replaced, and the paused
 time does not count toward max_idle_s. The run owns the job through
 `/rlfleet/<job>/owner` (tools/job_owner.py): a second run of a live job is refused
@@ -141,7 +141,7 @@ class Supervisor:
         self.credentials = RunCredentials.create(self.run_dir / "credentials", private_etcd=not self.etcd_arg)
         etcd = "etcd over TLS with client certificates, " if self.credentials.etcd_tls else ""
         relay = ("relay authenticated" if self.relay_auth else
-                 "relay NOT authenticated (UCX offers no authentication: docs/relay.md, Trust)")
+                 "relay NOT authenticated (UCX offers no authentication: docs/design/relay.md, Trust)")
         return (f"security on: {etcd}CURVE on every ZeroMQ socket, {relay} "
                 f"(credentials made in {time.monotonic() - started:.2f} s; --insecure turns it off)")
 

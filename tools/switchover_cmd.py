@@ -1,5 +1,5 @@
 """`rlfleet switchover ROLE --to ID`: hand a singleton's leadership to a named standby
-(after `patronictl switchover`; docs/switchover.md).
+(after `patronictl switchover`; docs/operations/switchover.md).
 
 The command checks the target the way `rlfleet status` judges a member (its record says
 `running`, its process is not dead or stopped, its lease is refreshed), writes

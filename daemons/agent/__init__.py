@@ -1,1 +1,1 @@
-"""agent: one per host per job; acts on placement (docs/agent.md). Not a job role."""
+"""agent: one per host per job; acts on placement (docs/operations/agent.md). Not a job role."""

@@ -1,5 +1,5 @@
 """The node agent: `rlfleet daemon agent --job J [--backend process|systemd]`, one per
-host per job (docs/agent.md).
+host per job (docs/operations/agent.md).
 
 It registers `nodes/<host>` (bound to its lease: a host whose agent is gone drops
 out) with the machine's inventory, its labels and a report of every daemon it
@@ -8,7 +8,7 @@ everything else is placed through them); and each cycle reads
 `placement/<host>/` and reconciles it with what runs through its backend
 (reconciler.py). While the job is paused (`state`, read once per cycle: one Range)
 it observes only: deaths are recorded and reported in `nodes/<host>` (with
-`paused: true`), nothing is started or stopped (docs/maintenance-mode.md). It
+`paused: true`), nothing is started or stopped (docs/operations/maintenance-mode.md). It
 serves `/metrics` and `/targets` (http.py) on --metrics-port. Its member key is `members/agent/<host>`; "agent" is no job
 role, so no spec places one.
 """

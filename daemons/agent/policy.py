@@ -3,7 +3,7 @@
 Pure code over plain values and a clock the caller passes in: which placed daemons
 to start and which to stop, the backoff after a death, and when a daemon counts as
 crash-looping (`failing`), and that a paused job (`rlfleet pause`) is observed only:
-nothing is started or stopped until it is resumed (docs/maintenance-mode.md). The backends (process.py, systemd.py) and the
+nothing is started or stopped until it is resumed (docs/operations/maintenance-mode.md). The backends (process.py, systemd.py) and the
 reconciler (reconciler.py) do the I/O.
 """
 
@@ -110,7 +110,7 @@ def exit_description(code: int) -> str:
 
 
 def daemon_report(t: Tracked, crash_loop: CrashLoop, now: float, paused: bool = False) -> dict[str, Any]:
-    """The `daemons.<id>` entry of the node record (docs/agent.md); `held`: down, and not
+    """The `daemons.<id>` entry of the node record (docs/operations/agent.md); `held`: down, and not
     started again while the job is paused."""
     state = "stopping" if t.stopping else "running" if t.active else "held" if paused else "waiting"
     return {"role": t.placed.role, "state": state, "restarts": t.restarts, "last_exit": t.last_exit,
@@ -146,7 +146,7 @@ def parse_labels(text: str) -> dict[str, str]:
 def node_value(inventory: dict[str, Any], labels: dict[str, str], agent: dict[str, Any],
                daemons: dict[str, dict[str, Any]], paused: bool = False) -> dict[str, Any]:
     """`nodes/<host>`: the machine's inventory, its labels, who acts for it (the agent's
-    process identity, backend and endpoint) and what it runs there (docs/agent.md);
+    process identity, backend and endpoint) and what it runs there (docs/operations/agent.md);
     `paused: true` while its agent observes only (`rlfleet pause` waits for it)."""
     return {**inventory, "labels": dict(labels), "agent": dict(agent), "daemons": daemons,
             **({"paused": True} if paused else {})}

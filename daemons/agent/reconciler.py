@@ -6,7 +6,7 @@ same way. Decisions come from policy.py; this module only observes, starts and
 stops through the backend and says what happened as `Event`s, which each caller
 words its own way (the supervisor's event lines, the agent's log). While the job is
 paused it observes only: deaths are recorded and reported, nothing is started or
-stopped (docs/maintenance-mode.md).
+stopped (docs/operations/maintenance-mode.md).
 """
 
 from __future__ import annotations

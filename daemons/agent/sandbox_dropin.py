@@ -1,4 +1,4 @@
-"""The runtime drop-in that lets one `rlfleet@` unit run the sandbox (docs/sandbox.md).
+"""The runtime drop-in that lets one `rlfleet@` unit run the sandbox (docs/operations/sandbox.md).
 
 The template unit gives every daemon no capabilities, no namespaces and no privileged
 system calls. A daemon whose role runs untrusted code (common/seams.sandboxed_roles:
@@ -24,7 +24,7 @@ DROPIN_NAME = "50-sandbox.conf"
 # Each line adds to the template's setting (systemd merges these lists) or overrides it.
 DROPIN_TEXT = """\
 # Written by the rlfleet agent (daemons/agent/sandbox_dropin.py) because this daemon's role
-# runs untrusted code in the sandbox; removed when the agent stops the unit. docs/sandbox.md
+# runs untrusted code in the sandbox; removed when the agent stops the unit. docs/operations/sandbox.md
 [Service]
 # The sandbox's child needs these to confine itself: CAP_SYS_ADMIN for its namespaces and
 # mounts, CAP_SETUID/CAP_SETGID to become the run's own uid, CAP_KILL for the parent to

@@ -14,7 +14,7 @@ within the same event-loop pass, see runner._journal_turn)::
 A trajectory is handed to the reward-host after its "done" record and forgotten once
 acked; a prompt is forgotten when all of its trajectories are acked. ``group_size`` here
 is what a prompt launches: the task's group_size plus the spares of redundant rollouts
-(docs/agentic.md), which end as "spare" records: never handed on, accounted here with
+(docs/guide/agentic.md), which end as "spare" records: never handed on, accounted here with
 their reason. Opening
 a journal replays it and rewrites it compactly (only live state), and it is compacted
 again whenever the file holds many more records than the live state needs.

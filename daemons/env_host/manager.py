@@ -5,7 +5,7 @@
            -> check the result -> completion text -> env.step(completion) -> journal the turn
     until done, then return the Trajectory (dropped ones too, with dropped_reason set).
 
-Faults stay inside the trajectory and end it with a recorded reason (docs/dataflow.md):
+Faults stay inside the trajectory and end it with a recorded reason (docs/design/dataflow.md):
 
     env_error           reset/step raised or returned something that is not a step result
     env_timeout         reset/step took longer than turn_timeout_s

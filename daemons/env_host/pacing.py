@@ -23,7 +23,7 @@ stayed (as it did before) widened the pipeline by its size for the rest of the j
 each stall of a loaded machine widened it more: more generations in flight than α
 batches can use, drops for staleness climbing with the run's length (issue 28).
 
-Dynamic filtering (docs/agentic.md, "Queue scheduling and dynamic filtering") is paced
+Dynamic filtering (docs/guide/agentic.md, "Queue scheduling and dynamic filtering") is paced
 here too. ``queue``: a dropped group is consumed, so its replacement is claimed at once,
 and ``trainer.max_extra_prompts`` adds that many prompts to the limit (ROLL Flash's
 max_additional_running_prompts). ``after_batch``: prompts are claimed in rounds of one

@@ -7,7 +7,7 @@ sockets, unit-tested in process. What a policy knows of each rollout beyond our 
 outstanding requests — its hardware label and its slots, from its etcd record — is
 handed to it by the env-host daemon (``set_fleet``), replaced whole on each change.
 
-Kinds (docs/agentic.md):
+Kinds (docs/guide/agentic.md):
 - ``least_loaded`` (default): each turn on the rollout with the fewest of our requests
   outstanding. Every sample of a prompt is its own request placed on any rollout:
   ROLL Flash's *prompt replication*. ``queue = true`` adds its *queue scheduling*: a

@@ -57,7 +57,7 @@ TRAJECTORIES = Counter("rlfleet_env_trajectories_total",
                        "Trajectories finished by this env-host, by dropped reason ('' = complete)",
                        ["id", "reason"])
 SPARES = Counter("rlfleet_env_spare_trajectories_total",
-                 "Trajectories of redundant rollouts kept by this env-host, not handed on (docs/agentic.md)",
+                 "Trajectories of redundant rollouts kept by this env-host, not handed on (docs/guide/agentic.md)",
                  ["id", "reason"])
 PROMPTS_CLAIMED = Counter("rlfleet_env_prompts_claimed_total", "Prompts claimed from the cursor", ["id"])
 TURNS = Counter("rlfleet_env_turns_total", "Turns generated and stepped", ["id"])

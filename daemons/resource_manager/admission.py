@@ -1,7 +1,7 @@
 """The resource-manager's placement policy for a live fleet, apart from its I/O
 (STYLE: policy apart from I/O): pure code over plain records.
 
-What runs where is decided from three sources (docs/operations.md):
+What runs where is decided from three sources (docs/operations/live-fleet.md):
 
 - the spec's named hosts (`[[placement.hosts]]`): their daemons, as before;
 - the spec's pools (`[[placement.pools]]`): a host the spec does not name whose

@@ -61,7 +61,7 @@ class RewardHost(Daemon):
         self.addresses["trajectories"] = self.receiver.endpoint
         rh = spec.reward_host
         # Prompts per training batch, as the env-hosts claim them (env_host/pacing.py: a
-        # batch-mode round adds its redundant prompts); docs/reward.md, "the batch estimate".
+        # batch-mode round adds its redundant prompts); docs/design/reward.md, "the batch estimate".
         per_batch = max(1, spec.trainer.batch_size // spec.task.group_size) + spec.env_host.redundant_prompts
         self.pool = REWARD_BACKENDS.build(rh.backend, dispatch=REWARD_DISPATCH.build(rh.dispatch),
                                           batch_requests=per_batch * spec.task.group_size)

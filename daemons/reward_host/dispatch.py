@@ -24,7 +24,7 @@ offered; a job that could not be handed over goes back to the front.
 ``EbfDispatch`` (``kind = "ebf"``): Earliest-Batch-First (DistRS §5.2, queues.EbfQueue):
 the job whose batch is expected to finish first goes first, jobs of one batch in arrival
 order. A job's priority is ``priority_of(job)``, which the service supplies (its
-ScalingPlanner's ``expected_done_s`` of the job's batch, docs/reward.md); without one,
+ScalingPlanner's ``expected_done_s`` of the job's batch, docs/design/reward.md); without one,
 every job has the same priority and the order is FIFO.
 """
 

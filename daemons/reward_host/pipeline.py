@@ -1,4 +1,4 @@
-"""The ``pipeline`` reward backend's spec: a reward as stages in order (docs/reward.md).
+"""The ``pipeline`` reward backend's spec: a reward as stages in order (docs/design/reward.md).
 
     [reward_host.backend]
     kind = "pipeline"
@@ -179,7 +179,7 @@ class RewardPipeline(Kind):
     @classmethod
     def build(cls, config: PipelineConfig, /, *, batch_requests: int = 0, **_: Any) -> Any:
         """``batch_requests``: trajectories expected per training batch (the daemon's
-        estimate, docs/reward.md); a batch with that many finished is done at once."""
+        estimate, docs/design/reward.md); a batch with that many finished is done at once."""
         from .pipeline_backend import PipelineBackend
 
         return PipelineBackend(config, batch_requests=batch_requests)

@@ -1,4 +1,4 @@
-"""The ``pipeline`` reward backend at run time (spec: pipeline.py; docs/reward.md).
+"""The ``pipeline`` reward backend at run time (spec: pipeline.py; docs/design/reward.md).
 
 A RewardBackend like any other, driven from its owner's thread (the data path: the
 reward service's thread, or the shared service's ``reward-scorer``), which ``submit``s a

@@ -10,7 +10,7 @@ Why a thread and not a process: a plan is pure Python (the simulator, scaling.py
 holds the GIL while it runs, up to ~1.5 s at the benchmark's worst case, but CPython
 hands the GIL to a waiting thread every switch interval (5 ms), so the data path waits
 at most that long per wake-up instead of for the whole plan, however long the plan
-(measured in docs/reward.md, "The planner's thread": ~15-20 ms more per trajectory at
+(measured in docs/design/reward.md, "The planner's thread": ~15-20 ms more per trajectory at
 the median while the worst plan runs). A process would need the history and every open
 batch sent across as typed messages for each plan, for those milliseconds saved.
 

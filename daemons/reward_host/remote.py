@@ -9,7 +9,7 @@ Threads:
   Outcomes cross back through a deque under a lock, announced on a pipe whose read
   end is ``fds()``: the service's one zmq.Poller covers sockets and endpoints alike.
 
-The protocol (docs/reward.md, "Remote endpoints"): one POST per attempt to the
+The protocol (docs/design/reward.md, "Remote endpoints"): one POST per attempt to the
 endpoint's URL with the JSON body ``{"trajectory_id", "task", "task_kwargs", "prompt",
 "completions", "tenant", "batch", "batch_requests"}`` (the last three for a shared reward
 service, shared_service.py; other endpoints ignore them) and the header ``Idempotency-Key: <trajectory id>`` (plus

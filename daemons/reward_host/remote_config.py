@@ -4,7 +4,7 @@ scored by HTTP endpoints ("serverless" reward functions, RollArt §5.2).
 A light module (pydantic only): the spec imports it to validate, ``build`` imports the
 implementation (remote.py, with its HTTP client) only when a reward-host starts.
 The wire protocol and the failure handling are described in remote.py and
-docs/reward.md ("Remote endpoints")::
+docs/design/reward.md ("Remote endpoints")::
 
     [reward_host.backend]
     kind = "remote_http"

@@ -1,5 +1,5 @@
 """The remote_http backend's decisions, with no I/O (remote.py does the I/O): the
-request body and the reading of answers (the protocol of docs/reward.md, "Remote
+request body and the reading of answers (the protocol of docs/design/reward.md, "Remote
 endpoints"), the backoff before a retry, and an endpoint's circuit breaker.
 
 Why our own few lines rather than tenacity/stamina and pybreaker/purgatory (none of

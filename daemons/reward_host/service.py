@@ -18,7 +18,7 @@
   ``reward-planner`` (planner_thread.py); this thread only reads the last plan (woken by
   an fd among ``pool.fds()``), so dispatch never stalls while a plan is computed.
 - Each job carries (tenant, batch) for batch-aware backends (``pipeline``): the tenant
-  is the job's name, the batch ``batch_of`` its prompt id (docs/reward.md says why that
+  is the job's name, the batch ``batch_of`` its prompt id (docs/design/reward.md says why that
   estimate of the trainer's batch is good enough).
 - Stateless: after a crash nothing is lost, because env-hosts re-send everything that
   was not acked, and the trainer drops duplicates by id.

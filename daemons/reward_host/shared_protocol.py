@@ -1,5 +1,5 @@
 """The shared reward service's request reading, with no I/O (shared_service.py does the
-I/O): a ``POST /score`` body of the remote_http protocol (docs/reward.md, "Remote
+I/O): a ``POST /score`` body of the remote_http protocol (docs/design/reward.md, "Remote
 endpoints") plus the fields a shared service schedules by::
 
     {"trajectory_id": "p17-g3", "task": "arithmetic", "task_kwargs": {...},

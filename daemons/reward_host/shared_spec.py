@@ -1,5 +1,5 @@
 """The shared reward service's own spec (``rlfleet reward-service --spec SERVICE.toml``;
-the service: shared_service.py, docs/reward.md "Shared reward service")::
+the service: shared_service.py, docs/design/reward.md "Shared reward service")::
 
     [service]
     auth_secret_file = "/etc/rlfleet/reward-token"  # optional: the Authorization value asked for
@@ -84,7 +84,7 @@ class ServiceSection(Section):
 
 class TlsSection(Section):
     # The service's certificate (its chain, the leaf first) and key: issued by the job's
-    # CA for the host name or address in the callers' endpoint URLs (docs/security.md).
+    # CA for the host name or address in the callers' endpoint URLs (docs/operations/security.md).
     cert_file: Annotated[StrictStr, AfterValidator(_absolute)]
     key_file: Annotated[StrictStr, AfterValidator(_absolute)]
     # Set: a caller must also present a client certificate issued by this CA.

@@ -1,5 +1,5 @@
 """The ``user_code`` reward backend: a reward function given as Python source in the
-spec, run in the sandbox (common/sandbox.py, docs/sandbox.md), one child per trajectory.
+spec, run in the sandbox (common/sandbox.py, docs/operations/sandbox.md), one child per trajectory.
 
     [reward_host.backend]
     kind = "user_code"
@@ -209,6 +209,6 @@ def probe_sandbox(sandbox: Any) -> None:
         result = sandbox.run("print(1)")
     except SandboxUnavailable as exc:
         raise RuntimeError(f"[reward_host.backend] kind = \"user_code\" needs the sandbox, "
-                           f"which cannot run here (docs/sandbox.md): {exc}") from None
+                           f"which cannot run here (docs/operations/sandbox.md): {exc}") from None
     if not result.ok:
         raise RuntimeError(f"the sandbox failed a trivial program: {result.reason} {result.detail}")

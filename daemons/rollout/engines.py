@@ -138,7 +138,7 @@ class SimPoolConfig(BaseModel, extra="forbid", frozen=True):
 
 
 class SimEngineConfig(KindConfig):
-    """``sim_engine.SimEngine``: a timing model instead of a model (docs/sim.md)."""
+    """``sim_engine.SimEngine``: a timing model instead of a model (docs/design/sim.md)."""
 
     kind: Literal["sim"] = "sim"
     # Simulated rollouts one rollout process hosts, each its own member (sim_host.py):

@@ -1,4 +1,4 @@
-"""The ``sim`` rollout engine: serves GenerateRequests on a timing model (docs/sim.md).
+"""The ``sim`` rollout engine: serves GenerateRequests on a timing model (docs/design/sim.md).
 
 No weights: the engine knows how many tokens each request will generate (``sim_lengths``)
 and how long each decode step of its batch takes (``sim_timing``). Its clock is the wall

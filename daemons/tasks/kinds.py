@@ -102,7 +102,7 @@ class SimConfig(KindConfig):
     max_new_tokens: TokenCap = 16384
     # P(reward 1) per trajectory: with 0 < rate < 1 a GRPO group has variance.
     success_rate: float = Field(default=0.5, strict=True, ge=0, le=1, allow_inf_nan=False)
-    # The agentic knobs (docs/agentic.md): an env step's latency ~ N(mean, std) clipped at 0,
+    # The agentic knobs (docs/guide/agentic.md): an env step's latency ~ N(mean, std) clipped at 0,
     # in model seconds x time_scale; the probability that a step fails (env_error).
     step_latency_mean_s: NonNegSeconds = 0.0
     step_latency_std_s: NonNegSeconds = 0.0

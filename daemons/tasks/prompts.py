@@ -1,4 +1,4 @@
-"""The task a job runs and its deterministic train prompt stream (docs/dataflow.md).
+"""The task a job runs and its deterministic train prompt stream (docs/design/dataflow.md).
 
 Shared by the daemons that must agree on them: env-hosts (the stream, the ids),
 reward-hosts (the task's keyword arguments) and the trainer (the task it evaluates).

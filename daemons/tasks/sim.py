@@ -19,7 +19,7 @@ distinct prompts, a per-turn token cap, and rewards with variance inside a GRPO 
 - ``max_new_tokens``: the per-turn cap the engine's lengths are clipped to (default 16384,
   Laminar's setting: outputs of at most 16K tokens, Laminar §8 "Datasets").
 
-The agentic knobs (docs/agentic.md), all off by default:
+The agentic knobs (docs/guide/agentic.md), all off by default:
 
 - ``max_turns`` ([task] max_turns): every episode lasts that many turns (a kind may set fewer).
 - ``step_latency_mean_s`` / ``step_latency_std_s``: each env step waits a latency drawn from

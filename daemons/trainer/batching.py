@@ -71,7 +71,7 @@ def drop_reason(st: ScoredTrajectory) -> tuple[str, str]:
 
 
 def identity_problem(st: ScoredTrajectory, launched: int) -> str:
-    """Why this trajectory's ids break docs/dataflow.md's Identities ("" if they follow them):
+    """Why this trajectory's ids break docs/design/dataflow.md's Identities ("" if they follow them):
     ``group_id = p<prompt_id>``, ``trajectory_id = p<prompt_id>-g<k>``, 0 <= k < the
     trajectories a prompt launches (G + env_host.redundant_samples, the spares whose first
     G to finish make the group). A
@@ -164,7 +164,7 @@ def select_groups(complete: Sequence[tuple[str, Sequence[ScoredTrajectory]]], n_
 
 
 def prompt_of(group_id: str) -> int | None:
-    """The prompt id of a group id ``p<prompt_id>`` (docs/dataflow.md, Identities); None if
+    """The prompt id of a group id ``p<prompt_id>`` (docs/design/dataflow.md, Identities); None if
     it is not one."""
     digits = group_id[1:]
     return int(digits) if group_id[:1] == "p" and digits.isdigit() else None

@@ -12,7 +12,7 @@ every trainer candidate can reach). A leader that loses leadership stops its
 worker (socket and journal closed) without checkpointing: the new leader may
 already be writing.
 
-An etcd outage is not a loss of leadership (docs/failsafe.md): the session's
+An etcd outage is not a loss of leadership (docs/operations/failsafe.md): the session's
 failsafe keeps the worker training from its in-memory state while publishing,
 checkpoints and trainer/progress wait for leadership to be confirmed. When etcd
 answers, the same reign goes on if nobody else led meanwhile; a leader that was
@@ -25,7 +25,7 @@ Member record fields: ``training`` (standby, starting, resuming, waiting,
 training, done, pausing, paused, stopped, error: <why>), and while leading ``version``,
 ``checkpoint_version`` and ``paused`` (held at a step boundary, checkpointed).
 
-Maintenance mode (docs/maintenance-mode.md): the leader reads the job's `state` once
+Maintenance mode (docs/operations/maintenance-mode.md): the leader reads the job's `state` once
 per cycle (one Range) and hands it to its worker, which holds at the next step
 boundary; an etcd outage keeps the last state read. A failed start (bad model folder, journal held by
 another process) is retried with back-off; the daemon itself stays up.
@@ -75,7 +75,7 @@ class Trainer(Daemon):
         self._reign = 0  # the session's reign the running worker was started in
         set_member_id(self.options.member_id)  # the id label of the disk-failure counters
         self._job_state = PauseWatch(self.store, self.keys)  # read by the leader each cycle
-        # The session keeps the leader's work through an etcd outage (docs/failsafe.md).
+        # The session keeps the leader's work through an etcd outage (docs/operations/failsafe.md).
         assert self.session is not None
         self.session.failsafe = True
         # Leader or standby, import what the trainer backend needs now (torch and the
@@ -203,7 +203,7 @@ class Trainer(Daemon):
             status = "standby" if not self.is_leader else (
                 f"error: {self._last_error}"[:200] if self._last_error else "starting")
             return {"training": status}
-        errors = {"checkpoint_error": w.state.checkpoint_error,  # a full disk: docs/disk-full.md
+        errors = {"checkpoint_error": w.state.checkpoint_error,  # a full disk: docs/operations/disk-full.md
                   "journal_error": w.state.journal_error}
         guard = {"non_finite_groups": w.state.non_finite_groups,
                  "non_finite_steps": w.state.non_finite_steps, "non_finite": w.state.non_finite,

@@ -110,7 +110,7 @@ class Evaluator:
                 "eval_s": round(time.monotonic() - started, 3)}
         try:
             append_json_line(self.metrics_path, line)
-        except OSError as exc:  # a full disk (docs/disk-full.md): the metric still tells
+        except OSError as exc:  # a full disk (docs/operations/disk-full.md): the metric still tells
             MetricsLog(self.metrics_path).failed(line, exc)
         self.done_versions.add(version)
         EVAL_SUCCESS.set(success)

@@ -1,4 +1,4 @@
-"""No non-finite number reaches the weights (docs/dataflow.md, "Non-finite steps").
+"""No non-finite number reaches the weights (docs/design/dataflow.md, "Non-finite steps").
 
 A reward of 1e300 is finite in float64, so every wire check passes; in the
 trainer's float32 tensor it is ``inf``, its group's advantages ``inf - inf = NaN``,

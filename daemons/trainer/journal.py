@@ -26,7 +26,7 @@ short payload, or a CRC mismatch on the final record), logged and truncated.
 A bad record followed by more data is not a torn write but corruption:
 ``JournalCorrupt`` names the offset, and nothing is truncated.
 
-A full disk (docs/disk-full.md): a write that fails (ENOSPC or any OSError) is cut back
+A full disk (docs/operations/disk-full.md): a write that fails (ENOSPC or any OSError) is cut back
 out of the file and leaves the state unchanged; ``write_error`` says why until a write
 succeeds again (one error line per outage, JOURNAL_BLOCKED 1 meanwhile). The callers
 retry with ``until_written`` rather than going on without the record: the intake acks
@@ -339,7 +339,7 @@ class Journal:
             self._failing_since = time.monotonic()
             JOURNAL_BLOCKED.labels(id=member_id()).set(1)
             log.error("journal %s: a %d-byte write failed (%s: %s), %d bytes free: nothing is "
-                      "acked or trained until it can be written (docs/disk-full.md)", self.path,
+                      "acked or trained until it can be written (docs/operations/disk-full.md)", self.path,
                       size, reason, exc, _free_bytes(self.path.parent),
                       extra={"event": "journal_error", "reason": reason})
         self.write_error = f"journal: {reason}: {exc}"[:300]

@@ -6,7 +6,7 @@ minimise plus statistics; the learner calls it once per micro-batch and sums.
 Registered in pyproject.toml (``rlfleet.policy_losses``). Importing this module
 does not import torch (the spec imports it to validate); ``build`` does.
 
-Kinds (formulas and papers in docs/losses.md; the math in grpo.clipped_loss and
+Kinds (formulas and papers in docs/guide/losses.md; the math in grpo.clipped_loss and
 offpolicy.py): ``ppo_clip`` (default), ``decoupled_ppo``, ``tis``, ``cispo``, ``topr``.
 """
 

@@ -20,7 +20,7 @@ Eval lines (daemons/trainer/evaluation.py) share the file: time, step, eval_succ
 The main figures of each step line are Prometheus metrics of the trainer too (`export`),
 for the cluster's dashboard (ansible/files/grafana/rlfleet.json); the file stays the record.
 
-A full disk (docs/disk-full.md) does not stop training for this file's sake: a line that
+A full disk (docs/operations/disk-full.md) does not stop training for this file's sake: a line that
 cannot be appended is cut back out (no torn line for readers), counted in
 METRICS_LOG_FAILURES and logged once until a line is written again; the Prometheus
 metrics are set all the same. The counters of the trainer's other disk failures
@@ -56,7 +56,7 @@ EVAL_SUCCESS = Gauge("rlfleet_trainer_eval_success", "Held-out success of the la
 PAUSED = Gauge("rlfleet_trainer_paused",
                "1 while the trainer holds at a step boundary, checkpointed (`rlfleet pause`)")
 
-# Disk failures (docs/disk-full.md); reason: no_space (ENOSPC, EDQUOT) or io_error.
+# Disk failures (docs/operations/disk-full.md); reason: no_space (ENOSPC, EDQUOT) or io_error.
 CHECKPOINT_FAILURES = PromCounter("rlfleet_trainer_checkpoint_failures_total",
                                   "Checkpoints not written (the previous one kept), by reason",
                                   ["id", "reason"])

@@ -1,4 +1,4 @@
-"""Off-policy objectives as pure functions over token tensors (docs/losses.md).
+"""Off-policy objectives as pure functions over token tensors (docs/guide/losses.md).
 
 Each returns the per-token objective to MAXIMISE (with gradient, 0 on padding) and
 its statistics; the loss classes in losses.py aggregate it (grpo.masked_mean) and

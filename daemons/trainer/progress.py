@@ -1,5 +1,5 @@
 """trainer/progress: how many groups the trainer consumed, which env-hosts pace their
-claims by (docs/dataflow.md, "Staleness: the bound and the pacing").
+claims by (docs/design/dataflow.md, "Staleness: the bound and the pacing").
 
 Written on its own thread whenever it changes (coalesced: at most every
 PROGRESS_EVERY_S), so an etcd outage never holds up a training step.
@@ -35,7 +35,7 @@ def progress_record(state: JournalState, version: int, group_size: int = 0) -> d
 class ProgressWriter:
     def __init__(self, store: Store, key: str, read: Callable[[], dict[str, int]], *,
                  may_write: Callable[[], bool] = lambda: True) -> None:
-        """``may_write``: confirmed leadership; a failsafe leader (docs/failsafe.md) writes
+        """``may_write``: confirmed leadership; a failsafe leader (docs/operations/failsafe.md) writes
         what it trained once its leadership is confirmed, a superseded one never."""
         self.store, self.key, self.read, self.may_write = store, key, read, may_write
 

@@ -9,7 +9,7 @@ one arrives, the waiting slot is overwritten: rollouts skip to the newest
 version, and versions reach the relay in increasing order.
 
 Only a confirmed leader publishes (``may_publish``): while an etcd outage leaves
-leadership unconfirmed (docs/failsafe.md) the newest version waits in the slot, and
+leadership unconfirmed (docs/operations/failsafe.md) the newest version waits in the slot, and
 goes out once leadership is confirmed; a superseded leader closes with it unsent.
 """
 

@@ -1,4 +1,4 @@
-"""Where a restored learner starts, and the steps it trains again (docs/dataflow.md,
+"""Where a restored learner starts, and the steps it trains again (docs/design/dataflow.md,
 "Restart: no step lost").
 
 A trainer restarted (kill -9, a new leader) or rewound (guard.py: too many steps skipped

@@ -87,7 +87,7 @@ class TrainingWorker:
         the relay's WeightPublisher (an in-process relay, a test's recorder).
         ``is_leader`` (confirmed leadership) is asked before each checkpoint, publication
         and trainer/progress write: a trainer that may have been replaced must not write
-        into the shared checkpoint folder nor publish (docs/failsafe.md); while it is
+        into the shared checkpoint folder nor publish (docs/operations/failsafe.md); while it is
         False the training itself goes on. ``term``: the leader's fencing term, stamped
         into weights/latest. ``paused``: start held (the job is paused); `set_paused`
         changes it."""

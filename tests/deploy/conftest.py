@@ -1,4 +1,4 @@
-"""Fixtures for the lab tests (tools/lab, docs/lab.md): real systemd-nspawn hosts, real SSH.
+"""Fixtures for the lab tests (tools/lab, docs/operations/lab.md): real systemd-nspawn hosts, real SSH.
 
 They need root, the cached base rootfs and the wheelhouse (`make test-deploy` builds
 both first and sets RLFLEET_LAB=1); elsewhere, `make test` included, they are skipped.

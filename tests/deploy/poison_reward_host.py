@@ -2,7 +2,7 @@
 hostile but decodable trajectory — a prompt whose seed is past int64 — with the host's
 env-host CURVE key (the role the reward-host's socket admits), and print the reward-host's answer as JSON. Exit 0 when it was refused
 with a reason, 1 when it was taken, 2 when no answer came. Used by
-tests/deploy/test_live_fleet.py::test_runbook_poisoned_input (docs/runbook.md).
+tests/deploy/test_live_fleet.py::test_runbook_poisoned_input (docs/operations/runbook.md).
 
     python poison_reward_host.py JOB
 """

@@ -1,4 +1,4 @@
-"""The cluster path end to end, on a lab of five real systemd hosts (tools/lab, docs/lab.md).
+"""The cluster path end to end, on a lab of five real systemd hosts (tools/lab, docs/operations/lab.md).
 
 `site.yml` brings the cluster up from bare hosts (etcd on h1-h3 with TLS and client-cert
 auth, rlfleet from the wheelhouse, the units, one agent per host, Prometheus on h5), a

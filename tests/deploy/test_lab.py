@@ -1,5 +1,5 @@
 """The lab itself (tools/lab): hosts boot a real systemd, reach each other over TCP, keep their
-disk across a power-off, and `down` leaves nothing behind. Prints the numbers docs/lab.md reports."""
+disk across a power-off, and `down` leaves nothing behind. Prints the numbers docs/operations/lab.md reports."""
 
 from __future__ import annotations
 

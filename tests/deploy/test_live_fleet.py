@@ -1,5 +1,5 @@
 """A live fleet on a lab of six systemd hosts, and the runbook's incidents played on it
-(docs/operations.md, docs/runbook.md).
+(docs/operations/live-fleet.md, docs/operations/runbook.md).
 
 Five hosts run the cluster example (tests/deploy/test_cluster_job.py's layout); the
 sixth, h6, is provisioned while the job trains (`site.yml -l h6`) and joins through the

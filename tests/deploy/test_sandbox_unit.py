@@ -1,4 +1,4 @@
-"""The sandbox under systemd, on a real host of the lab (docs/sandbox.md "Under systemd").
+"""The sandbox under systemd, on a real host of the lab (docs/operations/sandbox.md "Under systemd").
 
 The node agent's systemd backend itself (daemons/agent/systemd.py), driving the host's
 systemd through nsenter, starts two instances of the shipped `rlfleet@.service`

@@ -1,6 +1,6 @@
 """Env modes and redundant rollouts on the env-host's data path in process: real etcd
 claims, a fake rollout and a fake reward-host on real sockets, the journal on disk, and
-the sim task with simulated environment latency and failures (docs/agentic.md)."""
+the sim task with simulated environment latency and failures (docs/guide/agentic.md)."""
 
 from __future__ import annotations
 

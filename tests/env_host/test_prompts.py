@@ -1,4 +1,4 @@
-"""The prompt stream is exactly task.make_prompts (docs/dataflow.md), ids are stable."""
+"""The prompt stream is exactly task.make_prompts (docs/design/dataflow.md), ids are stable."""
 
 from __future__ import annotations
 

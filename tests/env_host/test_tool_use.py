@@ -20,7 +20,7 @@ from rlfleet.daemons.tasks.tool_use import ToolFailure, ToolUseTask
 
 from .fakes import FakeRollout, policy, tokenizer
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root (docs/sandbox.md)")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root (docs/operations/sandbox.md)")
 
 
 def test_reward_needs_calls_then_the_product():

@@ -2,7 +2,7 @@
 (`rlfleet run`, etcd, every daemon), across kill -9 of the env-host: the batch env mode
 with redundant prompts and samples, simulated environment latency and failures, groups
 without signal filtered. Every claimed prompt ends trained or dropped with its reason —
-``redundant`` and ``no_signal`` among them — and none is lost (docs/agentic.md)."""
+``redundant`` and ``no_signal`` among them — and none is lost (docs/guide/agentic.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""etcd maintenance under a live job (docs/etcd-maintenance.md), on real etcd processes
+"""etcd maintenance under a live job (docs/operations/etcd-maintenance.md), on real etcd processes
 and real daemons: `rlfleet etcd snapshot` / `restore` of a job's durable keys, and the
 replacement of a dead etcd member (learner first, then promoted) while resource-managers
 keep running against the cluster.

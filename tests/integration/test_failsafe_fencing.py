@@ -1,4 +1,4 @@
-"""Failsafe leadership and fencing (docs/failsafe.md) on a real 3-member etcd.
+"""Failsafe leadership and fencing (docs/operations/failsafe.md) on a real 3-member etcd.
 
 A partition of one daemon is made by giving its store only one member's endpoint and
 killing that member: the other two keep a quorum, so a standby can take over.

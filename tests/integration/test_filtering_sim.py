@@ -1,5 +1,5 @@
 """Dynamic filtering on the simulated fleet, with real processes (`rlfleet run`, etcd,
-every daemon): both schedules (docs/agentic.md, "Queue scheduling and dynamic filtering")
+every daemon): both schedules (docs/guide/agentic.md, "Queue scheduling and dynamic filtering")
 train, groups without signal are dropped with the reason ``no_signal``, and the
 accounting invariant holds. ``after_batch`` claims its prompts round by round (a claim
 never crosses a round); ``queue`` replaces dropped prompts at once, never holding more

@@ -76,7 +76,7 @@ chunk_mib = 1
 
 [env_host]
 max_concurrent = 16        # half the 32 slots: rollouts run part-full, so repacks happen (the env-host keeps
-                           # max_concurrent trajectories running, docs/agentic.md)
+                           # max_concurrent trajectories running, docs/guide/agentic.md)
 turn_timeout_s = 30
 
 [repack_manager.planner]

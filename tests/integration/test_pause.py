@@ -1,4 +1,4 @@
-"""Maintenance mode with real processes (docs/maintenance-mode.md): `rlfleet pause` on a
+"""Maintenance mode with real processes (docs/operations/maintenance-mode.md): `rlfleet pause` on a
 running `rlfleet run`, and a node agent (`rlfleet daemon agent`, process backend)
 that observes only while the job is paused.
 
@@ -134,7 +134,7 @@ def test_pause_a_running_job_kill_a_daemon_resume_and_finish(tmp_path, etcd):
 
         resumed = cli("resume", "--job", "maint", "--etcd", etcd.endpoints_arg, "--timeout", "120")
         assert resumed.returncode == Exit.OK, resumed.stdout + resumed.stderr
-        print(paused.stdout, resumed.stdout)  # the figures docs/maintenance-mode.md quotes (pytest -s)
+        print(paused.stdout, resumed.stdout)  # the figures docs/operations/maintenance-mode.md quotes (pytest -s)
         assert "job maint resumed by " in resumed.stdout and "no host paused" in resumed.stdout
         again = wait_for("reward-host-0 started again", lambda: member(store, keys, "reward-host", "reward-host-0"),
                          timeout_s=60)

@@ -1,4 +1,4 @@
-"""Disk full on the trainer (docs/disk-full.md), on a REAL full filesystem: the trainer's
+"""Disk full on the trainer (docs/operations/disk-full.md), on a REAL full filesystem: the trainer's
 checkpoint folder (its checkpoints and its journal) is a small tmpfs, filled with a
 ballast file while `rlfleet run` trains the tiny model, then freed.
 
@@ -11,7 +11,7 @@ Phases, each waited for on a condition:
      (`journal_error`, status `stalled: ...`, the blocked gauge) and trains nothing;
   4. the ballast is removed: the journal and the next checkpoint succeed, the errors
      clear, the job finishes with the accounting invariant held (exit 0).
-The recovery times printed (pytest -s) are the figures of docs/disk-full.md.
+The recovery times printed (pytest -s) are the figures of docs/operations/disk-full.md.
 """
 
 from __future__ import annotations

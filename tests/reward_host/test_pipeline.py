@@ -338,7 +338,7 @@ class Recording(RewardBackend):
 
 def test_the_service_tags_each_job_with_its_tenant_and_estimated_batch():
     """Prompt ids are the job-wide claim cursor: with 4 prompts per batch, ids 0-3 are
-    batch 0, 4-7 batch 1 (docs/reward.md, the batch estimate)."""
+    batch 0, 4-7 batch 1 (docs/design/reward.md, the batch estimate)."""
     assert [batch_of(i, 4) for i in (0, 3, 4, 7, 8, 41)] == [0, 0, 1, 1, 2, 10]
     receiver = ReliableReceiver("tcp://127.0.0.1:0", expect=Trajectory, name="rh-test")
     backend = Recording()

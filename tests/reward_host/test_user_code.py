@@ -17,7 +17,7 @@ from rlfleet.daemons.reward_host.user_code import UserCode, UserCodeConfig, harn
 from rlfleet.daemons.reward_host.workers import RewardJob
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root "
-                                "(namespaces, setuid): see docs/sandbox.md")
+                                "(namespaces, setuid): see docs/operations/sandbox.md")
 
 EXACT = """
 def reward(question, answer, completions):

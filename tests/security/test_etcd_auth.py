@@ -67,7 +67,7 @@ def _etcdctl(cluster: EtcdCluster, *args: str) -> None:
 
 
 def test_etcd_users_right_password_in_wrong_password_out(etcd, tmp_path):
-    # What docs/security.md tells an operator to run: root, a job user with a role on
+    # What docs/operations/security.md tells an operator to run: root, a job user with a role on
     # the /rlfleet/ prefix, then auth on.
     _etcdctl(etcd, "user", "add", "root", "--new-user-password=root-pw")
     _etcdctl(etcd, "user", "add", "fleet", "--new-user-password=fleet-pw")

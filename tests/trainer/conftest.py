@@ -36,7 +36,7 @@ def tiny_model(tmp_path_factory) -> Path:
 def scored(prompt_id: int, k: int, reward: float, *, prompt=(1, 5, 6), tokens=(7, 8),
            logprobs=None, version: int = 0, dropped_reason: str = "", reward_error: str = "",
            turns: int = 1) -> ScoredTrajectory:
-    """A ScoredTrajectory with ids following docs/dataflow.md (p<prompt>-g<k>)."""
+    """A ScoredTrajectory with ids following docs/design/dataflow.md (p<prompt>-g<k>)."""
     lp = logprobs if logprobs is not None else [-1.0] * len(tokens)
     turn = Turn(prompt_token_ids=Int32Array(list(prompt)), token_ids=Int32Array(list(tokens)),
                 logprobs=Float32Array(list(lp)), weight_version=version, observation="obs", action="act")

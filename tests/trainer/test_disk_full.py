@@ -1,4 +1,4 @@
-"""The trainer's parts on a full disk (docs/disk-full.md). The pure parts (reasons, the
+"""The trainer's parts on a full disk (docs/operations/disk-full.md). The pure parts (reasons, the
 retry) in process; the files (checkpoint folder, journal, metrics.jsonl) on a REAL small
 tmpfs filled to the last byte (needs root: skipped otherwise, saying so).
 tests/integration/test_trainer_disk_full.py runs the whole trainer through it."""

@@ -1,4 +1,4 @@
-"""The trainer through an etcd outage (docs/failsafe.md), with real processes.
+"""The trainer through an etcd outage (docs/operations/failsafe.md), with real processes.
 
 A sim-backend trainer and a relay run against a 3-member etcd; two members are killed
 (quorum lost: nobody can take the leader key) for longer than the lease TTL while the

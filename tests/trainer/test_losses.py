@@ -1,4 +1,4 @@
-"""Every policy loss of the seam against numbers worked out by hand (docs/losses.md),
+"""Every policy loss of the seam against numbers worked out by hand (docs/guide/losses.md),
 their spec bounds, and the learner handing proximal log-probs to the losses that ask."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Maintenance mode in the training worker (docs/maintenance-mode.md): held at a step
+"""Maintenance mode in the training worker (docs/operations/maintenance-mode.md): held at a step
 boundary with its version checkpointed, still journaling and acknowledging what
 arrives, and going on from there when resumed."""
 

@@ -98,7 +98,7 @@ def test_node_value_keeps_the_inventory_and_adds_what_the_agent_knows():
 
 
 def test_paused_plans_nothing_and_reports_what_is_down_as_held():
-    # Paused (docs/maintenance-mode.md): what is placed and down is not started (its backoff
+    # Paused (docs/operations/maintenance-mode.md): what is placed and down is not started (its backoff
     # long over), what runs and is no longer placed is not stopped.
     down = Tracked(ROLLOUT, next_start_at=0.0, restarts=1, last_exit="signal 9")
     unplaced = Tracked(RELAY, active=True)

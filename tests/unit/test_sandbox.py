@@ -20,7 +20,7 @@ from rlfleet.common import sandbox as sandbox_module
 from rlfleet.common.sandbox import Sandbox, SandboxLimits, SandboxUnavailable, processes_of
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root "
-                                "(namespaces, setuid): see docs/sandbox.md")
+                                "(namespaces, setuid): see docs/operations/sandbox.md")
 
 LIMITS = SandboxLimits(wall_s=3.0, cpu_s=1, memory_mib=128, nproc=8, file_mib=1, tmp_mib=1)
 

@@ -1,4 +1,4 @@
-"""docs/security.md's table of role-to-socket edges says what common/edges.py enforces."""
+"""docs/operations/security.md's table of role-to-socket edges says what common/edges.py enforces."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from rlfleet.common.edges import EDGES
 from rlfleet.common.spec_placement import ROLES
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "operations" / "security.md"
 
 
 def documented_edges() -> dict[str, frozenset[str]]:

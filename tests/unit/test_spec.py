@@ -98,7 +98,7 @@ def test_shipped_examples_load_in_place(example):
     # Without check_imports (`job validate --no-import-check`): arithmetic-vllm.toml's engine
     # imports only in .venv-vllm; the import check has its own test below.
     spec = load_spec(example)
-    # tool use trains the three-task warm start (README, "Shipped models")
+    # tool use trains the three-task warm start (docs/guide/models.md, "Shipped models")
     model = "tiny-qwen2-tools" if spec.task.env.kind == "tool_use" else "tiny-qwen2"
     assert spec.model.path == (REPO / "models" / model).resolve()
 
@@ -688,7 +688,7 @@ def test_validate_refuses_an_engine_whose_library_does_not_import(tree):
     reason="models/tiny-qwen2 not in the repo yet",
 )
 def test_megatron_example_is_arithmetic_with_the_megatron_backend():
-    """examples/arithmetic-megatron.toml is the job the README's full megatron run used: the
+    """examples/arithmetic-megatron.toml is the job docs/results/megatron.md's full megatron run used: the
     arithmetic example with only the trainer backend (and the job's name) changed. In place:
     the megatron backend's check reads the real model's config.json."""
     base = load_spec(REPO / "examples" / "arithmetic.toml").model_dump()

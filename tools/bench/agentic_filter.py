@@ -9,7 +9,7 @@ Both variants run the real daemons (`rlfleet run`) on examples/longtail-sim.toml
 the real env-host, reward-host, relay chain and etcd) in the ``trajectory`` mode, with the
 sim task's ``zero_variance_share`` of prompts whose groups carry no signal (one reward for
 all samples, as many DAPO-math groups are for a base model), and only the filtering
-schedule changed (docs/agentic.md, "Queue scheduling and dynamic filtering"):
+schedule changed (docs/guide/agentic.md, "Queue scheduling and dynamic filtering"):
 
 - baseline ``after_batch``: rounds of one batch of prompts, each generated to completion,
   then filtered; a short batch waits for another round;

@@ -3,7 +3,7 @@ hardware-affinity routing (RollArt §5.2, its experiment R1), each beside its ba
 on the simulated fleet, with the real daemons (`rlfleet run` on examples/longtail-sim.toml,
 through tools/bench/longtail.py's run_once and measure).
 
-``replication`` (docs/agentic.md "Prompt replication"): sync mode, so a step's time is
+``replication`` (docs/guide/agentic.md "Prompt replication"): sync mode, so a step's time is
 the batch's generation; 64 prompts x 16 samples per step on 16 sim rollouts of 4 slots,
 lengths long-tailed and correlated within a group (group_correlation 0.9: one problem's
 answers are alike in length). Every trajectory of the batch is in flight at once in both.
@@ -13,7 +13,7 @@ answers are alike in length). Every trajectory of the batch is in flight at once
             rollout, held in the env-host until a slot frees (queue scheduling).
 Figure: seconds per training step (the steady window), speedup = baseline / variant.
 
-``affinity`` (docs/agentic.md "Hardware-affinity routing"): two prompt kinds (the sim
+``affinity`` (docs/guide/agentic.md "Hardware-affinity routing"): two prompt kinds (the sim
 task's ``kinds``), multi-turn prefill-heavy (4 turns, 3,000-character observations, 64
 new tokens a turn) and single-turn decode-heavy (up to 4,096 new tokens), half each, on
 three fleets of equal cost (RollArt Table 2: an H800 costs 2.85 H20s): 8 H800s (22.8),

@@ -21,7 +21,7 @@ env-host's "env loop started" log line) and reports, between the first scrape af
   10 to 20 s), the event loop's lateness (daemons/env_host/loop_lag.py);
 - ``trajectories_per_s`` and ``in_flight_mean`` (``rlfleet_env_running_trajectory_seconds_total``
   over the window: the mean number of trajectories running);
-- validity: the sim rollouts' lag within docs/sim.md's 5%, no daemon restarted, and a mean
+- validity: the sim rollouts' lag within docs/design/sim.md's 5%, no daemon restarted, and a mean
   in flight of at least 90% of N.
 
 ``--profile DIR`` runs the env-host's event-loop thread under cProfile

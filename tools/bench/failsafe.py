@@ -1,4 +1,4 @@
-"""Steps lost to an etcd outage (docs/failsafe.md): a trainer mid-run loses etcd's quorum.
+"""Steps lost to an etcd outage (docs/operations/failsafe.md): a trainer mid-run loses etcd's quorum.
 
     python -m rlfleet.tools.bench.failsafe --outages 30 90 --json tools/bench/results/failsafe.json
 

@@ -192,7 +192,7 @@ def judge_final_lag(r: dict[str, Any], run_dir: Path) -> None:
     """For the agentic benches: ``measure`` voids a run whose lag went above 5 % at any sample, the start-up
     included (a whole batch added at once: a few early results late against a handful
     delivered). Here the run's lag is each simulated rollout's own lag fraction at the end
-    (all lateness over all modelled latency, docs/sim.md), the largest of them; the
+    (all lateness over all modelled latency, docs/design/sim.md), the largest of them; the
     series' maximum stays in the record (max_lag)."""
     final = []
     for path in sorted((run_dir / "sim").glob("*.json")):

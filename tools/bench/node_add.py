@@ -2,12 +2,12 @@
 
     python -m rlfleet.tools.bench.node_add --json OUT [--plot OUT.png] [--drain]
 
-Brings up a lab (tools/lab, docs/lab.md; root, the lab's rootfs and wheelhouse built:
+Brings up a lab (tools/lab, docs/operations/lab.md; root, the lab's rootfs and wheelhouse built:
 `make test-deploy` does both), provisions five hosts with `site.yml`, submits the
 cluster example and waits for training; then starts `rlfleet node add h6` on an
 observer host and provisions h6 (`site.yml -l h6:prometheus`): node add prints and
 writes each phase from h6's agent registration — admit, place, start, weights,
-first_trajectory (docs/operations.md). With --drain it then drains h6 (`rlfleet node
+first_trajectory (docs/operations/live-fleet.md). With --drain it then drains h6 (`rlfleet node
 drain h6`), ends the job at a step, and counts lost trajectories over every host's
 journals (`rlfleet accounting`: claimed − trained − dropped − in flight).
 

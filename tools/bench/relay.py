@@ -423,7 +423,7 @@ def _fits(method: str, p: int, size: int) -> bool:
 
 
 def machine_info(label: str | None) -> dict[str, Any]:
-    """What the figures were measured on (the README names it with every table)."""
+    """What the figures were measured on (docs/results/relay.md names it with every table)."""
     model = None
     try:
         with open("/proc/cpuinfo") as f:

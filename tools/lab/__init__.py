@@ -14,7 +14,7 @@ Modules: `paths` (where things live, what the base holds), `rootfs` (build),
 `wheelhouse`, `net` (namespaces, bridge, veth), `cgroups` (one per host), `procs` (finding
 a host's processes, their memory), `hosts` (the `Lab`: boot, power-off, exec, status),
 `files` (the state, ssh_config and inventory written for the controller), `commands`
-(running the tools it calls, progress lines), `cli` (the command). docs/lab.md has the recipe and the measured numbers.
+(running the tools it calls, progress lines), `cli` (the command). docs/operations/lab.md has the recipe and the measured numbers.
 """
 
 from rlfleet.tools.lab.hosts import Lab, LabError

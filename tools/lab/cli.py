@@ -43,7 +43,7 @@ def _fail(exc: Exception) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
-    """A lab of real systemd hosts (systemd-nspawn) on this machine, for the cluster path (docs/lab.md)."""
+    """A lab of real systemd hosts (systemd-nspawn) on this machine, for the cluster path (docs/operations/lab.md)."""
 
 
 @main.command()

@@ -1,7 +1,7 @@
 """One rlfleet job on a lab of systemd hosts, as the lab tests and the lab benchmarks
 drive it: shell inside a host, etcd and Prometheus read from an observer host with the
 job's credentials, the playbooks run from the controller, and the trainer's progress
-(docs/lab.md). Used by tests/deploy/ and tools/bench/node_add.py.
+(docs/operations/lab.md). Used by tests/deploy/ and tools/bench/node_add.py.
 """
 
 from __future__ import annotations
