@@ -29,16 +29,19 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from rlfleet.common import curve, metrics, security
-from rlfleet.common.cluster import read_spec
-from rlfleet.common.keys import JobKeys
+from rlfleet.common.wire import curve
+from rlfleet.common import metrics, security
+from rlfleet.common.control.cluster import read_spec
+from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.procs import ProcessId
 from rlfleet.common.sd_notify import Notifier, status_field
-from rlfleet.common.session import Session
+from rlfleet.common.control.session import Session
 from rlfleet.common.signals import route_signals
-from rlfleet.common.spec import SINGLETON_ROLES, JobSpec, SpecError, load_spec
-from rlfleet.common.spec_overrides import with_bind_host
-from rlfleet.common.store import Store, StoreUnavailable
+from rlfleet.common.spec.placement import SINGLETON_ROLES
+from rlfleet.common.spec.job import JobSpec, load_spec
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.overrides import with_bind_host
+from rlfleet.common.control.store import Store, StoreUnavailable
 
 log = logging.getLogger("rlfleet.daemon")
 

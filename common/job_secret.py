@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from .secret_files import SecretFileError, read_private
+from rlfleet.common.secret_files import SecretFileError, read_private
 
 ENV_VAR = "RLFLEET_JOB_SECRET_FILE"
 MIN_BYTES = 16  # 128 bits: below that an HMAC key is guessable offline from one recorded handshake

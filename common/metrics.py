@@ -20,7 +20,7 @@ from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
 from waitress import wasyncore
 from waitress.server import BaseWSGIServer
 
-from .log_throttle import LogThrottle
+from rlfleet.common.log_throttle import LogThrottle
 
 UP = Gauge("rlfleet_up", "1 while the daemon's main loop runs", ["role", "id"])
 DEGRADED = Gauge("rlfleet_degraded", "1 while etcd is unreachable from this daemon", ["role", "id"])

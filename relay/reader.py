@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.members import RelayMember, members_from
-from rlfleet.common.records import RelayLayoutRequest
-from rlfleet.common.store import Store
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.members import RelayMember, members_from
+from rlfleet.common.control.records import RelayLayoutRequest
+from rlfleet.common.control.store import Store
 from rlfleet.relay.manifest import Manifest, digest, tensor_views
 from rlfleet.relay.shm import object_stem, parse_stem
 

@@ -16,9 +16,9 @@ import time
 from typing import Any
 
 from rlfleet.common.job_secret import job_secret_from_env
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.records import RelayChain, WeightsLatest
-from rlfleet.common.store import Store
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.records import RelayChain, WeightsLatest
+from rlfleet.common.control.store import Store
 from rlfleet.relay.protocol import Status, StatusQuery
 from rlfleet.relay.topology import read_chain
 from rlfleet.relay.transport import transport_for
@@ -135,8 +135,8 @@ def versions_table(status: dict[str, Any]) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlfleet.common.etcd_store import EtcdStore
-    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.common.control.etcd_store import EtcdStore
+    from rlfleet.common.control.store import StoreUnavailable
 
     ap = argparse.ArgumentParser(description="Show the relay chain of a job.")
     ap.add_argument("--job", required=True)

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from collections.abc import Iterable
 from typing import Any
 
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.members import RelayMember, members_from
-from rlfleet.common.records import RelayLayoutRequest, RelayMaster
-from rlfleet.common.store import KeyValue, Store, WatchEvent, apply_event
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.members import RelayMember, members_from
+from rlfleet.common.control.records import RelayLayoutRequest, RelayMaster
+from rlfleet.common.control.store import KeyValue, Store, WatchEvent, apply_event
 
 __all__ = ["ChainFollower", "ChainView", "RelayMember", "chain_of", "derive", "natural_key", "parse_members",
            "read_chain"]

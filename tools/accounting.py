@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.records import PromptCursor
-from rlfleet.common.store import Store
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.records import PromptCursor
+from rlfleet.common.control.store import Store
 
 
 @dataclass

@@ -18,8 +18,10 @@ from pathlib import Path
 import click
 
 from rlfleet.common import failpoints
-from rlfleet.common.keys import ROOT_PREFIX
-from rlfleet.common.spec import ROLES, SpecError, load_spec
+from rlfleet.common.control.keys import ROOT_PREFIX
+from rlfleet.common.spec.placement import ROLES
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import load_spec
 from rlfleet.daemons import NODE_DAEMON_CLASSES
 from rlfleet.tools.cli_etcd import (_etcd_credentials, _fail_unreachable, _pick_job,
                                     _store, etcd_credential_options, etcd_option, job_name)
@@ -195,8 +197,8 @@ def status(job: str | None, etcd: str, output: str) -> None:
 
     To a terminal: tables at its width, long cells folded. To a file or a pipe: tables
     as wide as their contents, so ids, addresses and problems are never cut."""
-    from rlfleet.common.keys import JobKeys
-    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.common.control.keys import JobKeys
+    from rlfleet.common.control.store import StoreUnavailable
     from rlfleet.tools.fleet_view import (etcdctl_equivalent, members_table, nodes_table, paused_banner,
                                           report_console, take_snapshot)
 
@@ -238,7 +240,7 @@ def status(job: str | None, etcd: str, output: str) -> None:
 @click.option("--keys-only", is_flag=True)
 def keys(prefix: str, etcd: str, keys_only: bool) -> None:
     """The raw key tree under PREFIX, values as JSON."""
-    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.common.control.store import StoreUnavailable
     from rlfleet.tools.fleet_view import etcdctl_equivalent
 
     try:
@@ -257,9 +259,9 @@ def keys(prefix: str, etcd: str, keys_only: bool) -> None:
 @click.option("--group-size", type=int, default=None, help="Default: the spec's task.group_size from etcd.")
 def accounting(run_dir: str, job: str, etcd: str, group_size: int | None) -> None:
     """Check that every claimed prompt is trained, dropped with a reason, or in flight."""
-    from rlfleet.common.cluster import read_spec
-    from rlfleet.common.keys import JobKeys
-    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.common.control.cluster import read_spec
+    from rlfleet.common.control.keys import JobKeys
+    from rlfleet.common.control.store import StoreUnavailable
     from rlfleet.tools.accounting import check
 
     store = _store(etcd)
@@ -321,9 +323,9 @@ def submit(spec_file: str, etcd: str, force: bool) -> None:
 
     A job with live daemons keeps its spec unless --force; a job an `rlfleet run` owns
     is never changed from outside (the run started its daemons from its own file)."""
-    from rlfleet.common.keys import JobKeys
-    from rlfleet.common.members import Owner
-    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.common.control.keys import JobKeys
+    from rlfleet.common.control.members import Owner
+    from rlfleet.common.control.store import StoreUnavailable
     try:
         spec = load_spec(spec_file)
     except SpecError as exc:

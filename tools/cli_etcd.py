@@ -12,7 +12,8 @@ import sys
 
 import click
 
-from rlfleet.common.keys import JOB_NAME_RULE, ROOT_PREFIX, is_job_name, job_of
+from rlfleet.common.job_name import JOB_NAME_RULE, is_job_name
+from rlfleet.common.control.keys import ROOT_PREFIX, job_of
 from rlfleet.tools.exit_codes import Exit
 
 EXIT_ETCD = Exit.ETCD_UNREACHABLE
@@ -49,7 +50,7 @@ def etcd_option(fn):
 
 def _etcd_credentials():
     """The etcd credentials of this command's flags and environment."""
-    from rlfleet.common.etcd_auth import EtcdCredentials
+    from rlfleet.common.control.etcd_auth import EtcdCredentials
     try:
         return EtcdCredentials.from_env(**click.get_current_context().meta.get("etcd_creds", {}))
     except ValueError as exc:
@@ -57,7 +58,7 @@ def _etcd_credentials():
 
 
 def _store(endpoints: str, timeout_s: float = 1.0):
-    from rlfleet.common.etcd_auth import open_store
+    from rlfleet.common.control.etcd_auth import open_store
     creds = _etcd_credentials()
     try:
         return open_store(endpoints, timeout_s=timeout_s, creds=creds)

@@ -17,11 +17,11 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlfleet.common import curve
-from rlfleet.common.etcd_auth import EtcdCredentials
+from rlfleet.common.wire import curve
+from rlfleet.common.control.etcd_auth import EtcdCredentials
 from rlfleet.common.secret_files import write_private
-from rlfleet.common.security import JOB_SECRET_ENV
-from rlfleet.common.spec_placement import ROLES
+from rlfleet.common.job_secret import ENV_VAR as JOB_SECRET_ENV
+from rlfleet.common.spec.placement import ROLES
 CERT_DAYS = 30  # a run's certificates outlive any run, and are worthless after it
 _EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-noenc"]
 
@@ -92,7 +92,7 @@ class RunCredentials:
         directory.mkdir(parents=True, exist_ok=True)
         os.chmod(directory, 0o700)
         tls = make_etcd_tls(directory / "etcd") if private_etcd else None
-        for role in ROLES:  # one pair per role: a daemon can speak only for its own (common/edges.py)
+        for role in ROLES:  # one pair per role: a daemon can speak only for its own (common/wire/edges.py)
             curve.create_keys(directory / "curve", name=role, role=role)
         return cls(tls, directory / "curve", make_job_secret(directory / "job.secret"))
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import click
 
-from rlfleet.common import curve
-from rlfleet.common.spec_placement import ROLES
+from rlfleet.common.wire import curve
+from rlfleet.common.spec.placement import ROLES
 
 _Z85_KEY = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a host name as a file name
@@ -69,7 +69,7 @@ def authorize(directory: Path, keys: Any) -> list[str]:
               help="Name of the public key files (authorized/ROLE/NAME.key) the other machines get.")
 @click.option("--role", "roles", type=click.Choice(ROLES), multiple=True,
               help="A role to make a pair for (repeatable; an existing pair is kept). Its daemons use it; "
-                   "common/edges.py says where it may send.")
+                   "common/wire/edges.py says where it may send.")
 @click.option("--show", is_flag=True, help="Make nothing; print the pairs there are (with --json).")
 @click.option("--json", "as_json", is_flag=True, help='Print {"created": [...], "public": {role: key}}.')
 def curve_keys(directory: Path, name: str, roles: tuple[str, ...], show: bool, as_json: bool) -> None:

@@ -37,8 +37,8 @@ def etcd_group() -> None:
 def snapshot(file: str, job: str | None, etcd: str) -> None:
     """Write the job's durable keys (every key under /rlfleet/<job>/ not bound to a lease)
     to FILE, atomically, mode 0600."""
-    from rlfleet.common import job_snapshot
-    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.common.control import job_snapshot
+    from rlfleet.common.control.store import StoreUnavailable
     try:
         store = _store(etcd)
         job = _pick_job(store, job)
@@ -65,8 +65,8 @@ def snapshot(file: str, job: str | None, etcd: str) -> None:
 def restore(file: str, job: str | None, force: bool, dry_run: bool, etcd: str) -> None:
     """Write the keys of a snapshot FILE back into etcd (exit 9 when refused, 2 when FILE is
     not a snapshot)."""
-    from rlfleet.common import job_snapshot
-    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.common.control import job_snapshot
+    from rlfleet.common.control.store import StoreUnavailable
     try:
         snap = job_snapshot.load(file)
     except job_snapshot.SnapshotError as exc:

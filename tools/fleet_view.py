@@ -28,14 +28,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from rlfleet.common import members as registrations
-from rlfleet.common.cluster import Cluster
-from rlfleet.common.keys import NODES
-from rlfleet.common.operations import JobState
-from rlfleet.common.pause import describe
+from rlfleet.common.control import members as registrations
+from rlfleet.common.control.cluster import Cluster
+from rlfleet.common.control.keys import NODES
+from rlfleet.common.control.operations import JobState
+from rlfleet.common.control.pause import describe
 from rlfleet.common.procs import ProcessId
-from rlfleet.common.spec import ROLES, SINGLETON_ROLES
-from rlfleet.common.store import Store
+from rlfleet.common.spec.placement import ROLES, SINGLETON_ROLES
+from rlfleet.common.control.store import Store
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class FleetSnapshot:
 
 
 def take_snapshot(store: Store, job: str, check_leases: bool = False) -> FleetSnapshot:
-    """One read of the job's keys (common/cluster.py), in the shape the views render;
+    """One read of the job's keys (common/control/cluster.py), in the shape the views render;
     values etcd holds in a malformed shape are listed among the problems. Local pids
     are checked always (no etcd request), leases only with `check_leases`."""
     cluster = Cluster.read(store, job)

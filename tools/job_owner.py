@@ -10,7 +10,7 @@ can prove dead (common/procs.py) is replaced at once.
 
 `RegistrationCheck` finds children whose registration expired while their
 process still exists: a SIGSTOPed process, or a main loop stalled longer than
-the TTL (the lease is refreshed only by the daemon's loop, common/session.py).
+the TTL (the lease is refreshed only by the daemon's loop, common/control/session.py).
 It costs one keys-only read of the members prefix per check (every TTL/3).
 """
 
@@ -21,10 +21,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.members import Member, Owner
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.members import Member, Owner
 from rlfleet.common.procs import ProcessId, boot_id
-from rlfleet.common.store import Lease, LeaseExpired, Store
+from rlfleet.common.control.store import Lease, LeaseExpired, Store
 
 
 class JobOwned(Exception):

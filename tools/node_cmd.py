@@ -39,9 +39,9 @@ class _Job:
     """The store, the job and its spec, read once per command."""
 
     def __init__(self, etcd: str, job: str | None) -> None:
-        from rlfleet.common.cluster import read_spec
-        from rlfleet.common.keys import JobKeys
-        from rlfleet.common.store import StoreUnavailable
+        from rlfleet.common.control.cluster import read_spec
+        from rlfleet.common.control.keys import JobKeys
+        from rlfleet.common.control.store import StoreUnavailable
         self.etcd = etcd
         self.store = _store(etcd)
         try:
@@ -54,8 +54,8 @@ class _Job:
             _refuse(f"job {self.job!r} has no spec in etcd (submit it first: rlfleet job submit)")
 
     def cluster(self):
-        from rlfleet.common.cluster import Cluster
-        from rlfleet.common.store import StoreUnavailable
+        from rlfleet.common.control.cluster import Cluster
+        from rlfleet.common.control.store import StoreUnavailable
         try:
             return Cluster.read(self.store, self.job)
         except StoreUnavailable as exc:
@@ -70,7 +70,7 @@ class _Job:
                                      param_hint="HOST")
 
     def write_state(self, host: str, state: str, reason: str) -> None:
-        from rlfleet.common.operations import NodeState
+        from rlfleet.common.control.operations import NodeState
         value = NodeState(host, state, time.time(), _who(), reason).to_value()
         self._write(lambda: self.store.put(self.keys.node_state(host), value))
 
@@ -78,7 +78,7 @@ class _Job:
         return self._write(lambda: self.store.delete(self.keys.node_state(host)))
 
     def _write(self, fn):
-        from rlfleet.common.store import StoreUnavailable
+        from rlfleet.common.control.store import StoreUnavailable
         try:
             return fn()
         except StoreUnavailable as exc:
@@ -146,7 +146,7 @@ def list_(job: str | None, etcd: str, output: str) -> None:
 @click.option("--reason", default="", help="Why (shown by `rlfleet node list` and status).")
 def cordon(host: str, job: str | None, etcd: str, reason: str) -> None:
     """Keep what runs on HOST, place nothing new there, admit it into no pool."""
-    from rlfleet.common.operations import CORDONED
+    from rlfleet.common.control.operations import CORDONED
     j = _Job(etcd, job)
     cluster = j.cluster()
     j.known(host, cluster)
@@ -162,7 +162,7 @@ def cordon(host: str, job: str | None, etcd: str, reason: str) -> None:
 @_common
 def uncordon(host: str, job: str | None, etcd: str) -> None:
     """Make HOST schedulable again (after cordon or drain): its placement comes back."""
-    from rlfleet.common.operations import REMOVED
+    from rlfleet.common.control.operations import REMOVED
     j = _Job(etcd, job)
     cluster = j.cluster()
     j.known(host, cluster)
@@ -190,7 +190,7 @@ def drain(host: str, job: str | None, etcd: str, reason: str, timeout_s: float, 
     Rollouts finish what runs (up to their drain timeout) and refuse new requests; the
     env-hosts continue what was cut on another rollout holding the same version. The
     host's relay leaves the chain (its predecessor sends to its successor)."""
-    from rlfleet.common.operations import DRAINED, DRAINING, REMOVED
+    from rlfleet.common.control.operations import DRAINED, DRAINING, REMOVED
     from rlfleet.tools.node_ops import on_host, sole_instances
     j = _Job(etcd, job)
     cluster = j.cluster()
@@ -233,7 +233,7 @@ def drain(host: str, job: str | None, etcd: str, reason: str, timeout_s: float, 
 def remove(host: str, job: str | None, etcd: str, force: bool) -> None:
     """Take a drained HOST out of the job: its admission is forgotten and it is not
     admitted again until `rlfleet node add`."""
-    from rlfleet.common.operations import DRAINED, REMOVED
+    from rlfleet.common.control.operations import DRAINED, REMOVED
     j = _Job(etcd, job)
     cluster = j.cluster()
     j.known(host, cluster)

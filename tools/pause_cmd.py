@@ -36,7 +36,7 @@ class Seen:
 
     trainer: Any       # the trainer leader's Member, or None (none elected, or no trainer in the spec)
     wants_trainer: bool  # the spec places a trainer
-    nodes: tuple[Any, ...]  # every node agent's record (common/members.py Node)
+    nodes: tuple[Any, ...]  # every node agent's record (common/control/members.py Node)
 
     @property
     def trainer_paused(self) -> bool:
@@ -69,7 +69,7 @@ class Seen:
 
 
 def look(store, keys, wants_trainer: bool) -> Seen:
-    from rlfleet.common.members import Leader, Member, Node
+    from rlfleet.common.control.members import Leader, Member, Node
 
     leader_kv = store.get(keys.leader("trainer"))
     leader = Leader.from_kv(keys, leader_kv).id if leader_kv is not None else ""
@@ -89,10 +89,10 @@ def _who() -> str:
 
 def _open(etcd: str, job: str | None):
     """(store, keys, spec) of the job; exit 9 when etcd holds no spec for it."""
-    from rlfleet.common.cluster import read_spec
-    from rlfleet.common.keys import JobKeys
-    from rlfleet.common.spec import SpecError
-    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.common.control.cluster import read_spec
+    from rlfleet.common.control.keys import JobKeys
+    from rlfleet.common.spec.errors import SpecError
+    from rlfleet.common.control.store import StoreUnavailable
 
     store = _store(etcd)
     try:
@@ -116,7 +116,7 @@ def _open(etcd: str, job: str | None):
 def _wait(store, keys, wants_trainer: bool, done: str, timeout_s: float) -> tuple[Seen | None, float]:
     """Poll until `Seen.<done>` holds; (the last look, seconds waited). Through an etcd
     outage it keeps asking until the timeout."""
-    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.common.control.store import StoreUnavailable
 
     started = time.monotonic()
     seen = None
@@ -133,7 +133,7 @@ def _wait(store, keys, wants_trainer: bool, done: str, timeout_s: float) -> tupl
 
 
 def _write(store, keys, etcd: str, record) -> None:
-    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.common.control.store import StoreUnavailable
     try:
         store.put(keys.state, record.to_value())
     except StoreUnavailable as exc:
@@ -158,9 +158,9 @@ def pause(job: str | None, etcd: str, reason: str, timeout_s: float, no_wait: bo
     Waits until the trainer leader is paused with its version checkpointed and every
     node agent observes only. Exit 0 done (or already paused), 9 no spec for the job,
     10 not confirmed within --timeout (the pause stays in effect; `rlfleet resume`)."""
-    from rlfleet.common.operations import PAUSED, JobState
-    from rlfleet.common.pause import describe
-    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.common.control.operations import PAUSED, JobState
+    from rlfleet.common.control.pause import describe
+    from rlfleet.common.control.store import StoreUnavailable
 
     store, keys, spec = _open(etcd, job)
     try:
@@ -202,8 +202,8 @@ def resume(job: str | None, etcd: str, timeout_s: float, no_wait: bool) -> None:
     Waits until no trainer and no node agent reports paused. Exit 0 done (or not
     paused), 9 no spec for the job, 10 not confirmed within --timeout (the resume
     stays in effect)."""
-    from rlfleet.common.operations import RUNNING, JobState
-    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.common.control.operations import RUNNING, JobState
+    from rlfleet.common.control.store import StoreUnavailable
 
     store, keys, spec = _open(etcd, job)
     try:

@@ -42,7 +42,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from rlfleet.common.wire import Prompt
+from rlfleet.common.wire.messages import Prompt
 from rlfleet.daemons.tasks import get_task
 
 _KNOBS = {"latency_s": float, "error_rate": float, "error_status": int, "hang_rate": float,

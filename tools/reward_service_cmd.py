@@ -42,7 +42,7 @@ def reward_service(spec_file: str, listen: str, check: bool, log_level: str) -> 
     """Serve a reward pipeline to several jobs: each job's reward-host points its
     remote_http backend at https://HOST:PORT/score (the spec's [tls]; without it, plain
     http:// on a loopback address only)."""
-    from rlfleet.common.spec import SpecError
+    from rlfleet.common.spec.errors import SpecError
     from rlfleet.daemons.reward_host.shared_spec import listen_refusal, load_service_spec
 
     host, port = _listen(listen)

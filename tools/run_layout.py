@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from rlfleet.common.placement import Placed
+from rlfleet.common.control.placement import Placed
 
 TORCH_ROLES = ("trainer", "rollout")  # the processes that compute; they share the cores
 

@@ -43,20 +43,20 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from rlfleet.common import curve
+from rlfleet.common.wire import curve
 from rlfleet.common.daemon import INCARNATION_ENV
-from rlfleet.common.etcd_auth import ENV as ETCD_ENV
-from rlfleet.common.etcd_auth import EtcdCredentials
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.members import members_from, placements_from
-from rlfleet.common.pause import PauseWatch
-from rlfleet.common.placement import Placed, placement_from_spec
+from rlfleet.common.control.etcd_auth import ENV as ETCD_ENV
+from rlfleet.common.control.etcd_auth import EtcdCredentials
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.members import members_from, placements_from
+from rlfleet.common.control.pause import PauseWatch
+from rlfleet.common.control.placement import Placed, placement_from_spec
 from rlfleet.common.procs import ProcessId
-from rlfleet.common.security import JOB_SECRET_ENV
+from rlfleet.common.job_secret import ENV_VAR as JOB_SECRET_ENV
 from rlfleet.common.signals import route_signals
-from rlfleet.common.spec import JobSpec
-from rlfleet.common.store import StoreUnavailable
+from rlfleet.common.spec.job import JobSpec
+from rlfleet.common.control.store import StoreUnavailable
 from rlfleet.daemons.agent import policy
 from rlfleet.daemons.agent.inventory import machine_inventory
 from rlfleet.daemons.agent.policy import CRASH_LOOP_DEATHS, CRASH_LOOP_WINDOW_S, CrashLoop

@@ -4,7 +4,7 @@
 The command checks the target the way `rlfleet status` judges a member (its record says
 `running`, its process is not dead or stopped, its lease is refreshed), writes
 `switchover/<role>` bound to a short lease of its own, and watches `leader/<role>` until
-it names the target. The leader and its standbys do the rest (common/session.py). The
+it names the target. The leader and its standbys do the rest (common/control/session.py). The
 lease is kept while the command waits; a request nobody acts on expires by itself
 max(10 s, 3 x lease TTL) after the command stops refreshing it.
 """
@@ -63,8 +63,8 @@ def switchover(role: str, target: str, job: str | None, etcd: str, timeout_s: fl
     Exit 0 once leader/ROLE names the target; 9 refused (no leader, the target is not a
     healthy standby of ROLE, or a switchover is pending); 10 not done within --timeout
     (the request stays until its lease expires); 2 bad usage; 3 etcd unreachable."""
-    from rlfleet.common.spec import SINGLETON_ROLES
-    from rlfleet.common.store import StoreUnavailable
+    from rlfleet.common.spec.placement import SINGLETON_ROLES
+    from rlfleet.common.control.store import StoreUnavailable
 
     if role not in SINGLETON_ROLES:
         raise click.BadParameter(f"{role!r} is not a singleton role (one of {', '.join(SINGLETON_ROLES)})",
@@ -120,9 +120,9 @@ def _check(store, job: str, role: str, target: str) -> tuple[str, float]:
 def _spec_ttl(store, job: str) -> float:
     """The job's lease TTL (the daemons' cycle is a third of it); a missing or invalid spec
     gives the shortest request lease's third."""
-    from rlfleet.common.cluster import read_spec
-    from rlfleet.common.keys import JobKeys
-    from rlfleet.common.spec import SpecError
+    from rlfleet.common.control.cluster import read_spec
+    from rlfleet.common.control.keys import JobKeys
+    from rlfleet.common.spec.errors import SpecError
 
     try:
         spec = read_spec(store, JobKeys(job))
@@ -136,9 +136,9 @@ def _request_and_wait(store, job: str, role: str, target: str, leader: str, ttl_
     """Write the request under its own lease, then watch leader/<role> until it names the
     target. The vacancy is timed from the leader key's delete to its create by the target,
     as this command receives the watch's events."""
-    from rlfleet.common.keys import JobKeys
-    from rlfleet.common.members import Leader
-    from rlfleet.common.operations import Switchover
+    from rlfleet.common.control.keys import JobKeys
+    from rlfleet.common.control.members import Leader
+    from rlfleet.common.control.operations import Switchover
 
     keys = JobKeys(job)
     request = Switchover(role, to=target, from_=leader, by=f"{getpass.getuser()}@{socket.gethostname()}",

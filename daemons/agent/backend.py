@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from rlfleet.common.placement import Placed
+from rlfleet.common.control.placement import Placed
 
 
 @dataclass(frozen=True)
@@ -44,5 +44,5 @@ class Backend(Protocol):
 
 
 def role_of(member_id: str) -> str:
-    """Member ids are `<role>-<n>` (common/placement.py)."""
+    """Member ids are `<role>-<n>` (common/control/placement.py)."""
     return member_id.rpartition("-")[0]

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client import make_wsgi_app
 
-from rlfleet.common.members import Member
+from rlfleet.common.control.members import Member
 from rlfleet.common.metrics import Endpoint, serve_wsgi
 
 

@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from rlfleet.common.placement import Placed
-from rlfleet.common.spec import ROLES
+from rlfleet.common.control.placement import Placed
+from rlfleet.common.spec.placement import ROLES
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 10.0

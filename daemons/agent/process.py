@@ -19,7 +19,7 @@ from typing import Callable
 
 import psutil
 
-from rlfleet.common.placement import Placed
+from rlfleet.common.control.placement import Placed
 from rlfleet.common.procs import with_parent_death
 from rlfleet.daemons.agent.backend import Observed
 from rlfleet.daemons.agent.policy import exit_description

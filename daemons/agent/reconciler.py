@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from rlfleet.common.placement import Placed
+from rlfleet.common.control.placement import Placed
 from rlfleet.daemons.agent import policy
 from rlfleet.daemons.agent.backend import Backend
 from rlfleet.daemons.agent.policy import CrashLoop, Tracked

@@ -3,7 +3,7 @@
 The template unit gives every daemon no capabilities, no namespaces and no privileged
 system calls. A daemon whose role runs untrusted code (common/seams.sandboxed_roles:
 the env-host of a tool-use task, the reward-host of a `user_code` reward) needs a few
-of them back for common/sandbox.py's child, which confines itself and then drops them
+of them back for common/sandbox/parent.py's child, which confines itself and then drops them
 all before the code runs. The systemd backend writes this drop-in for such a unit only,
 just before it starts it, and removes it when it stops it:
 

@@ -25,7 +25,7 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
-from rlfleet.common.placement import Placed
+from rlfleet.common.control.placement import Placed
 from rlfleet.daemons.agent.backend import Observed, role_of
 from rlfleet.daemons.agent.sandbox_dropin import DROPIN_DIR, SandboxDropins
 

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictStr
 
-from rlfleet.common.registry import Kind, KindConfig, Problem
+from rlfleet.common.spec.registry import Kind, KindConfig, Problem
 
 from .routing_policy import R, Route, RoutingPolicy, least
 

@@ -19,9 +19,9 @@ import random
 import time
 from typing import Any, Callable
 
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.records import PromptCursor
-from rlfleet.common.store import Store
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.records import PromptCursor
+from rlfleet.common.control.store import Store
 
 log = logging.getLogger("rlfleet.env_host")
 

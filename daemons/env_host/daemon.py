@@ -24,11 +24,11 @@ import time
 from typing import Any
 
 from rlfleet.common.daemon import Daemon
-from rlfleet.common.members import Member, members_from
-from rlfleet.common.seams import ENV_ROUTERS
-from rlfleet.common.outbox import OutboxThread
-from rlfleet.common.store import StoreUnavailable
-from rlfleet.common.wire import Trajectory
+from rlfleet.common.control.members import Member, members_from
+from rlfleet.common.spec.seams import ENV_ROUTERS
+from rlfleet.common.wire.outbox import OutboxThread
+from rlfleet.common.control.store import StoreUnavailable
+from rlfleet.common.wire.messages import Trajectory
 from rlfleet.daemons.tasks.prompts import PromptStream, task_from_spec
 
 from .claims import PromptClaimer

@@ -34,9 +34,9 @@ from typing import Any
 
 import msgspec
 
-from rlfleet.common.spec import JobSpec
-from rlfleet.common.wire import (Float32Array, GenerateRequest, GenerateResult, Int32Array, Segment,
-                                 Trajectory, Turn)
+from rlfleet.common.spec.job import JobSpec
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import GenerateRequest, GenerateResult, Segment, Trajectory, Turn
 from rlfleet.daemons.tasks import AsyncTaskEnv, Prompt, Task, TaskEnv, undecoded_action
 from rlfleet.daemons.tasks.prompts import group_id, trajectory_id
 

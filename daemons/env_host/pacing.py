@@ -40,10 +40,10 @@ from typing import Any, Callable
 
 from prometheus_client import Gauge
 
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.records import TrainerProgress
-from rlfleet.common.spec import JobSpec
-from rlfleet.common.store import Store, StoreUnavailable
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.records import TrainerProgress
+from rlfleet.common.spec.job import JobSpec
+from rlfleet.common.control.store import Store, StoreUnavailable
 
 log = logging.getLogger("rlfleet.env_host")
 

@@ -30,9 +30,9 @@ import zmq
 from prometheus_client import Counter
 from zmq.utils.monitor import parse_monitor_message
 
-from rlfleet.common.async_client import AsyncRequestClient
-from rlfleet.common.sockets import PeerTimeout
-from rlfleet.common.wire import Abort, GenerateRequest, GenerateResult
+from rlfleet.common.wire.async_client import AsyncRequestClient
+from rlfleet.common.wire.sockets import PeerTimeout
+from rlfleet.common.wire.messages import Abort, GenerateRequest, GenerateResult
 
 from .routing_policy import LeastLoaded, Route, RoutingPolicy, group_of
 

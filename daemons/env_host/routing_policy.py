@@ -33,7 +33,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from prometheus_client import Counter
 
-from rlfleet.common.registry import Kind, KindConfig
+from rlfleet.common.spec.registry import Kind, KindConfig
 
 # Per tag and hardware label, what every policy chose (a fallback: not the tag's
 # preferred hardware while that was saturated; only the affinity kind has them).

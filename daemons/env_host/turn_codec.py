@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlfleet.common.wire import Int32Array
+from rlfleet.common.wire.arrays import Int32Array
 
 _ENCODED_MAX = 4096  # prompt texts whose token ids TurnCodec keeps
 

@@ -23,8 +23,8 @@ from typing import Any
 
 from rlfleet.common.daemon import Daemon
 from rlfleet.common.job_secret import job_secret_from_env
-from rlfleet.common.records import RelayMaster
-from rlfleet.common.store import KeyValue, StoreUnavailable, Watch
+from rlfleet.common.control.records import RelayMaster
+from rlfleet.common.control.store import KeyValue, StoreUnavailable, Watch
 from rlfleet.relay.admission import ceiling_bytes
 from rlfleet.relay.node import NodeConfig, RelayNode
 from rlfleet.relay.topology import ChainFollower, ChainView

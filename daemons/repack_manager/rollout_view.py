@@ -1,6 +1,6 @@
 """The repack planner's view of one rollout, and the checks a stats reply passes first.
 
-A rollout answers the repack-manager's poll with a ``RolloutStats`` (common/wire.py):
+A rollout answers the repack-manager's poll with a ``RolloutStats`` (common/wire/messages.py):
 raw counters as the engine reports them. The planner wants two numbers per rollout
 (Laminar §5.2): ``C_used``, the share of the KV cache in use, and ``N_reqs``, the
 requests it holds (running + waiting), plus its weight version. ``check_stats`` turns
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rlfleet.common.wire import RolloutStats
+    from rlfleet.common.wire.messages import RolloutStats
 
 __all__ = ["REJECTION_CODES", "Rejection", "RolloutLoad", "check_reply", "check_stats", "engine_batch_limit"]
 

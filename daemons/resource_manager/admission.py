@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from rlfleet.common.operations import DRAINING, REMOVED, Admission, NodeState
-from rlfleet.common.placement import Placed, placement_from_spec
-from rlfleet.common.spec import JobSpec
-from rlfleet.common.spec_placement import Pool
+from rlfleet.common.control.operations import DRAINING, REMOVED, Admission, NodeState
+from rlfleet.common.control.placement import Placed, placement_from_spec
+from rlfleet.common.spec.job import JobSpec
+from rlfleet.common.spec.placement import Pool
 
 
 @dataclass(frozen=True)

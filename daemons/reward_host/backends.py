@@ -18,8 +18,8 @@ from __future__ import annotations
 import abc
 from typing import Any, Literal
 
-from rlfleet.common.registry import Kind, KindConfig
-from rlfleet.common.spec_fields import PosFloat, PosInt
+from rlfleet.common.spec.registry import Kind, KindConfig
+from rlfleet.common.spec.fields import PosFloat, PosInt
 
 
 class RewardBackend(abc.ABC):

@@ -35,8 +35,8 @@ import collections
 from collections.abc import Callable, Container, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from rlfleet.common.registry import Kind, KindConfig
-from rlfleet.common.wire import Trajectory
+from rlfleet.common.spec.registry import Kind, KindConfig
+from rlfleet.common.wire.messages import Trajectory
 
 from .queues import EbfQueue
 

@@ -46,9 +46,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictStr, ValidationError, field_serializer, field_validator, model_validator
 
-from rlfleet.common.registry import Kind, KindConfig, UnknownKind
-from rlfleet.common.spec_errors import describe, dotted
-from rlfleet.common.spec_fields import NonNegInt, PosFloat, PosInt, Section, fail, show
+from rlfleet.common.spec.registry import Kind, KindConfig, UnknownKind
+from rlfleet.common.spec.errors import describe, dotted
+from rlfleet.common.spec.fields import NonNegInt, PosFloat, PosInt, Section, fail, show
 
 NonNegFloat = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
 Fraction = Annotated[float, Field(strict=True, ge=0, lt=1, allow_inf_nan=False)]
@@ -74,7 +74,7 @@ def _worker_config(value: Any) -> KindConfig:
         return value
     if not isinstance(value, dict):
         raise fail(f"expected a table with a kind, got {show(value)}")
-    from rlfleet.common.seams import REWARD_BACKENDS  # the registry loads this module: not at import
+    from rlfleet.common.spec.seams import REWARD_BACKENDS  # the registry loads this module: not at import
 
     kind = value.get("kind")
     if kind == "pipeline":
@@ -171,7 +171,7 @@ class RewardPipeline(Kind):
 
     @classmethod
     def uses_sandbox(cls, config: PipelineConfig, /) -> bool:
-        from rlfleet.common.seams import REWARD_BACKENDS  # as in _worker_config
+        from rlfleet.common.spec.seams import REWARD_BACKENDS  # as in _worker_config
 
         return any(not isinstance(stage.worker, SimWorkerConfig)
                    and REWARD_BACKENDS.uses_sandbox(stage.worker) for stage in config.stages)

@@ -48,7 +48,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from rlfleet.common.seams import REWARD_BACKENDS
+from rlfleet.common.spec.seams import REWARD_BACKENDS
 
 from .backends import RewardBackend
 from .batches import BatchTracker, ClosedBatch

@@ -9,7 +9,7 @@
   acks); a copy of an id the trainer already acked (our ack to the env-host was lost)
   is acked at once.
 - Dropped trajectories (dropped_reason set) pass through unscored, reward 0.
-- The prompt for scoring travels typed in ``Trajectory.prompt`` (common/wire.py), set by
+- The prompt for scoring travels typed in ``Trajectory.prompt`` (common/wire/messages.py), set by
   the env-host, and goes on as it is in the RewardJob, so the reward-host needs no prompt
   stream and stays stateless; a missing prompt, or a task other than the job's, is
   scored 0 with ``reward_error`` saying why — never refused, so nothing is lost.
@@ -35,10 +35,10 @@ import zmq
 from prometheus_client import Counter
 
 from rlfleet.common.log_throttle import LogThrottle
-from rlfleet.common.outbox import Outbox
-from rlfleet.common.sockets import ReliableReceiver
-from rlfleet.common.validation import confined
-from rlfleet.common.wire import ScoredTrajectory, Trajectory
+from rlfleet.common.wire.outbox import Outbox
+from rlfleet.common.wire.reliable import ReliableReceiver
+from rlfleet.common.wire.validation import confined
+from rlfleet.common.wire.messages import ScoredTrajectory, Trajectory
 
 from .backends import RewardBackend
 from .dispatch import arrival

@@ -20,7 +20,7 @@ import json
 import re
 from typing import Any
 
-from rlfleet.common.wire import Prompt
+from rlfleet.common.wire.messages import Prompt
 
 from .workers import RewardJob
 

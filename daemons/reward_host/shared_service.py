@@ -53,7 +53,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
-from rlfleet.common.curve import REFUSED
+from rlfleet.common.wire.curve import REFUSED
 
 from .answer_journal import AnswerJournal
 from .pipeline_backend import PipelineBackend

@@ -44,10 +44,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, StrictStr, ValidationError
 
-from rlfleet.common.spec import SpecError
-from rlfleet.common.spec_errors import describe, dotted, suggest
-from rlfleet.common.spec_file import read_spec_toml
-from rlfleet.common.spec_fields import PosFloat, PosInt, Section, fail, show
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.errors import describe, dotted, suggest
+from rlfleet.common.spec.file import read_spec_toml
+from rlfleet.common.spec.fields import PosFloat, PosInt, Section, fail, show
 
 from .pipeline import PipelineConfig
 from .remote_config import TlsFileError, is_loopback, tls_context

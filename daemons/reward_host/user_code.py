@@ -1,5 +1,5 @@
 """The ``user_code`` reward backend: a reward function given as Python source in the
-spec, run in the sandbox (common/sandbox.py, docs/operations/sandbox.md), one child per trajectory.
+spec, run in the sandbox (common/sandbox/parent.py, docs/operations/sandbox.md), one child per trajectory.
 
     [reward_host.backend]
     kind = "user_code"
@@ -43,8 +43,8 @@ from typing import Any, Literal
 
 from pydantic import StrictStr, field_validator, model_validator
 
-from rlfleet.common.registry import Kind, KindConfig
-from rlfleet.common.spec_fields import PosFloat, PosInt
+from rlfleet.common.spec.registry import Kind, KindConfig
+from rlfleet.common.spec.fields import PosFloat, PosInt
 
 from .backends import RewardBackend
 
@@ -117,7 +117,7 @@ class UserCodePool(RewardBackend):
     """Scores each job in a sandboxed child; ``concurrency`` at once. One owner thread."""
 
     def __init__(self, config: UserCodeConfig, *, sandbox: Any = None) -> None:
-        from rlfleet.common.sandbox import Sandbox, SandboxLimits
+        from rlfleet.common.sandbox.parent import Sandbox, SandboxLimits
 
         self.config = config
         self.sandbox = sandbox or Sandbox(SandboxLimits(
@@ -203,7 +203,7 @@ def probe_sandbox(sandbox: Any) -> None:
     """Run a trivial program once, so that a host that cannot confine user code (not
     root, no namespaces) refuses to start with the reason, rather than failing every
     trajectory."""
-    from rlfleet.common.sandbox import SandboxUnavailable
+    from rlfleet.common.sandbox.parent import SandboxUnavailable
 
     try:
         result = sandbox.run("print(1)")

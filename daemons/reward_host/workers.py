@@ -46,7 +46,7 @@ from typing import Any, BinaryIO
 
 import msgspec
 
-from rlfleet.common.wire import Prompt
+from rlfleet.common.wire.messages import Prompt
 
 from .backends import RewardBackend
 from .dispatch import Dispatch, FifoDispatch

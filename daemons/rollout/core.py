@@ -42,10 +42,11 @@ from typing import Any, Protocol
 
 import msgspec
 
-from rlfleet.common.sockets import RequestServer
-from rlfleet.common.validation import confined
-from rlfleet.common.wire import (Abort, Ack, Float32Array, GenerateRequest, GenerateResult,
-                                 Int32Array, RepackOrder, RolloutStats, Segment)
+from rlfleet.common.wire.sockets import RequestServer
+from rlfleet.common.wire.validation import confined
+from rlfleet.common.wire.messages import (Abort, Ack, GenerateRequest, GenerateResult, RepackOrder, RolloutStats,
+                                          Segment)
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
 
 from .engine_api import Engine, error_result
 from .weight_policy import WeightUpdatePolicy

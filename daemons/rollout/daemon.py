@@ -28,8 +28,8 @@ import os
 from typing import Any
 
 from rlfleet.common.daemon import Daemon
-from rlfleet.common.sockets import RequestServer
-from rlfleet.common.wire import Abort, GenerateRequest, RepackOrder, RolloutStats
+from rlfleet.common.wire.sockets import RequestServer
+from rlfleet.common.wire.messages import Abort, GenerateRequest, RepackOrder, RolloutStats
 
 log = logging.getLogger("rlfleet.rollout")
 
@@ -69,7 +69,7 @@ class Rollout(Daemon):
             return
         import torch  # here, not at import: `rlfleet daemon --help` stays instant
 
-        from rlfleet.common.seams import ROLLOUT_ENGINES
+        from rlfleet.common.spec.seams import ROLLOUT_ENGINES
 
         from .loop import EngineLoop
 
@@ -97,8 +97,8 @@ class Rollout(Daemon):
 
     def _setup_sim(self) -> None:
         """Many simulated rollouts in this process (sim_host.py), each its own member."""
-        from rlfleet.common.run_dir import job_run_dir
-        from rlfleet.common.seams import ROLLOUT_ENGINES
+        from rlfleet.common.spec.run_dir import job_run_dir
+        from rlfleet.common.spec.seams import ROLLOUT_ENGINES
 
         from .core import RolloutCore
         from .sim_host import SimHost, bind_servers, sim_member_id
@@ -147,7 +147,7 @@ class Rollout(Daemon):
     def _node_hardware(self) -> str:
         """This machine's hardware label: ``labels.hardware`` of its node record (the agent's
         ``--labels``), '' when it has none or etcd does not answer."""
-        from rlfleet.common.members import Node
+        from rlfleet.common.control.members import Node
 
         try:
             kv = self.store.get(self.keys.node(self.options.host))

@@ -1,7 +1,7 @@
 """Rollout engines: one interface (add, abort, step, stats, load_weights), and `torch`.
 
 Which engine a rollout runs is the spec's ``[rollout.engine]`` table, built through the
-registry (``engines.py``, ``rlfleet.common.seams.ROLLOUT_ENGINES``).
+registry (``engines.py``, ``rlfleet.common.spec.seams.ROLLOUT_ENGINES``).
 
 The engine is socket-free (STYLE 8): the daemon's loop feeds it requests between
 steps and sends what ``step()`` returns. Every ``add()`` ends as exactly one
@@ -61,7 +61,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
 
 from . import lean_model
 from .engine_api import (MAX_SEED, BadRequest, Engine, EngineStats, TokenRate, error_result,  # noqa: F401 (re-exported)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
 
 MAX_SEED = 2**63 - 1
 

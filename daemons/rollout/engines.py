@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StrictInt, StrictStr, field_validator, model_validator
 
-from rlfleet.common.registry import Kind, KindConfig, Problem, import_failure
-from rlfleet.common.spec_fields import NonNegInt, PosFloat, PosInt, fail
+from rlfleet.common.spec.registry import Kind, KindConfig, Problem, import_failure
+from rlfleet.common.spec.fields import NonNegInt, PosFloat, PosInt, fail
 
 from . import sim_timing
 from .sim_lengths import LENGTH_MODELS

@@ -26,8 +26,8 @@ import logging
 import threading
 import time
 from collections import deque
-from rlfleet.common.sockets import RequestServer
-from rlfleet.common.wire import RolloutStats
+from rlfleet.common.wire.sockets import RequestServer
+from rlfleet.common.wire.messages import RolloutStats
 
 from .core import ReaderSource, RolloutCore
 from .engine_api import Engine

@@ -42,9 +42,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Callable
 
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.members import RelayMember, members_from
-from rlfleet.common.store import KeyValue, Store, StoreUnavailable, Watch, WatchEvent, apply_event
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.members import RelayMember, members_from
+from rlfleet.common.control.store import KeyValue, Store, StoreUnavailable, Watch, WatchEvent, apply_event
 from rlfleet.relay.topology import natural_key  # the chain's order: relay-2 before relay-10
 
 from .core import WeightReader

@@ -43,7 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
 
 from .engine_api import BadRequest, Engine, EngineStats, error_result, validate_request
 from .sim_lengths import LENGTH_MODELS, LengthModel, length_keys

@@ -28,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from rlfleet.common.sockets import RequestServer, shared_context
+from rlfleet.common.wire.sockets import RequestServer, shared_context
 
 from .core import ReaderSource, RolloutCore, WeightReader
 

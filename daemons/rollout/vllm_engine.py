@@ -50,7 +50,8 @@ from typing import Any
 
 import numpy as np
 
-from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
 
 from .engine_api import BadRequest, Engine, EngineStats, TokenRate, error_result, validate_request
 from .engines import default_max_len

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from rlfleet.common.seams import TASKS
+from rlfleet.common.spec.seams import TASKS
 
 from .arithmetic import ArithmeticTask  # pure Python, cheap: importable directly
 from .base import ANSWER_MARK, AsyncTaskEnv, Prompt, Split, Task, TaskEnv, split_of, undecoded_action

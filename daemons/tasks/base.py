@@ -32,7 +32,7 @@ import hashlib
 import random
 from typing import Any, Literal
 
-from rlfleet.common.wire import Prompt
+from rlfleet.common.wire.messages import Prompt
 
 Split = Literal["train", "eval"]
 SPLITS: tuple[str, ...] = ("train", "eval")
@@ -45,7 +45,7 @@ EVAL_MODULUS = 8
 ANSWER_MARK = "="
 
 
-# Prompt (one task instance) is declared with the wire messages (common/wire.py): it
+# Prompt (one task instance) is declared with the wire messages (common/wire/messages.py): it
 # crosses processes inside a Trajectory, and on to the reward workers, as that one value.
 
 

@@ -1,7 +1,7 @@
 """Multi-turn tool use: multiply two numbers with a calculator the environment runs in a sandbox.
 
     turn 1   "37*48="            -> "<37*48>"   a tool call: a Python expression in <...>
-    (env)    runs print(eval("37*48")) in common/sandbox.py and shows the output
+    (env)    runs print(eval("37*48")) in common/sandbox/parent.py and shows the output
     turn 2   "37*48=<37*48>1776=" -> "1776"     the final answer; reward 1.0 if right
 
 The model may also answer at once ("37*48=" -> "1776"): the tiny model cannot
@@ -31,7 +31,7 @@ import re
 import threading
 from typing import Any
 
-from rlfleet.common.sandbox import Sandbox, SandboxLimits, SandboxResult
+from rlfleet.common.sandbox.parent import Sandbox, SandboxLimits, SandboxResult
 
 from .base import Prompt, StepResult, Task, TaskEnv
 

@@ -57,8 +57,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StrictInt
 
-from rlfleet.common.registry import Kind, KindConfig, Problem, import_failure
-from rlfleet.common.spec_fields import PosInt
+from rlfleet.common.spec.registry import Kind, KindConfig, Problem, import_failure
+from rlfleet.common.spec.fields import PosInt
 
 # -- the sim backend's model (see the module docstring for the sources) ------------------
 SIM_PARAMS = 7.62e9          # Qwen2.5-7B
@@ -97,7 +97,7 @@ class TorchBackend(TrainerBackend):
 
     @classmethod
     def build(cls, config: TorchBackendConfig, /, *, spec: Any, **_: Any) -> Any:
-        from rlfleet.common.seams import POLICY_LOSSES
+        from rlfleet.common.spec.seams import POLICY_LOSSES
 
         from .learner import Learner  # torch: imported only by a leader
 
@@ -183,7 +183,7 @@ class MegatronBackend(TrainerBackend):
 
     @classmethod
     def build(cls, config: MegatronBackendConfig, /, *, spec: Any, **_: Any) -> Any:
-        from rlfleet.common.seams import POLICY_LOSSES
+        from rlfleet.common.spec.seams import POLICY_LOSSES
 
         from .megatron_backend import MegatronLearner  # torch, megatron-core
 

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from rlfleet.common.wire import ScoredTrajectory
+from rlfleet.common.wire.messages import ScoredTrajectory
 
 # Reasons a group is dropped by the trainer itself (others come from upstream
 # in Trajectory.dropped_reason, or "reward_error" from ScoredTrajectory.reward_error).

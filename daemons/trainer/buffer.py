@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from rlfleet.common.wire import ScoredTrajectory
+from rlfleet.common.wire.messages import ScoredTrajectory
 
 from .batching import STALENESS, staleness
 

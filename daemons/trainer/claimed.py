@@ -6,7 +6,7 @@ The cursor is read again only when an arrival names a prompt past the last value
 so a trainer pays one etcd read per new claim range at most, none per trajectory. While
 etcd cannot answer, the check is skipped (``None``), counted and logged: refusing would
 stall training through an outage, and only a key of the reward-host role reaches the
-trainer's socket at all (common/edges.py).
+trainer's socket at all (common/wire/edges.py).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 import time
 
-from rlfleet.common.keys import JobKeys
+from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.log_throttle import LogThrottle
-from rlfleet.common.records import PromptCursor
-from rlfleet.common.store import Store, StoreUnavailable
+from rlfleet.common.control.records import PromptCursor
+from rlfleet.common.control.store import Store, StoreUnavailable
 
 log = logging.getLogger("rlfleet.trainer")
 

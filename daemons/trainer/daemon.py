@@ -45,8 +45,8 @@ import time
 from typing import Any
 
 from rlfleet.common.daemon import Daemon
-from rlfleet.common.pause import PauseWatch
-from rlfleet.common.spec import JobSpec
+from rlfleet.common.control.pause import PauseWatch
+from rlfleet.common.spec.job import JobSpec
 
 from .metrics_log import set_member_id
 from .worker import TrainingWorker
@@ -213,7 +213,7 @@ class Trainer(Daemon):
 
 
 def _prewarm(spec: JobSpec) -> None:
-    from rlfleet.common.seams import TRAINER_BACKENDS
+    from rlfleet.common.spec.seams import TRAINER_BACKENDS
 
     backend = spec.trainer.backend
     try:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlfleet.common.spec import JobSpec
+from rlfleet.common.spec.job import JobSpec
 from rlfleet.daemons.trainer.metrics_log import EVAL_SUCCESS, MetricsLog, append_json_line
 
 log = logging.getLogger("rlfleet.trainer")

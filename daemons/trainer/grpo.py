@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from rlfleet.common.wire import ScoredTrajectory
+from rlfleet.common.wire.messages import ScoredTrajectory
 
 from .guard import require_finite
 

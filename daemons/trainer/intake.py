@@ -22,8 +22,8 @@ from typing import Any
 
 from rlfleet.common import failpoints
 from rlfleet.common.log_throttle import LogThrottle
-from rlfleet.common.validation import confined
-from rlfleet.common.wire import ScoredTrajectory, count_rejection
+from rlfleet.common.wire.validation import confined
+from rlfleet.common.wire.messages import ScoredTrajectory, count_rejection
 
 from .batching import INVALID, check_trajectory, drop_reason, identity_problem
 from .claimed import ClaimedPrompts
@@ -126,7 +126,7 @@ class Intake:
         self._refused_log = LogThrottle(REFUSED_LOG_EVERY_S)
 
     def run(self, stop: threading.Event) -> None:
-        from rlfleet.common.sockets import ReliableReceiver
+        from rlfleet.common.wire.reliable import ReliableReceiver
 
         receiver = ReliableReceiver(f"tcp://{self.bind_host}:0", expect=ScoredTrajectory,
                                     name="trainer-trajectories", edge="trainer-trajectories")

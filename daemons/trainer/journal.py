@@ -56,7 +56,7 @@ from typing import Any
 import msgspec
 
 from rlfleet.common.durable import fsync_path
-from rlfleet.common.wire import ScoredTrajectory, WireError, decode, encode
+from rlfleet.common.wire.messages import ScoredTrajectory, WireError, decode, encode
 
 from .metrics_log import JOURNAL_BLOCKED, JOURNAL_WRITE_FAILURES, io_reason, member_id
 

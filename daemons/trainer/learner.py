@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlfleet.common.wire import ScoredTrajectory
+from rlfleet.common.wire.messages import ScoredTrajectory
 
 from . import grpo, packing
 from .checkpointing import STATE_FILE, CheckpointError, write_checkpoint

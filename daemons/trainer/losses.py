@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from rlfleet.common.registry import Kind, KindConfig
+from rlfleet.common.spec.registry import Kind, KindConfig
 
 if TYPE_CHECKING:
     import torch

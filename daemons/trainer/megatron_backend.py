@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlfleet.common.wire import ScoredTrajectory
+from rlfleet.common.wire.messages import ScoredTrajectory
 
 from . import grpo
 from . import megatron_weights as mw

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from rlfleet.common.store import Store, StoreUnavailable
+from rlfleet.common.control.store import Store, StoreUnavailable
 
 from .journal import JournalState
 

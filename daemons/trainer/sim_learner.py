@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from rlfleet.common.wire import ScoredTrajectory
+from rlfleet.common.wire.messages import ScoredTrajectory
 
 from .checkpointing import STATE_FILE, CheckpointError, write_checkpoint
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.common import failpoints
-from rlfleet.common.spec import JobSpec
+from rlfleet.common.spec.job import JobSpec
 
 from .batching import (INVALID, NO_SIGNAL, NON_FINITE, STALENESS, NonFiniteStep, in_finished_rounds,
                        select_groups, staleness)

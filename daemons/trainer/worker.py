@@ -40,10 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.run_dir import job_run_dir
-from rlfleet.common.spec import JobSpec
-from rlfleet.common.store import Store
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.spec.run_dir import job_run_dir
+from rlfleet.common.spec.job import JobSpec
+from rlfleet.common.control.store import Store
 
 from .checkpointing import Checkpointer
 from .intake import Intake
@@ -226,7 +226,7 @@ class TrainingWorker:
 
     # -- building the parts ------------------------------------------------------------
     def _resume(self) -> None:
-        from rlfleet.common.seams import TRAINER_BACKENDS
+        from rlfleet.common.spec.seams import TRAINER_BACKENDS
 
         from .evaluation import Evaluator, evaluation_off
 

@@ -1,5 +1,5 @@
 """Run inside a lab host as the ExecStart of an `rlfleet@` unit (tests/deploy/test_sandbox_unit.py):
-a stand-in daemon that serves the sandbox. It loads common/sandbox.py (copied next to
+a stand-in daemon that serves the sandbox. It loads common/sandbox/parent.py (copied next to
 it: the sandbox is standard library only, so the host needs no rlfleet install), tries a
 trivial program once and logs the outcome (as user_code's probe_sandbox does), says
 READY=1, and then answers on the Unix socket /var/lib/rlfleet/probe-<member>.sock: one
@@ -16,7 +16,7 @@ import socket
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import sandbox as sb  # noqa: E402 — the copy of common/sandbox.py beside this file
+import sandbox as sb  # noqa: E402 — the copy of common/sandbox/parent.py beside this file
 
 # CPU well below the wall clock, so a loop is cpu_limit even on a loaded machine.
 LIMITS = sb.SandboxLimits(wall_s=20.0, cpu_s=1, memory_mib=128, nproc=8, file_mib=1, tmp_mib=1)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from rlfleet.common.spec import load_spec
+from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.cli import main
 
 REPO = Path(__file__).resolve().parents[2]

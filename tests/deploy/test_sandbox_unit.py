@@ -3,7 +3,7 @@
 The node agent's systemd backend itself (daemons/agent/systemd.py), driving the host's
 systemd through nsenter, starts two instances of the shipped `rlfleet@.service`
 template whose ExecStart a test drop-in replaces by tests/deploy/sandbox_probe.py (a
-stand-in daemon serving common/sandbox.py): env-host-0 of a role that runs the sandbox,
+stand-in daemon serving common/sandbox/parent.py): env-host-0 of a role that runs the sandbox,
 so with the agent's 50-sandbox.conf, and env-host-1 without it. With the drop-in each
 hostile program is a recorded failure while the unit keeps serving (same main pid, no
 restart), and the code holds no capability; without it the sandbox refuses, naming the
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.placement import Placed
+from rlfleet.common.control.placement import Placed
 from rlfleet.daemons.agent.sandbox_dropin import DROPIN_TEXT
 from rlfleet.daemons.agent.systemd import SystemdBackend, parse_show
 from rlfleet.tools.bench.unit_security import analyse
@@ -68,7 +68,7 @@ class LabHost:
         (units / "rlfleet@.service.d/60-probe.conf").write_text(PROBE_DROPIN)
         probe = self.root / "opt/rlfleet/probe"
         probe.mkdir(parents=True, exist_ok=True)
-        for src in (REPO / "common/sandbox.py", REPO / "common/sandbox_child.py",
+        for src in (REPO / "common/sandbox/parent.py", REPO / "common/sandbox/child.py",
                     REPO / "tests/deploy/sandbox_probe.py"):
             shutil.copy(src, probe / src.name)
         self.run(["useradd", "--system", "--user-group", "--home-dir", "/var/lib/rlfleet",

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.spec import ROLES, SINGLETON_ROLES
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.spec.placement import ROLES, SINGLETON_ROLES
 from rlfleet.tools.exit_codes import Exit
 
 from ..integration.helpers import TINY_MODEL, rlfleet, stop, wait_for, write_spec

@@ -17,9 +17,9 @@ import threading
 import time
 from pathlib import Path
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.sockets import ReliableReceiver, ReliableSender
-from rlfleet.common.wire import Trajectory
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
+from rlfleet.common.wire.messages import Trajectory
 from rlfleet.daemons.env_host.claims import PromptClaimer
 from rlfleet.daemons.env_host.manager import EnvManager, ManagerConfig, TurnCodec
 from rlfleet.daemons.env_host.routing import Router

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
+from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.daemons.env_host.env_modes import BatchBarrier
 from rlfleet.daemons.env_host.groups import PromptGroup, Round
 from rlfleet.daemons.env_host.claims import parse_cursor

@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.store import StoreUnavailable
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.store import StoreUnavailable
 from rlfleet.daemons.env_host.claims import (
     MAX_OWNERS,
     RECENT_PER_OWNER,

@@ -9,8 +9,8 @@ import os
 import signal
 import time
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
 from rlfleet.daemons.env_host.claims import parse_cursor
 from rlfleet.daemons.env_host.journal import Journal
 from rlfleet.daemons.tasks.prompts import parse_trajectory_id, trajectory_id

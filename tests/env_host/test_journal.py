@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from rlfleet.common.wire import Float32Array, Int32Array, Prompt, Trajectory, Turn
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import Prompt, Trajectory, Turn
 from rlfleet.daemons.env_host.journal import Journal, journal_path, turn_from_json, turn_to_json
 
 G = 2
@@ -127,7 +128,7 @@ def test_late_duplicate_ack_of_a_forgotten_prompt_is_ignored(tmp_path):
 
 
 def test_journal_path_prefers_the_run_dir(tmp_path, monkeypatch):
-    from rlfleet.common.spec import parse_spec
+    from rlfleet.common.spec.job import parse_spec
 
     from .fakes import tokenizer_dir
 

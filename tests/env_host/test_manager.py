@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from rlfleet.common.wire import Float32Array, GenerateResult, Int32Array, Turn
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import GenerateResult, Turn
 from rlfleet.daemons.env_host.manager import (EnvManager, EnvThreads, ManagerConfig, TurnCodec,
                                               check_result)
 from rlfleet.daemons.env_host.routing import Router

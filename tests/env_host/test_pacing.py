@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.spec import parse_spec
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.spec.job import parse_spec
 from rlfleet.daemons.env_host.claims import PromptClaimer
 from rlfleet.daemons.env_host import pacing
-from rlfleet.common.records import TrainerProgress
+from rlfleet.common.control.records import TrainerProgress
 from rlfleet.daemons.env_host.pacing import ClaimPacer, claim_limit, consumed_of, pacer_for, round_limit
 
 from ..integration.helpers import TINY_MODEL, wait_for

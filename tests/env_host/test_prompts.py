@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlfleet.common.spec import parse_spec
+from rlfleet.common.spec.job import parse_spec
 from rlfleet.daemons.tasks.prompts import (
     PromptStream,
     group_id,

@@ -9,7 +9,8 @@ import random
 import threading
 import time
 
-from rlfleet.common.wire import Float32Array, GenerateRequest, GenerateResult, Int32Array
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
 from rlfleet.daemons.env_host.affinity import Affinity
 from rlfleet.daemons.env_host.routing import Router
 from rlfleet.daemons.env_host.routing_policy import LeastLoaded, RolloutTraits

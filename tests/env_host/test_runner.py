@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.sockets import ReliableReceiver
-from rlfleet.common.wire import Trajectory
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.wire.reliable import ReliableReceiver
+from rlfleet.common.wire.messages import Trajectory
 from rlfleet.daemons.env_host.claims import PromptClaimer, parse_cursor
 from rlfleet.daemons.env_host.journal import Journal
 from rlfleet.daemons.env_host.manager import ManagerConfig, TurnCodec
-from rlfleet.common.outbox import OutboxThread
+from rlfleet.common.wire.outbox import OutboxThread
 from rlfleet.daemons.tasks.prompts import PromptStream, parse_trajectory_id, trajectory_id
 from rlfleet.daemons.env_host.runner import EnvRunner
 from rlfleet.daemons.tasks import get_task

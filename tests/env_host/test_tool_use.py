@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.sandbox import SandboxResult
+from rlfleet.common.sandbox.parent import SandboxResult
 from rlfleet.daemons.env_host.manager import EnvManager, ManagerConfig, TurnCodec
 from rlfleet.daemons.env_host.routing import Router
 from rlfleet.daemons.tasks import get_task

@@ -1,6 +1,6 @@
 """Hypothesis strategies for hostile but *decodable* data-plane messages.
 
-Every example is a real wire message (common/wire.py) that ``encode`` accepts and
+Every example is a real wire message (common/wire/messages.py) that ``encode`` accepts and
 ``decode`` returns: the hostility is in the values, never in the framing (framing
 garbage is covered by tests/unit/test_wire.py). Values are drawn from the edges the
 receivers must survive: ints at and beyond the int64 range (msgpack carries up to
@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from rlfleet.common.arrays import Float32Array, Int32Array
-from rlfleet.common.wire import (Abort, Ack, GenerateRequest, GenerateResult, Prompt, RepackOrder,
-                                 RolloutStats, ScoredTrajectory, Segment, Trajectory, Turn)
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import (Abort, Ack, GenerateRequest, GenerateResult, Prompt, RepackOrder,
+                                          RolloutStats, ScoredTrajectory, Segment, Trajectory, Turn)
 
 U64_MAX = 2**64 - 1
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1

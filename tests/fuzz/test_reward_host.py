@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.reliable import ReliableSender
-from rlfleet.common.validation import check_message
-from rlfleet.common.wire import Prompt, Trajectory, WireError
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.wire.reliable import ReliableSender
+from rlfleet.common.wire.validation import check_message
+from rlfleet.common.wire.messages import Prompt, Trajectory, WireError
 from rlfleet.daemons.tasks import get_task
 from tests.integration.helpers import wait_for
 from tests.reward_host.fakes import FakeTrainer, trajectory

@@ -1,4 +1,4 @@
-"""Properties of the content checks (common/validation.py), in process, many examples:
+"""Properties of the content checks (common/wire/validation.py), in process, many examples:
 a hostile message is rejected with a content reason and nothing else; what passes is
 safe to carry on (int64, finite, bounded, 1-D, in the vocabulary); a legitimate
 message always passes; refusals are themselves sendable; rejections and handler
@@ -13,12 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlfleet.common import metrics, wire
-from rlfleet.common.arrays import Array, Float32Array, Int32Array
-from rlfleet.common.validation import Limits, check_message, confined, error_reply
-from rlfleet.common.wire import (CONTENT_REASONS, GenerateRequest, GenerateResult, Prompt,
-                                 ScoredTrajectory, Segment, Trajectory, Turn, WireError, decode,
-                                 encode)
+from rlfleet.common import metrics
+from rlfleet.common.wire import messages as wire
+from rlfleet.common.wire.arrays import Array, Float32Array, Int32Array
+from rlfleet.common.wire.validation import Limits, check_message, confined, error_reply
+from rlfleet.common.wire.messages import (CONTENT_REASONS, GenerateRequest, GenerateResult, Prompt, ScoredTrajectory,
+                                          Segment, Trajectory, Turn, WireError, decode, encode)
 
 from . import strategies as hs
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from rlfleet.common.etcd_store import EtcdStore
+from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.tools.lab.job import wait_for as poll_until
 
 T = TypeVar("T")

@@ -11,9 +11,9 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.members import members_from
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.members import members_from
 
 from .helpers import wait_for
 from .test_longtail_sim import TINY_MODEL, finish, needs_model, run_dir_of, steps

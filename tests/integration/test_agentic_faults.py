@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.members import members_from
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.members import members_from
 
 from .helpers import TINY_MODEL, wait_for
 from .test_longtail_sim import finish, run_dir_of, steps

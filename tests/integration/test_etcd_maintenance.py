@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.etcd_auth import EtcdCredentials
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.spec import load_spec
+from rlfleet.common.control.etcd_auth import EtcdCredentials
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.etcd_cmd import read_members
 from rlfleet.tools.etcd_local import EtcdCluster
 from rlfleet.tools.exit_codes import Exit
@@ -157,7 +157,7 @@ def test_an_unreachable_etcd_exits_3(tmp_path):
 
 
 def test_a_job_larger_than_one_transaction_is_restored_pacing_keys_first(tmp_path, etcd):
-    from rlfleet.common import job_snapshot
+    from rlfleet.common.control import job_snapshot
     with EtcdStore(etcd.endpoints) as store:
         for i in range(200):
             store.put(KEYS.placement(f"h{i % 5}", "rollout", f"rollout-{i}"),

@@ -11,10 +11,10 @@ import time
 import numpy
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.records import WeightsLatest
-from rlfleet.common.session import Session
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.records import WeightsLatest
+from rlfleet.common.control.session import Session
 from rlfleet.daemons.trainer.publishing import AsyncPublisher
 from rlfleet.relay.publisher import PublishFenced, WeightPublisher
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
 from rlfleet.tools.exit_codes import Exit
 
 from .helpers import REPO, write_spec

@@ -16,9 +16,10 @@ import time
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.spec import ROLES, load_spec
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.spec.placement import ROLES
+from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.exit_codes import Exit
 
 from .helpers import rlfleet, stop, wait_for, write_spec

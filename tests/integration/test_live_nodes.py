@@ -18,8 +18,8 @@ import sys
 
 import pytest
 
-from rlfleet.common.cluster import Cluster
-from rlfleet.common.etcd_store import EtcdStore
+from rlfleet.common.control.cluster import Cluster
+from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.tools.exit_codes import Exit
 
 from .helpers import TINY_MODEL, rlfleet, stop, wait_for, write_spec

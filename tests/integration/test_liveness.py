@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.procs import ProcessId, boot_id
-from rlfleet.common.spec import load_spec
+from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.exit_codes import Exit
 
 from .helpers import rlfleet, stop, wait_for, write_spec

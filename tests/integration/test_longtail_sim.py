@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.members import members_from
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.members import members_from
 from rlfleet.tools.exit_codes import Exit
 
 from .helpers import TINY_MODEL, wait_for

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.procs import ProcessId, boot_id
-from rlfleet.common.session import Session
+from rlfleet.common.control.session import Session
 
 from .helpers import wait_for
 

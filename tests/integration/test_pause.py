@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.spec import load_spec
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.exit_codes import Exit
 
 from .helpers import TINY_MODEL, agent_host_placement, rlfleet, stop, wait_for, write_spec

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
 from rlfleet.tools.exit_codes import Exit
 
 from .helpers import REPO, TINY_MODEL, rlfleet, stop, wait_for

@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.procs import ProcessId, boot_id
-from rlfleet.common.spec import load_spec
+from rlfleet.common.spec.job import load_spec
 from rlfleet.common.failpoints import DAEMON as DAEMON_FAILPOINT_ENV
 from rlfleet.tools.etcd_local import EtcdCluster
 from rlfleet.tools.exit_codes import Exit

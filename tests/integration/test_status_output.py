@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
 from rlfleet.tools.exit_codes import Exit
 
 LONG_ID = "resource-manager-on-a-machine-with-a-rather-long-name-0"

@@ -7,8 +7,8 @@ import urllib.request
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore, parse_endpoints
-from rlfleet.common.store import LeaseExpired, StoreUnavailable
+from rlfleet.common.control.etcd_store import EtcdStore, parse_endpoints
+from rlfleet.common.control.store import LeaseExpired, StoreUnavailable
 
 from .helpers import wait_for
 

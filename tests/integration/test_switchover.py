@@ -15,12 +15,12 @@ import time
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.members import Leader
-from rlfleet.common.operations import Switchover
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.members import Leader
+from rlfleet.common.control.operations import Switchover
 from rlfleet.common.procs import ProcessId, boot_id, start_ticks
-from rlfleet.common.spec import load_spec
+from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.exit_codes import Exit
 
 from .helpers import rlfleet, stop, wait_for, write_spec

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import torch
 
-from rlfleet.common.records import RelayMaster
+from rlfleet.common.control.records import RelayMaster
 from rlfleet.relay.publisher import WeightPublisher
 from rlfleet.relay.reader import WeightReader
 from rlfleet.relay.status import chain_status, chain_table, versions_table

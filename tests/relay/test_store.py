@@ -12,8 +12,8 @@ import uuid
 import numpy as np
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
 from rlfleet.relay.manifest import build_manifest
 from rlfleet.relay.reader import WeightReader, WeightsUnavailable
 from rlfleet.relay.shm import RejectError, WeightStore
@@ -98,7 +98,7 @@ def test_a_reader_killed_while_holding_releases_its_hold(local, tmp_path):
     script = tmp_path / "hold.py"
     script.write_text(
         "import sys, time\n"
-        "from rlfleet.common.etcd_store import EtcdStore\n"
+        "from rlfleet.common.control.etcd_store import EtcdStore\n"
         "from rlfleet.relay.reader import WeightReader\n"
         f"r = WeightReader(EtcdStore({store.describe()!r}), {JOB!r}, 'h0')\n"
         "with r.open(1):\n"

@@ -3,8 +3,8 @@ fresh read gives, also when the watch replays events older than its last reload.
 
 from __future__ import annotations
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
 from rlfleet.relay.topology import ChainFollower, read_chain
 
 KEYS = JobKeys("topology")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from rlfleet.common.sockets import ReliableReceiver
-from rlfleet.common.wire import Float32Array, Int32Array, ScoredTrajectory, Trajectory, Turn
+from rlfleet.common.wire.reliable import ReliableReceiver
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import ScoredTrajectory, Trajectory, Turn
 from rlfleet.daemons.tasks import Prompt
 
 

@@ -8,10 +8,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.outbox import OutboxThread
-from rlfleet.common.wire import Trajectory
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.wire.outbox import OutboxThread
+from rlfleet.common.wire.messages import Trajectory
 from tests.integration.helpers import rlfleet, stop, wait_for, write_spec
 
 from .fakes import FakeTrainer

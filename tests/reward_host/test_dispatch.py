@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlfleet.common.wire import Prompt, Trajectory
+from rlfleet.common.wire.messages import Prompt, Trajectory
 from rlfleet.daemons.reward_host.dispatch import Dispatch, FifoDispatch, arrival
 from rlfleet.daemons.reward_host.workers import RewardJob, RewardPool
 
@@ -103,7 +103,7 @@ def test_what_becomes_of_an_arriving_trajectory(key, t, verdict, why):
 
 
 def test_the_fifo_kind_is_the_default_of_the_dispatch_registry():
-    from rlfleet.common.seams import REWARD_DISPATCH
+    from rlfleet.common.spec.seams import REWARD_DISPATCH
 
     config = REWARD_DISPATCH.default_config()
     assert config.kind == "fifo"

@@ -10,11 +10,12 @@ import time
 
 import pytest
 
-from rlfleet.common.seams import REWARD_BACKENDS
-from rlfleet.common.sockets import ReliableReceiver, ReliableSender
-from rlfleet.common.wire import Trajectory
+from rlfleet.common.spec.seams import REWARD_BACKENDS
+from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
+from rlfleet.common.wire.messages import Trajectory
 from rlfleet.daemons.reward_host.backends import RewardBackend
-from rlfleet.common.spec import SpecError, load_spec
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import load_spec
 from rlfleet.daemons.reward_host.pipeline import PipelineConfig
 from rlfleet.daemons.reward_host.pipeline_backend import PipelineBackend, held_count
 from rlfleet.daemons.reward_host.service import RewardService, batch_of
@@ -304,7 +305,7 @@ def test_the_planner_keeps_history_batches_per_tenant():
 
 def test_the_example_round_trips_through_its_json_form():
     """The spec travels through etcd as JSON: each stage's worker keeps its own keys."""
-    from rlfleet.common.spec import parse_spec
+    from rlfleet.common.spec.job import parse_spec
 
     spec = load_spec(REPO / "examples" / "arithmetic-multistage.toml")
     again = parse_spec(json.loads(json.dumps(spec.to_dict())))

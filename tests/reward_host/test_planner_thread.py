@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import REGISTRY
 
-from rlfleet.common.sockets import ReliableReceiver, ReliableSender
-from rlfleet.common.wire import Trajectory
+from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
+from rlfleet.common.wire.messages import Trajectory
 from rlfleet.daemons.reward_host.planner_thread import PlannerThread, PlanRequest
 from rlfleet.daemons.reward_host.scaling import History, Plan, ScalingPlanner
 from rlfleet.daemons.reward_host.service import RewardService

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.spec import SpecError, load_spec
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 HEAD = f"""\
@@ -110,7 +111,7 @@ def test_validating_imports_no_http_client():
     import subprocess
     import sys
 
-    code = ("import sys\nfrom rlfleet.common.spec import load_spec\n"
+    code = ("import sys\nfrom rlfleet.common.spec.job import load_spec\n"
             f"load_spec({str(REPO / 'examples' / 'arithmetic-remote.toml')!r})\n"
             "print(sorted(m for m in ('httpx2', 'asyncio', 'zmq') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from rlfleet.common.log_throttle import LogThrottle
-from rlfleet.common.sockets import ReliableReceiver, ReliableSender
-from rlfleet.common.wire import Trajectory
+from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
+from rlfleet.common.wire.messages import Trajectory
 from rlfleet.daemons.reward_host.service import RewardService
 from rlfleet.daemons.reward_host.workers import RewardPool
 from rlfleet.daemons.tasks import get_task

@@ -1,4 +1,4 @@
-"""The shared reward service's spec file is read as a job spec is (common/spec_file.py):
+"""The shared reward service's spec file is read as a job spec is (common/spec/file.py):
 it used to be read whole, whatever it was, before anything checked it."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from rlfleet.common.spec import SpecError
-from rlfleet.common.spec_file import MAX_SPEC_BYTES
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.file import MAX_SPEC_BYTES
 from rlfleet.daemons.reward_host.shared_spec import load_service_spec
 
 

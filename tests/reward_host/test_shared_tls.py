@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.common.secret_files import write_private
-from rlfleet.common.spec import SpecError
+from rlfleet.common.spec.errors import SpecError
 from rlfleet.daemons.reward_host.remote import RemoteBackend
 from rlfleet.daemons.reward_host.remote_config import RemoteHttpConfig, TlsFileError
 from rlfleet.daemons.reward_host.shared_spec import parse_service_spec

@@ -12,7 +12,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from rlfleet.common.wire import Prompt
+from rlfleet.common.wire.messages import Prompt
 from rlfleet.daemons.reward_host.user_code import UserCode, UserCodeConfig, harness, parse_result
 from rlfleet.daemons.reward_host.workers import RewardJob
 

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlfleet.common.wire import GenerateRequest, GenerateResult, Int32Array, RepackOrder
+from rlfleet.common.wire.messages import GenerateRequest, GenerateResult, RepackOrder
+from rlfleet.common.wire.arrays import Int32Array
 from rlfleet.daemons.rollout.core import RolloutCore
 from rlfleet.daemons.rollout.engines import SimEngineConfig
 from rlfleet.daemons.rollout.sim_engine import SimEngine

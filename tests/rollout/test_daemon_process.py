@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.sockets import PeerTimeout, RequestClient
-from rlfleet.common.spec import load_spec
-from rlfleet.common.wire import Abort, RolloutStats
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.wire.sockets import PeerTimeout, RequestClient
+from rlfleet.common.spec.job import load_spec
+from rlfleet.common.wire.messages import Abort, RolloutStats
 from rlfleet.daemons.rollout.daemon import torch_threads
 
 from ..integration.helpers import rlfleet, stop, wait_for, write_spec

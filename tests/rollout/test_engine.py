@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet.common.wire import GenerateRequest, GenerateResult, Int32Array
+from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
+from rlfleet.common.wire.arrays import Int32Array
 from rlfleet.daemons.rollout.engine import TorchEngine
 from rlfleet.daemons.rollout.forward import LeanForward, ModelForward
 from rlfleet.daemons.rollout.slots import sample_rows

@@ -10,10 +10,10 @@ import logging
 import threading
 import time
 
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.members import RelayMember
-from rlfleet.common.sockets import RequestClient, RequestServer
-from rlfleet.common.store import KeyValue, StoreUnavailable
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.members import RelayMember
+from rlfleet.common.wire.sockets import RequestClient, RequestServer
+from rlfleet.common.control.store import KeyValue, StoreUnavailable
 from rlfleet.daemons.rollout.loop import EngineLoop
 from rlfleet.daemons.rollout.relay_source import RelayFollower, choose_relay
 
@@ -201,7 +201,7 @@ def test_the_follower_waits_on_a_watch_and_wakes_only_for_its_hosts_relays(etcd,
     """It read members/relay/ once a second; now once, then again only when a relay of
     its host registers, changes its store or state, or goes. A relay's registration
     changes with every version: those puts (and other hosts' relays) wake nothing."""
-    from rlfleet.common.etcd_store import EtcdStore
+    from rlfleet.common.control.etcd_store import EtcdStore
     from tests.integration.helpers import wait_for
 
     real = EtcdStore(etcd.endpoints)

@@ -14,7 +14,7 @@ import sys
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from rlfleet.common import curve
+from rlfleet.common.wire import curve
 
 EVENTS = {zmq.EVENT_HANDSHAKE_SUCCEEDED: "admitted",
           zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused (auth)",

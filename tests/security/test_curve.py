@@ -1,4 +1,4 @@
-"""CURVE for a whole process (common/curve.py): real sockets over loopback TCP. The
+"""CURVE for a whole process (common/wire/curve.py): real sockets over loopback TCP. The
 process-wide setup is switched on per test and off again after it."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import os
 import pytest
 import zmq
 
-from rlfleet.common import curve
-from rlfleet.common.edges import EDGES
-from rlfleet.common.spec_placement import ROLES
+from rlfleet.common.wire import curve
+from rlfleet.common.wire.edges import EDGES
+from rlfleet.common.spec.placement import ROLES
 from rlfleet.common.secret_files import SecretFileError
-from rlfleet.common.sockets import CurveKeys, PeerTimeout, RequestClient, RequestServer
-from rlfleet.common.wire import Abort
+from rlfleet.common.wire.sockets import CurveKeys, PeerTimeout, RequestClient, RequestServer
+from rlfleet.common.wire.messages import Abort
 
 LOCAL = "tcp://127.0.0.1:0"
 
@@ -145,7 +145,7 @@ def _admitted(server: RequestServer, setup: curve.CurveSetup) -> bool:
 
 
 def test_each_socket_admits_exactly_the_roles_of_its_edge(role_keys, caplog):
-    """Every (role, edge) pair: the 4 edges of common/edges.py admitted, the 17 others
+    """Every (role, edge) pair: the 4 edges of common/wire/edges.py admitted, the 17 others
     refused at the handshake with a log line naming the role and the edge."""
     caplog.set_level(logging.WARNING, logger="rlfleet.auth")
     assert len({role_keys[r].public for r in ROLES}) == len(ROLES)  # a pair each

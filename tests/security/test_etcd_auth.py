@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from rlfleet.common.etcd_auth import EtcdCredentials, StoreAuthError, open_store
+from rlfleet.common.control.etcd_auth import EtcdCredentials, StoreAuthError, open_store
 from rlfleet.common.secret_files import SecretFileError, write_private
-from rlfleet.common.store import StoreUnavailable
+from rlfleet.common.control.store import StoreUnavailable
 from rlfleet.tools.credentials import make_etcd_tls
 from rlfleet.tools.etcd_local import EtcdCluster
 from rlfleet.tools.exit_codes import Exit

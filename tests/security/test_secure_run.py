@@ -9,7 +9,7 @@ the trainer logs each refusal, and nothing of them reaches the journal.
 
 Then it plays a compromised daemon: with each role's own key pair (from the run's
 credentials), a client process of its own tries every server socket of the running
-daemons (trainer, reward-host, rollout). Exactly the edges of common/edges.py are
+daemons (trainer, reward-host, rollout). Exactly the edges of common/wire/edges.py are
 admitted; the reward-host's key, which the trainer admits, injects a trajectory of a
 prompt nobody claimed, and it is refused with the reason.
 """
@@ -24,13 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common import curve
-from rlfleet.common.etcd_auth import EtcdCredentials, open_store
-from rlfleet.common.edges import EDGES
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.spec_placement import ROLES
-from rlfleet.common.sockets import CurveKeys, ReliableSender
-from rlfleet.common.store import StoreUnavailable
+from rlfleet.common.wire import curve
+from rlfleet.common.control.etcd_auth import EtcdCredentials, open_store
+from rlfleet.common.wire.edges import EDGES
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.spec.placement import ROLES
+from rlfleet.common.wire.sockets import CurveKeys
+from rlfleet.common.wire.reliable import ReliableSender
+from rlfleet.common.control.store import StoreUnavailable
 from rlfleet.daemons.trainer.journal import Journal
 from rlfleet.tools.exit_codes import Exit
 

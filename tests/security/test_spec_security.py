@@ -1,10 +1,11 @@
-"""The [security] section of the job spec (common/spec.py): what `rlfleet job validate` says."""
+"""The [security] section of the job spec (common/spec/job.py): what `rlfleet job validate` says."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlfleet.common.spec import SpecError, parse_spec
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import parse_spec
 
 from ..integration.helpers import TINY_MODEL
 

@@ -18,9 +18,9 @@ import uuid
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.spec import load_spec
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.spec.job import load_spec
 from rlfleet.common.failpoints import DAEMON as DAEMON_FAILPOINT_ENV
 
 from ..integration.helpers import stop, wait_for, write_spec

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.wire import Float32Array, Int32Array, ScoredTrajectory, Trajectory, Turn
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import ScoredTrajectory, Trajectory, Turn
 
 VOCAB = 38  # the character tokenizer of tools/build_model.py: 4 specials + 34 characters
 
@@ -49,5 +50,5 @@ def scored(prompt_id: int, k: int, reward: float, *, prompt=(1, 5, 6), tokens=(7
 def claim_prompts(store, job: str, up_to: int = 1_000_000) -> None:
     """Play every env-host: prompts [0, up_to) claimed in etcd, so the trainer's intake
     (daemons/trainer/claimed.py) takes trajectories of any of them."""
-    from rlfleet.common.keys import JobKeys
+    from rlfleet.common.control.keys import JobKeys
     store.put(JobKeys(job).prompts_cursor, {"next": up_to, "claims": {"test-feeder": [[0, up_to]]}})

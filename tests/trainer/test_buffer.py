@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from rlfleet.common.spec import SpecError, load_spec, parse_spec
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import load_spec, parse_spec
 from rlfleet.daemons.trainer import buffer
 from rlfleet.daemons.trainer.journal import Journal
 from rlfleet.daemons.trainer.metrics_log import MetricsLog

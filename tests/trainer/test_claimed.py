@@ -3,8 +3,8 @@ skipped, and the intake does not wait on a dead etcd for every batch."""
 
 from __future__ import annotations
 
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.store import KeyValue, StoreUnavailable
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.store import KeyValue, StoreUnavailable
 from rlfleet.daemons.trainer.claimed import ClaimedPrompts
 
 KEYS = JobKeys("claimed")

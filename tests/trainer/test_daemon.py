@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.sockets import ReliableSender
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.daemons.trainer.journal import Journal
 from rlfleet.common.failpoints import TRAINER as FAILPOINT_ENV
 

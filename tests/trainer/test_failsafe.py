@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.records import RelayMaster, WeightsLatest
-from rlfleet.common.sockets import ReliableSender
-from rlfleet.common.spec import load_spec
-from rlfleet.common.store import StoreUnavailable
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.records import RelayMaster, WeightsLatest
+from rlfleet.common.wire.reliable import ReliableSender
+from rlfleet.common.spec.job import load_spec
+from rlfleet.common.control.store import StoreUnavailable
 
 from ..integration.helpers import TINY_MODEL, stop, wait_for, write_spec
 from .conftest import claim_prompts, scored

@@ -8,8 +8,8 @@ import json
 import subprocess
 import sys
 
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.sockets import ReliableSender
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.tools.exit_codes import Exit
 
 from ..integration.helpers import stop, wait_for

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.common.seams import POLICY_LOSSES
-from rlfleet.common.spec import SpecError, load_spec
+from rlfleet.common.spec.seams import POLICY_LOSSES
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import load_spec
 from rlfleet.daemons.trainer.losses import (
     CISPOLoss,
     DecoupledPPOLoss,

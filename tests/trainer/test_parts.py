@@ -11,8 +11,8 @@ from collections import Counter
 
 import msgspec
 
-from rlfleet.common.spec import parse_spec
-from rlfleet.common.wire import ScoredTrajectory
+from rlfleet.common.spec.job import parse_spec
+from rlfleet.common.wire.messages import ScoredTrajectory
 from rlfleet.daemons.trainer.intake import Intake, triage
 from rlfleet.daemons.trainer.journal import Journal
 from rlfleet.daemons.trainer.metrics_log import MetricsLog

@@ -8,7 +8,7 @@ import time
 
 from prometheus_client import REGISTRY
 
-from rlfleet.common.keys import JobKeys
+from rlfleet.common.control.keys import JobKeys
 
 from ..integration.helpers import wait_for
 from .test_worker import pair, send, start_worker

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.sockets import ReliableSender
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.common.failpoints import TRAINER as FAILPOINT_ENV
 from rlfleet.daemons.trainer.journal import Journal
 from rlfleet.tools.report import read_metrics, summary

@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.sockets import ReliableSender
-from rlfleet.common.spec import parse_spec
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.wire.reliable import ReliableSender
+from rlfleet.common.spec.job import parse_spec
 from rlfleet.daemons.trainer import training as training_module
 from rlfleet.daemons.trainer.worker import TrainingWorker
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.operations import Admission, NodeState
-from rlfleet.common.spec import SpecError, parse_spec
+from rlfleet.common.control.operations import Admission, NodeState
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import parse_spec
 from rlfleet.daemons.resource_manager.admission import Fleet, decide
 
 BASE = {

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from rlfleet.common.members import Member
+from rlfleet.common.control.members import Member
 from rlfleet.daemons.agent import http
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlfleet.common.placement import Placed
+from rlfleet.common.control.placement import Placed
 from rlfleet.daemons.agent import policy
 from rlfleet.daemons.agent.policy import CrashLoop, Tracked
 

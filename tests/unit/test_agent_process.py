@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from rlfleet.common.placement import Placed
+from rlfleet.common.control.placement import Placed
 from rlfleet.daemons.agent.policy import CrashLoop
 from rlfleet.daemons.agent.process import ProcessBackend
 from rlfleet.daemons.agent.reconciler import Reconciler

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.placement import Placed
-from rlfleet.common.seams import sandboxed_roles
-from rlfleet.common.spec import load_spec, parse_spec
+from rlfleet.common.control.placement import Placed
+from rlfleet.common.spec.seams import sandboxed_roles
+from rlfleet.common.spec.job import load_spec, parse_spec
 from rlfleet.daemons.agent.daemon import unit_env
 from rlfleet.daemons.agent.policy import CrashLoop
 from rlfleet.daemons.agent.reconciler import Reconciler

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import urllib.request
 
-from rlfleet.common.etcd_store import EtcdStore
+from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.tools.bench.etcd_requests import parse_metrics, report
 
 

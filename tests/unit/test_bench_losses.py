@@ -30,7 +30,7 @@ def test_the_loss_table_is_replaced_whole_and_stress_sets_alpha(tmp_path):
     assert bench.overrides_for("cispo", True, 8) == {"trainer.loss": {"kind": "cispo"}, "trainer.max_staleness": 8}
     # applied to the shipped example, the spec validates: ppo_clip's clip_eps does not
     # follow into a kind that has no such key
-    from rlfleet.common.spec import load_spec
+    from rlfleet.common.spec.job import load_spec
 
     path = spec_for(REPO / "examples", "arithmetic", 1, bench.overrides_for("topr", True, 8))
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from rlfleet.common.spec import load_spec
+from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.bench.pacing import spec_with
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -1,5 +1,5 @@
 """What the `rlfleet` commands that talk to etcd share (tools/cli_etcd.py): every --job
-takes only a name a spec could have (common/keys.py's rule). Before, `rlfleet status
+takes only a name a spec could have (common/control/keys.py's rule). Before, `rlfleet status
 --job ../x` built keys from it and ended in a ValueError traceback (exit 1)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rlfleet.common.keys import JOB_NAME_RULE, is_job_name
+from rlfleet.common.job_name import JOB_NAME_RULE, is_job_name
 from rlfleet.tools.exit_codes import Exit
 
 DEAD_ETCD = "127.0.0.1:1"  # not reached: the name is refused first (exit 3 would say otherwise)

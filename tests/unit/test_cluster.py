@@ -1,5 +1,5 @@
-"""Typed etcd records (common/records.py, common/members.py) and the whole-job
-snapshot (common/cluster.py): good values, malformed values, immutability, and
+"""Typed etcd records (common/control/records.py, common/control/members.py) and the whole-job
+snapshot (common/control/cluster.py): good values, malformed values, immutability, and
 that keys are spelled and values parsed only in common/."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import Mapping
 
 import pytest
 
-from rlfleet.common.cluster import Cluster
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import ROOT_PREFIX, JobKeys, job_of
-from rlfleet.common.members import Leader, Member, Node, Placement, RelayMember, members_from, placements_from
-from rlfleet.common.records import (Checkpoint, PromptCursor, RelayChain, RelayLayoutRequest, RelayMaster,
-                                    TrainerProgress, WeightsLatest)
-from rlfleet.common.store import KeyValue
+from rlfleet.common.control.cluster import Cluster
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import ROOT_PREFIX, JobKeys, job_of
+from rlfleet.common.control.members import Leader, Member, Node, Placement, RelayMember, members_from, placements_from
+from rlfleet.common.control.records import (Checkpoint, PromptCursor, RelayChain, RelayLayoutRequest, RelayMaster,
+                                            TrainerProgress, WeightsLatest)
+from rlfleet.common.control.store import KeyValue
 
 K = JobKeys("demo")
 REPO = Path(__file__).resolve().parents[2]
@@ -228,9 +228,9 @@ def test_job_of():
 
 # -- keys spelled and values parsed only in common/ ------------------------------------
 SOURCE_DIRS = ("common", "daemons", "relay", "tools")
-PARSERS = {"common/keys.py", "common/records.py", "common/members.py", "common/cluster.py",
-           "common/operations.py", "common/store.py", "common/etcd_store.py",
-           "common/job_snapshot.py"}  # snapshot/restore copy raw values on purpose
+PARSERS = {"common/control/keys.py", "common/control/records.py", "common/control/members.py", "common/control/cluster.py",
+           "common/control/operations.py", "common/control/store.py", "common/control/etcd_store.py",
+           "common/control/job_snapshot.py"}  # snapshot/restore copy raw values on purpose
 
 
 def _sources():
@@ -258,7 +258,7 @@ def test_keys_are_spelled_only_in_common_keys():
     key_like = re.compile(r"/rlfleet(/|$)|^(members|leader|nodes|placement|relay|weights|trainer|prompts)/")
     found = []
     for rel, text in _sources():
-        if rel == "common/keys.py":
+        if rel == "common/control/keys.py":
             continue
         tree = ast.parse(text)
         docs = _docstrings(tree)
@@ -267,7 +267,7 @@ def test_keys_are_spelled_only_in_common_keys():
                 # Filesystem paths on a host (/opt/rlfleet/venv, /etc/rlfleet/jobs) are no keys.
                 if key_like.search(node.value) and not node.value.startswith(FILESYSTEM_ROOTS):
                     found.append(f"{rel}:{node.lineno}: {node.value!r}")
-    assert not found, "etcd keys spelled outside common/keys.py:\n" + "\n".join(found)
+    assert not found, "etcd keys spelled outside common/control/keys.py:\n" + "\n".join(found)
 
 
 def test_values_are_parsed_only_in_common():
@@ -287,5 +287,5 @@ def test_values_are_parsed_only_in_common():
                 if rel == "tools/cli.py" and "json.dumps(kv.value, sort_keys=True)" in code:
                     continue
                 found.append(f"{rel}:{lineno}: {line.strip()}")
-    assert not found, ("raw etcd values read outside common/ (use a record from common/records.py "
-                       "or common/members.py):\n" + "\n".join(found))
+    assert not found, ("raw etcd values read outside common/ (use a record from common/control/records.py "
+                       "or common/control/members.py):\n" + "\n".join(found))

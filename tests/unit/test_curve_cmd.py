@@ -9,7 +9,7 @@ import stat
 
 from click.testing import CliRunner
 
-from rlfleet.common import curve
+from rlfleet.common.wire import curve
 from rlfleet.tools.cli import main
 
 

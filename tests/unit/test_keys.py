@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlfleet.common.keys import JobKeys
+from rlfleet.common.control.keys import JobKeys
 
 
 def test_layout_matches_architecture():

@@ -1,9 +1,16 @@
-"""Layers: common <- relay <- daemons <- tools, and no daemon imports another daemon.
+"""Layers: common <- relay <- daemons <- tools, and no daemon imports another daemon;
+inside common, its small shared modules <- spec <- {control, wire, sandbox} <- daemon,
+security, with no edge between control, wire and sandbox.
 
 Every module's imports are read with `ast` (module-level and inside functions,
 absolute and relative), resolved to rlfleet module names, and checked:
 
 - a module may import only from its own layer or a lower one;
+- inside common (COMMON_LAYERS): a module imports only from its own sub-package or a
+  lower level, and the sub-packages of one level (control, wire, sandbox: the etcd
+  plane, the data plane, the sandbox) do not import each other; common's top-level
+  modules are level 0 (small shared ones) unless listed (daemon, security: they
+  assemble the others);
 - a module inside one daemon's package (rlfleet.daemons.<daemon>) may not import
   another daemon's package. Shared libraries of the daemons layer (SHARED below,
   e.g. rlfleet.daemons.tasks) and rlfleet.daemons itself are not daemons: any
@@ -24,6 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "rlfleet"
 LAYERS = {"common": 0, "relay": 1, "daemons": 2, "tools": 3}  # folder = rlfleet.<folder>
 SHARED = {"tasks"}  # rlfleet.daemons.<name> that are libraries, not daemons
+# rlfleet.common.<name>: its level; unlisted top-level modules are 0 (docs/design/layout.md).
+COMMON_LAYERS = {"spec": 1, "control": 2, "wire": 2, "sandbox": 2, "daemon": 3, "security": 3}
+COMMON_PACKAGES = {"spec", "control", "wire", "sandbox"}
 
 
 def module_of(root: Path, path: Path) -> tuple[str, bool]:
@@ -83,6 +93,13 @@ def edge_problem(importer: str, imported: str) -> str | None:
     src, dst = LAYERS[src_parts[1]], LAYERS[dst_parts[1]]
     if dst > src:
         return f"upward: {src_parts[1]} (layer {src}) imports {dst_parts[1]} (layer {dst})"
+    if src == dst == LAYERS["common"] and len(src_parts) > 2 and len(dst_parts) > 2:
+        a, b = src_parts[2], dst_parts[2]
+        la, lb = COMMON_LAYERS.get(a, 0), COMMON_LAYERS.get(b, 0)
+        if lb > la:
+            return f"upward: common.{a} (level {la}) imports common.{b} (level {lb})"
+        if la == lb and a != b and a in COMMON_PACKAGES and b in COMMON_PACKAGES:
+            return f"sideways: common.{a} imports common.{b} (level {la})"
     a, b = _daemon_of(importer), _daemon_of(imported)
     if src == LAYERS["daemons"] and b is not None and a != b:  # tools may use any daemon
         return f"sideways: {'daemon ' + a if a else importer} imports daemon {b}"
@@ -115,6 +132,16 @@ def test_the_checker_finds_every_kind_of_bad_edge_and_passes_good_ones(tmp_path)
         "common/__init__.py": "",
         "common/wire.py": "import json\n",
         "common/bad.py": "def f():\n    from rlfleet.relay import reader\n",   # upward, in a function
+        "common/spec/__init__.py": "",
+        "common/logs.py": "",
+        "common/spec/job.py": "from rlfleet.common import logs\n",              # fine: a level-0 module
+        "common/spec/bad.py": "from rlfleet.common.control import keys\n",     # upward inside common
+        "common/control/__init__.py": "",
+        "common/control/keys.py": "from ..spec import job\n",                  # fine: downward
+        "common/control/bad.py": "from rlfleet.common.sandbox import parent\n",  # sideways inside common
+        "common/sandbox/__init__.py": "",
+        "common/sandbox/parent.py": "",
+        "common/daemon.py": "from .control import keys\nfrom .sandbox import parent\n",  # fine: the top
         "relay/__init__.py": "",
         "relay/reader.py": "from ..common import wire\n",                        # fine
         "relay/bad.py": "import rlfleet.daemons.trainer\n",                       # upward
@@ -132,6 +159,10 @@ def test_the_checker_finds_every_kind_of_bad_edge_and_passes_good_ones(tmp_path)
     })
     assert violations(root) == [
         "common/bad.py:2: imports rlfleet.relay.reader (upward: common (layer 0) imports relay (layer 1))",
+        "common/control/bad.py:1: imports rlfleet.common.sandbox.parent "
+        "(sideways: common.control imports common.sandbox (level 2))",
+        "common/spec/bad.py:1: imports rlfleet.common.control.keys "
+        "(upward: common.spec (level 1) imports common.control (level 2))",
         "relay/bad.py:1: imports rlfleet.daemons.trainer (upward: relay (layer 1) imports daemons (layer 2))",
         "daemons/env_host/outbox.py:1: imports rlfleet.tools.cli "
         "(upward: daemons (layer 2) imports tools (layer 3))",

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.common.spec import SpecError, parse_spec
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import parse_spec
 from rlfleet.daemons.trainer import megatron_weights as mw
 
 REPO = Path(__file__).resolve().parents[2]
@@ -172,7 +173,7 @@ def test_validating_a_megatron_spec_imports_neither_torch_nor_megatron(tmp_path)
                     """[task.env]\nkind = "arithmetic"\n[trainer.backend]\nkind = "megatron"\n""")
     code = textwrap.dedent(f"""
         import sys
-        from rlfleet.common.spec import load_spec
+        from rlfleet.common.spec.job import load_spec
         assert load_spec({str(spec)!r}).trainer.backend.kind == "megatron"
         print(",".join(sorted(m for m in ("torch", "megatron", "transformers", "numpy")
                               if m in sys.modules)))

@@ -14,20 +14,11 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from rlfleet.common.registry import Kind, KindConfig, Registry, RegistryError, UnknownKind, import_failure
-from rlfleet.common.seams import (
-    ENV_ROUTERS,
-    POLICY_LOSSES,
-    REPACK_PLANNERS,
-    REWARD_BACKENDS,
-    REWARD_DISPATCH,
-    ROLLOUT_ENGINES,
-    SEAMS,
-    TASKS,
-    TRAINER_BACKENDS,
-)
-from rlfleet.common.spec_errors import describe, dotted
-from rlfleet.common.spec_fields import PosInt
+from rlfleet.common.spec.registry import Kind, KindConfig, Registry, RegistryError, UnknownKind, import_failure
+from rlfleet.common.spec.seams import (ENV_ROUTERS, POLICY_LOSSES, REPACK_PLANNERS, REWARD_BACKENDS, REWARD_DISPATCH,
+                                       ROLLOUT_ENGINES, SEAMS, TASKS, TRAINER_BACKENDS)
+from rlfleet.common.spec.errors import describe, dotted
+from rlfleet.common.spec.fields import PosInt
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP = "rlfleet.test_seam"  # no distribution declares it: only monkeypatched entry points
@@ -84,7 +75,7 @@ def registry(monkeypatch) -> Registry:
 
 
 def holder(registry: Registry) -> type[BaseModel]:
-    """A spec section with one tagged table, as common/spec.py declares them."""
+    """A spec section with one tagged table, as common/spec/job.py declares them."""
 
     class Section(BaseModel):
         model_config = ConfigDict(extra="forbid", frozen=True)
@@ -261,7 +252,7 @@ def test_validating_a_spec_imports_no_implementation(tmp_path):
                    """[task.env]\nkind = "sim"\n[trainer.backend]\nkind = "sim"\n""")
     code = textwrap.dedent(f"""
         import sys
-        from rlfleet.common.spec import load_spec
+        from rlfleet.common.spec.job import load_spec
         load_spec({str(REPO / 'examples' / 'frozenlake.toml')!r})
         load_spec({str(REPO / 'examples' / 'arithmetic-vllm.toml')!r})  # the vllm kind's check too
         assert load_spec({str(sim)!r}).trainer.backend.kind == "sim"

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from rlfleet.common.job_secret import ENV_VAR, JobSecretError, job_secret_from_env, load_job_secret
-from rlfleet.common.spec import SpecError, parse_spec
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import parse_spec
 from rlfleet.common.weights_size import model_float32_bytes
 from rlfleet.relay.admission import CEILING_SLACK_BYTES, ceiling_bytes
 

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlfleet.common.seams import REPACK_PLANNERS
-from rlfleet.common.wire import RolloutStats
+from rlfleet.common.spec.seams import REPACK_PLANNERS
+from rlfleet.common.wire.messages import RolloutStats
 from rlfleet.daemons.repack_manager.planners import (LaminarConfig, LaminarKind, LaminarPlanner, Move,
                                                      NoPlanner, Plan)
 from rlfleet.daemons.repack_manager.rollout_view import (REJECTION_CODES, Rejection, RolloutLoad,

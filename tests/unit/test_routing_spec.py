@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.spec import SpecError, load_spec
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import load_spec
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen2"
 needs_model = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="models/tiny-qwen2 not built")

@@ -1,4 +1,4 @@
-"""common/sandbox.py on this machine: real children, each hostile program contained and
+"""common/sandbox/parent.py on this machine: real children, each hostile program contained and
 named precisely, nothing left running, nothing written outside the private directory."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common import sandbox as sandbox_module
-from rlfleet.common.sandbox import Sandbox, SandboxLimits, SandboxUnavailable, processes_of
+from rlfleet.common.sandbox import parent as sandbox_module
+from rlfleet.common.sandbox.parent import Sandbox, SandboxLimits, SandboxUnavailable, processes_of
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root "
                                 "(namespaces, setuid): see docs/operations/sandbox.md")
@@ -229,7 +229,7 @@ def run_as_unit(tmp_path: Path, sources: dict[str, str], caps: str | None) -> di
         os.chown(state, UNIT_UID, UNIT_UID)
         os.chmod(code, 0o755)
         module = Path(sandbox_module.__file__)
-        for name in (module.name, "sandbox_child.py"):
+        for name in (module.name, "child.py"):
             shutil.copy(module.with_name(name), code / name)
             os.chmod(code / name, 0o644)
         raised = ",+" + caps.replace(",", ",+") if caps else ""

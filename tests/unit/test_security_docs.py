@@ -1,12 +1,12 @@
-"""docs/operations/security.md's table of role-to-socket edges says what common/edges.py enforces."""
+"""docs/operations/security.md's table of role-to-socket edges says what common/wire/edges.py enforces."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from rlfleet.common.edges import EDGES
-from rlfleet.common.spec_placement import ROLES
+from rlfleet.common.wire.edges import EDGES
+from rlfleet.common.spec.placement import ROLES
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operations" / "security.md"
 

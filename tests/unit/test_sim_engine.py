@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.seams import ROLLOUT_ENGINES
-from rlfleet.common.spec import SpecError, load_spec, parse_spec
-from rlfleet.common.wire import GenerateRequest, Int32Array
+from rlfleet.common.spec.seams import ROLLOUT_ENGINES
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import load_spec, parse_spec
+from rlfleet.common.wire.messages import GenerateRequest
+from rlfleet.common.wire.arrays import Int32Array
 from rlfleet.daemons.rollout.engines import SimEngineConfig
 from rlfleet.daemons.rollout.sim_engine import SimEngine
 from rlfleet.daemons.rollout.sim_lengths import (

@@ -12,32 +12,13 @@ import msgspec
 import pytest
 import zmq
 
-from rlfleet.common import wire
-from rlfleet.common.sockets import (
-    AsyncRequestClient,
-    CurveKeys,
-    PeerTimeout,
-    ReliableReceiver,
-    ReliableSender,
-    RequestClient,
-    RequestServer,
-    bind,
-    make_socket,
-)
-from rlfleet.common.wire import (
-    Abort,
-    Ack,
-    Float32Array,
-    GenerateRequest,
-    GenerateResult,
-    Int32Array,
-    RepackOrder,
-    RolloutStats,
-    ScoredTrajectory,
-    Trajectory,
-    Turn,
-    encode,
-)
+from rlfleet.common.wire import messages as wire
+from rlfleet.common.wire.async_client import AsyncRequestClient
+from rlfleet.common.wire.sockets import CurveKeys, PeerTimeout, RequestClient, RequestServer, bind, make_socket
+from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
+from rlfleet.common.wire.messages import (Abort, Ack, GenerateRequest, GenerateResult, RepackOrder, RolloutStats,
+                                          ScoredTrajectory, Trajectory, Turn, encode)
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
 
 LOCAL = "tcp://127.0.0.1:0"
 BIG = 5000  # int32 elements: 20 kB, sent as an out-of-band frame
@@ -405,8 +386,8 @@ def test_ack_type_is_the_only_thing_a_sender_accepts() -> None:
 
 
 def test_take_acked_names_the_acknowledged_keys():
-    from rlfleet.common.sockets import ReliableReceiver, ReliableSender
-    from rlfleet.common.wire import Abort
+    from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
+    from rlfleet.common.wire.messages import Abort
 
     receiver = ReliableReceiver("tcp://127.0.0.1:0")
     sender = ReliableSender(receiver.endpoint, resend_after_s=0.2)
@@ -436,7 +417,7 @@ def test_the_shared_context_holds_more_sockets_than_zeromqs_default_1023():
     # An env-host of a 1,000-rollout fleet holds a DEALER and its monitor per rollout.
     import zmq
 
-    from rlfleet.common.sockets import make_socket
+    from rlfleet.common.wire.sockets import make_socket
 
     socks = [make_socket(zmq.DEALER, server=False) for _ in range(1100)]
     try:

@@ -8,14 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.spec import (
-    ROLES,
-    SINGLETON_ROLES,
-    JobSpec,
-    SpecError,
-    load_spec,
-    parse_spec,
-)
+from rlfleet.common.spec.placement import ROLES, SINGLETON_ROLES
+from rlfleet.common.spec.job import JobSpec, load_spec, parse_spec
+from rlfleet.common.spec.errors import SpecError
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.toml") if not p.name.startswith("."))  # not bench variants

@@ -1,4 +1,4 @@
-"""A spec file read from disk (common/spec_file.py): only a regular file, at most
+"""A spec file read from disk (common/spec/file.py): only a regular file, at most
 MAX_SPEC_BYTES, and TOML too deeply nested to parse is one error line, not a traceback.
 Before: `rlfleet job validate /dev/zero` read 3.5 GB in 8 s, a FIFO blocked it forever,
 and a 100k-deep array ended in a RecursionError (exit 1)."""
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.spec import SpecError, load_spec
-from rlfleet.common.spec_file import MAX_SPEC_BYTES
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import load_spec
+from rlfleet.common.spec.file import MAX_SPEC_BYTES
 from rlfleet.tools.exit_codes import Exit
 
 CLI = [sys.executable, "-m", "rlfleet.tools.cli"]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.spec import SpecError, load_spec
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import load_spec
 
 from tests.integration.helpers import TINY_MODEL
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rlfleet.common.spec import load_spec
-from rlfleet.common.spec_overrides import with_bind_host
+from rlfleet.common.spec.job import load_spec
+from rlfleet.common.spec.overrides import with_bind_host
 
 from tests.integration.helpers import write_spec
 

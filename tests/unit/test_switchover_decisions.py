@@ -1,10 +1,10 @@
-"""The decisions of common/switchover.py: what a leader and a candidate do about a
+"""The decisions of common/control/switchover.py: what a leader and a candidate do about a
 `switchover/<role>` request."""
 
 from __future__ import annotations
 
-from rlfleet.common.operations import Switchover
-from rlfleet.common.switchover import DONE, HAND_OVER, STAY, leader_action, vacancy_target
+from rlfleet.common.control.operations import Switchover
+from rlfleet.common.control.switchover import DONE, HAND_OVER, STAY, leader_action, vacancy_target
 
 ROLE = "resource-manager"
 

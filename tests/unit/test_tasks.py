@@ -238,7 +238,7 @@ def test_sim_bad_knobs_are_refused_with_their_names():
 
 
 def test_sim_kind_defaults_are_the_tasks():
-    from rlfleet.common.seams import TASKS
+    from rlfleet.common.spec.seams import TASKS
     from rlfleet.daemons.tasks.sim import MAX_NEW_TOKENS_LIMIT
 
     config = TASKS.get("sim").Config()

@@ -29,13 +29,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.members import Member
-from rlfleet.common.records import RelayMaster, WeightsLatest
-from rlfleet.common.sockets import ReliableSender
-from rlfleet.common.store import StoreUnavailable
-from rlfleet.common.wire import Float32Array, Int32Array, ScoredTrajectory, Trajectory, Turn
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.members import Member
+from rlfleet.common.control.records import RelayMaster, WeightsLatest
+from rlfleet.common.wire.reliable import ReliableSender
+from rlfleet.common.control.store import StoreUnavailable
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import ScoredTrajectory, Trajectory, Turn
 from rlfleet.tools.etcd_local import EtcdCluster
 
 JOB = "failsafe"
@@ -158,7 +159,7 @@ def run_once(outage_s: float, warmup_s: float, after_s: float, rate: float, chec
     spec.write_text(SPEC.format(job=JOB, runs=tmp / "runs", model=model, checkpoint_every=checkpoint_every))
     keys = JobKeys(JOB)
     store = EtcdStore(cluster.endpoints, timeout_s=0.5)
-    from rlfleet.common.spec import load_spec
+    from rlfleet.common.spec.job import load_spec
     store.put(keys.spec, load_spec(spec).to_dict())
     # The feeder plays the env-hosts too: its prompts are claimed, as the trainer's intake requires.
     store.put(keys.prompts_cursor, {"next": 10**9, "claims": {"feeder": [[0, 10**9]]}})

@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.table is not None:
         print(markdown_table(load_records(args.table)))
         return 0
-    from rlfleet.common.seams import POLICY_LOSSES
+    from rlfleet.common.spec.seams import POLICY_LOSSES
 
     losses = [x.strip() for x in args.losses.split(",") if x.strip()]
     unknown = sorted(set(losses) - set(POLICY_LOSSES.names()))

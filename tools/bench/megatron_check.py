@@ -42,7 +42,8 @@ def make_batch(vocab: int, groups: int, group_size: int, seed: int):
     filled in by the caller (the policy's own, so step 1 is on-policy)."""
     import random
 
-    from rlfleet.common.wire import Float32Array, Int32Array, ScoredTrajectory, Trajectory, Turn
+    from rlfleet.common.wire.arrays import Float32Array, Int32Array
+    from rlfleet.common.wire.messages import ScoredTrajectory, Trajectory, Turn
 
     rng = random.Random(seed)
     out = []
@@ -66,7 +67,7 @@ def with_behaviour(groups, logp):
     the n-th trajectory, target column j: token j+1)."""
     from msgspec.structs import replace
 
-    from rlfleet.common.wire import Float32Array
+    from rlfleet.common.wire.arrays import Float32Array
 
     out, n = [], 0
     for group in groups:

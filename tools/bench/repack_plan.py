@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlfleet.common.wire import RolloutStats
+from rlfleet.common.wire.messages import RolloutStats
 from rlfleet.daemons.repack_manager.planners import LaminarPlanner
 from rlfleet.daemons.repack_manager.rollout_view import RolloutLoad, check_stats
 

@@ -37,7 +37,8 @@ from typing import Any, Callable
 
 import torch
 
-from rlfleet.common.wire import GenerateRequest, Int32Array
+from rlfleet.common.wire.messages import GenerateRequest
+from rlfleet.common.wire.arrays import Int32Array
 from rlfleet.daemons.rollout.engine import TorchEngine
 
 

@@ -26,7 +26,8 @@ import time
 
 import numpy as np
 
-from rlfleet.common.wire import GenerateRequest, Int32Array
+from rlfleet.common.wire.messages import GenerateRequest
+from rlfleet.common.wire.arrays import Int32Array
 from rlfleet.daemons.rollout.sim_engine import SimEngine
 from rlfleet.daemons.rollout.sim_lengths import Lognormal
 from rlfleet.daemons.rollout.sim_timing import PROFILES

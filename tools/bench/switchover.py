@@ -23,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlfleet.common.cluster import Cluster
-from rlfleet.common.etcd_store import EtcdStore
-from rlfleet.common.keys import JobKeys
-from rlfleet.common.members import Leader
-from rlfleet.common.spec import parse_spec
+from rlfleet.common.control.cluster import Cluster
+from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.members import Leader
+from rlfleet.common.spec.job import parse_spec
 from rlfleet.tools.etcd_local import EtcdCluster
 
 JOB = "switchover-bench"

@@ -48,7 +48,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from rlfleet.common.spec import JobSpec, SpecError, load_spec, parse_spec
+from rlfleet.common.spec.job import JobSpec, load_spec, parse_spec
+from rlfleet.common.spec.errors import SpecError
 from rlfleet.tools.exit_codes import RUN_ENDED
 from rlfleet.tools.report import RunMetrics, read_metrics
 
@@ -174,7 +175,7 @@ def load_job(spec_path: str | os.PathLike, model: str | None = None) -> JobSpec:
 def task_for(spec: JobSpec) -> Any:
     """The job's task exactly as the fleet builds it from [task.env] (whose defaults are
     the shipped model's warm-start difficulty); refuses multi-turn tasks (module docstring)."""
-    from rlfleet.common.seams import TASKS
+    from rlfleet.common.spec.seams import TASKS
 
     task = TASKS.build(spec.task.env, max_turns=spec.task.max_turns)
     if task.multi_turn:

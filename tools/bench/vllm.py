@@ -35,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from rlfleet.common.wire import GenerateRequest, Int32Array
+from rlfleet.common.wire.messages import GenerateRequest
+from rlfleet.common.wire.arrays import Int32Array
 
 TIS_CAP = 2.0  # daemons/trainer/losses.py, TISConfig.cap's default
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from rlfleet.common.keys import MEMBERS, JobKeys
+from rlfleet.common.control.keys import MEMBERS, JobKeys
 
 T = TypeVar("T")
 LAB_CMD = [sys.executable, "-m", "rlfleet.tools.lab"]

@@ -94,7 +94,7 @@ class Soak:
 
     # -- set-up and tear-down -------------------------------------------------------------
     def setup(self) -> None:
-        from rlfleet.common.etcd_store import EtcdStore
+        from rlfleet.common.control.etcd_store import EtcdStore
         from rlfleet.tools.bench.spec_variants import write_variant
         from rlfleet.tools.etcd_local import EtcdCluster
         if os.geteuid() != 0:
@@ -177,7 +177,7 @@ class Soak:
 
     # -- faults -----------------------------------------------------------------------------
     def all_procs(self) -> list[Proc]:
-        from rlfleet.common.store import StoreUnavailable
+        from rlfleet.common.control.store import StoreUnavailable
         out = []
         for job in self.jobs:
             try:

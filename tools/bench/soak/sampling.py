@@ -29,8 +29,8 @@ class Proc:
 
 def read_procs(store: Any, job: str) -> list[Proc]:
     """The job's daemon processes that run here now, by their member records."""
-    from rlfleet.common.keys import JobKeys
-    from rlfleet.common.members import members_from
+    from rlfleet.common.control.keys import JobKeys
+    from rlfleet.common.control.members import members_from
     from rlfleet.common.procs import ProcessId
     keys = JobKeys(job)
     by_pid: dict[int, list[Any]] = {}
