@@ -2,6 +2,11 @@
 
     python -m rlfleet.tools.bench.soak --hours 2 --json runs/bench/soak.json
 
+Run it from a clone with a virtual environment of its own (``make setup`` in the clone):
+its daemons are restarted for hours from the installed package, and an editable install
+shared with a working tree that changes meanwhile (a ``pip install -e .`` rewrites the
+entry points) breaks the restarted ones (soak-void-20261127.json).
+
 Runs examples/longtail-sim.toml (64 simulated rollouts in one process, the sim trainer)
 and examples/arithmetic.toml (the tiny real model) at the same time, each as
 ``rlfleet run <spec> --no-view --duration <hours> --etcd <endpoints>`` (max_steps lifted so

@@ -61,12 +61,20 @@ def render(records: list[tuple[Path, dict[str, Any]]]) -> str:
                 "results: they are trials of the tool, on a machine loaded by other work; what they found in "
                 "rlfleet is listed in issue 28's note.", ""]
     else:
-        path, last = records[-1]
-        v = last["verdicts"]
-        held = "every verdict holds" if v["ok"] else "it fails: " + ", ".join(
-            name for name, ok in verdict_rows(last) if not ok and name != "all")
-        out += [f"**Status: {len(records)} record(s).** The last, `{path.name}` ({last['hours']:g} h, "
-                f"{last['date']}): {held}. Each record is below the method.", ""]
+        valid = sorted((r for r in records if not r[1].get("void")), key=lambda r: r[1]["date"])
+        void = [p.name for p, r in records if r.get("void")]
+        status = f"**Status: {len(records)} record(s)"
+        if void:
+            status += f", {len(void)} void ({', '.join(f'`{n}`' for n in void)}: its note says why)"
+        if valid:
+            path, last = valid[-1]
+            held = "every verdict holds" if last["verdicts"]["ok"] else "it fails: " + ", ".join(
+                name for name, ok in verdict_rows(last) if not ok and name != "all")
+            status += (f".** The last valid one, `{path.name}` ({last['hours']:g} h, {last['date']}): "
+                       f"{held}. Each record is below the method.")
+        else:
+            status += ".** No valid record yet; each record is below the method."
+        out += [status, ""]
     out += method()
     for path, rec in records:
         out += record_section(path, rec)

@@ -1,0 +1,1 @@
+"""The `remote_http` reward backend: its spec table, its decisions (no I/O) and its HTTP client."""
