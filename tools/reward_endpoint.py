@@ -5,7 +5,7 @@ reward over HTTP, and injects latency, errors and hangs on demand (tests, demos)
         [--error-rate 0.1] [--hang-rate 0.01] [--auth-file /etc/rlfleet/reward-token]
 
 prints ``listening on http://HOST:PORT/score`` once it accepts requests. The protocol is
-the backend's (daemons/reward_host/remote.py, docs/design/reward.md "Remote endpoints"):
+the backend's (daemons/reward_host/remote/backend.py, docs/design/reward.md "Remote endpoints"):
 
     POST /score   {"trajectory_id", "task", "task_kwargs", "prompt", "completions"}
                   (a shared reward service's "tenant", "batch", "batch_requests": ignored)

@@ -1,5 +1,5 @@
 """`rlfleet reward-service`: one reward pipeline shared by several jobs' reward-hosts
-(daemons/reward_host/shared_service.py; docs/design/reward.md "Shared reward service").
+(daemons/reward_host/shared/service.py; docs/design/reward.md "Shared reward service").
 
 Its own command, not `rlfleet daemon ROLE`: a daemon belongs to one job (its `--job`,
 its registration and spec under that job's prefix in etcd), while this service belongs
@@ -43,7 +43,7 @@ def reward_service(spec_file: str, listen: str, check: bool, log_level: str) -> 
     remote_http backend at https://HOST:PORT/score (the spec's [tls]; without it, plain
     http:// on a loopback address only)."""
     from rlfleet.common.spec.errors import SpecError
-    from rlfleet.daemons.reward_host.shared_spec import listen_refusal, load_service_spec
+    from rlfleet.daemons.reward_host.shared.spec import listen_refusal, load_service_spec
 
     host, port = _listen(listen)
     try:
@@ -62,8 +62,8 @@ def reward_service(spec_file: str, listen: str, check: bool, log_level: str) -> 
         return
 
     from rlfleet.common.logs import setup_json_logging
-    from rlfleet.daemons.reward_host.answer_journal import JournalUnusable
-    from rlfleet.daemons.reward_host.shared_service import serve
+    from rlfleet.daemons.reward_host.shared.answer_journal import JournalUnusable
+    from rlfleet.daemons.reward_host.shared.service import serve
 
     setup_json_logging(log_level, role="reward-service", id=f"reward-service-{os.getpid()}")
     stop = threading.Event()

@@ -48,7 +48,7 @@ from rlfleet.common.wire.messages import (Abort, Ack, GenerateRequest, GenerateR
                                           Segment)
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 
-from .engine_api import Engine, error_result
+from rlfleet.daemons.rollout.engines.api import Engine, error_result
 from .weight_policy import WeightUpdatePolicy
 
 log = logging.getLogger("rlfleet.rollout")

@@ -101,7 +101,7 @@ class Rollout(Daemon):
         from rlfleet.common.spec.seams import ROLLOUT_ENGINES
 
         from .core import RolloutCore
-        from .sim_host import SimHost, bind_servers, sim_member_id
+        from rlfleet.daemons.rollout.sim.host import SimHost, bind_servers, sim_member_id
 
         assert self.spec is not None
         rs, host_id = self.spec.rollout, self.options.member_id

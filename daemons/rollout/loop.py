@@ -30,7 +30,7 @@ from rlfleet.common.wire.sockets import RequestServer
 from rlfleet.common.wire.messages import RolloutStats
 
 from .core import ReaderSource, RolloutCore
-from .engine_api import Engine
+from rlfleet.daemons.rollout.engines.api import Engine
 
 log = logging.getLogger("rlfleet.rollout")
 

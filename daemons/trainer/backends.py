@@ -110,7 +110,7 @@ class TorchBackend(TrainerBackend):
                        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
                        total_steps=t.max_steps,
                        # The rollout reports behaviour log-probs at temperature 1 (the
-                       # policy itself, see daemons/rollout/engine.py); the ratio must
+                       # policy itself, see daemons/rollout/engines/torch_engine.py); the ratio must
                        # compare like with like, whatever temperature sampling used.
                        temperature=1.0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlfleet.daemons.reward_host.answer_journal import AnswerJournal, JournalUnusable
+from rlfleet.daemons.reward_host.shared.answer_journal import AnswerJournal, JournalUnusable
 
 
 def entry(i: int) -> tuple[tuple[str, str], tuple[int, bytes]]:

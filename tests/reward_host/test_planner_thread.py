@@ -15,8 +15,8 @@ from prometheus_client import REGISTRY
 
 from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
 from rlfleet.common.wire.messages import Trajectory
-from rlfleet.daemons.reward_host.planner_thread import PlannerThread, PlanRequest
-from rlfleet.daemons.reward_host.scaling import History, Plan, ScalingPlanner
+from rlfleet.daemons.reward_host.pipeline.planner_thread import PlannerThread, PlanRequest
+from rlfleet.daemons.reward_host.pipeline.scaling import History, Plan, ScalingPlanner
 from rlfleet.daemons.reward_host.service import RewardService
 
 from tests.integration.helpers import wait_for

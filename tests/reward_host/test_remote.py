@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from rlfleet.daemons.reward_host.remote import RemoteBackend
-from rlfleet.daemons.reward_host.remote_policy import Breaker, backoff_s
-from rlfleet.daemons.reward_host.remote_config import RemoteHttpConfig, RetryConfig
+from rlfleet.daemons.reward_host.remote.backend import RemoteBackend
+from rlfleet.daemons.reward_host.remote.policy import Breaker, backoff_s
+from rlfleet.daemons.reward_host.remote.config import RemoteHttpConfig, RetryConfig
 from rlfleet.daemons.reward_host.workers import RewardJob, RewardOutcome
 from rlfleet.common.secret_files import write_private
 from rlfleet.daemons.tasks import get_task

@@ -375,7 +375,7 @@ worker = { kind = "pipeline" }
 
 def test_the_shipped_example_loads():
     from rlfleet.common.spec.job import load_spec
-    from rlfleet.daemons.reward_host.shared_spec import load_service_spec
+    from rlfleet.daemons.reward_host.shared.spec import load_service_spec
 
     folder = Path(__file__).resolve().parents[2] / "examples" / "shared-reward"
     service = load_service_spec(folder / "service.toml")

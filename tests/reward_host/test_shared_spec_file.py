@@ -9,7 +9,7 @@ import pytest
 
 from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.file import MAX_SPEC_BYTES
-from rlfleet.daemons.reward_host.shared_spec import load_service_spec
+from rlfleet.daemons.reward_host.shared.spec import load_service_spec
 
 
 def test_a_fifo_a_folder_and_a_huge_file_are_refused_at_once(tmp_path):

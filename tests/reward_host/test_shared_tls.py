@@ -20,9 +20,9 @@ import pytest
 
 from rlfleet.common.secret_files import write_private
 from rlfleet.common.spec.errors import SpecError
-from rlfleet.daemons.reward_host.remote import RemoteBackend
-from rlfleet.daemons.reward_host.remote_config import RemoteHttpConfig, TlsFileError
-from rlfleet.daemons.reward_host.shared_spec import parse_service_spec
+from rlfleet.daemons.reward_host.remote.backend import RemoteBackend
+from rlfleet.daemons.reward_host.remote.config import RemoteHttpConfig, TlsFileError
+from rlfleet.daemons.reward_host.shared.spec import parse_service_spec
 from rlfleet.tools.credentials import EtcdTls, make_etcd_tls
 
 from .test_remote import backends, collect, expected, job  # noqa: F401 — backends: a fixture

@@ -12,8 +12,8 @@ import pytest
 from rlfleet.common.wire.messages import GenerateRequest, GenerateResult, RepackOrder
 from rlfleet.common.wire.arrays import Int32Array
 from rlfleet.daemons.rollout.core import RolloutCore
-from rlfleet.daemons.rollout.engines import SimEngineConfig
-from rlfleet.daemons.rollout.sim_engine import SimEngine
+from rlfleet.daemons.rollout.engines.kinds import SimEngineConfig
+from rlfleet.daemons.rollout.sim.engine import SimEngine
 
 VOCAB, EOS = 1000, 0
 

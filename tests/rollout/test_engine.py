@@ -13,9 +13,9 @@ import torch
 
 from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
 from rlfleet.common.wire.arrays import Int32Array
-from rlfleet.daemons.rollout.engine import TorchEngine
-from rlfleet.daemons.rollout.forward import LeanForward, ModelForward
-from rlfleet.daemons.rollout.slots import sample_rows
+from rlfleet.daemons.rollout.engines.torch_engine import TorchEngine
+from rlfleet.daemons.rollout.engines.forward import LeanForward, ModelForward
+from rlfleet.daemons.rollout.engines.slots import sample_rows
 
 from .conftest import VOCAB
 
@@ -362,7 +362,7 @@ def test_requests_sharing_a_prompt_copy_its_cache_and_match_generate(tiny_model,
 def test_a_checkpoint_loaded_without_transformers_answers_as_through_transformers(tiny_model_dir, tiny_model):
     """lean_model.load reads the safetensors itself: same tokens, same log-probs, same
     state-dict names (a trainer's weights load into it), and no transformers model."""
-    from rlfleet.daemons.rollout.lean_model import LeanModel
+    from rlfleet.daemons.rollout.engines.lean_model import LeanModel
 
     lean = TorchEngine.from_pretrained(tiny_model_dir, max_batch=4, max_len=64, seed=0)
     hf = TorchEngine.from_pretrained(tiny_model_dir, max_batch=4, max_len=64, seed=0, lean=False)

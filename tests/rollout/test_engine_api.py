@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlfleet.daemons.rollout.engine_api import TokenRate
+from rlfleet.daemons.rollout.engines.api import TokenRate
 
 
 def test_rate_is_zero_before_any_token():

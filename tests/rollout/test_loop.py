@@ -13,7 +13,7 @@ import pytest
 
 from rlfleet.common.wire.sockets import RequestClient, RequestServer
 from rlfleet.common.wire.messages import Abort, GenerateRequest, GenerateResult, RolloutStats
-from rlfleet.daemons.rollout.engine import TorchEngine
+from rlfleet.daemons.rollout.engines.torch_engine import TorchEngine
 from rlfleet.daemons.rollout.loop import EngineLoop
 
 from .test_engine import greedy_reference, req

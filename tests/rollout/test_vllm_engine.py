@@ -60,7 +60,7 @@ def checkpoint() -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    from rlfleet.daemons.rollout.vllm_engine import VllmEngine
+    from rlfleet.daemons.rollout.engines.vllm_engine import VllmEngine
 
     e = VllmEngine.from_pretrained(TINY_MODEL, max_batch=32)
     yield e
@@ -98,7 +98,7 @@ def recompute(model, prompt: list[int], tokens: list[int]) -> np.ndarray:
 
 
 def test_greedy_equals_the_torch_engine_and_logprobs_the_trainers(engine, hf_model):
-    from rlfleet.daemons.rollout.engine import TorchEngine
+    from rlfleet.daemons.rollout.engines.torch_engine import TorchEngine
 
     torch_engine = TorchEngine.from_pretrained(TINY_MODEL, max_batch=8)
     for i, p in enumerate(PROBLEMS):

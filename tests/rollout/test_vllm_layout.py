@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet.daemons.rollout.vllm_layout import CPU_HEAD_SIZES, checkpoint_shapes, head_problem, prepare
+from rlfleet.daemons.rollout.engines.vllm_layout import CPU_HEAD_SIZES, checkpoint_shapes, head_problem, prepare
 
 from ..integration.helpers import TINY_MODEL
 

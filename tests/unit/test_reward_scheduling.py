@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlfleet.daemons.reward_host.queues import EbfQueue, FcfsQueue, make_queue
-from rlfleet.daemons.reward_host.reward_sim import Guard, SimRequest, simulate
-from rlfleet.daemons.reward_host.scaling import ScalingPlanner, search_workers, zero_queue_workers
-from rlfleet.daemons.reward_host.stages import (ActiveBatch, BatchKey, BatchRecord, Pipeline, Request,
-                                                RequestKey, Stage)
+from rlfleet.daemons.reward_host.pipeline.queues import EbfQueue, FcfsQueue, make_queue
+from rlfleet.daemons.reward_host.pipeline.simulator import Guard, SimRequest, simulate
+from rlfleet.daemons.reward_host.pipeline.scaling import ScalingPlanner, search_workers, zero_queue_workers
+from rlfleet.daemons.reward_host.pipeline.stages import (ActiveBatch, BatchKey, BatchRecord, Pipeline, Request,
+                                                         RequestKey, Stage)
 
 TWO = Pipeline((Stage("compile", "cpu", 1.0, 10.0), Stage("run", "accelerator", 5.0, 5.0)))
 ONE = Pipeline((Stage("run", "accelerator", 1.0, 100.0),))
@@ -113,7 +113,7 @@ def test_fewer_workers_than_busy_take_effect_as_requests_finish():
         def on_long_running(self, sim, batch, now):
             raise AssertionError("never asked: long_running_after_s is None")
 
-    from rlfleet.daemons.reward_host.reward_sim import PipelineSim
+    from rlfleet.daemons.reward_host.pipeline.simulator import PipelineSim
     sim = PipelineSim(ONE, [0], "fcfs")
     sim.add_batch(A, [SimRequest(A, 0.0, (2.0,)), SimRequest(A, 0.0, (4.0,))], 4.0)
     r = sim.run(Shrink())
@@ -237,7 +237,7 @@ def test_the_simulator_asks_for_a_plan_when_a_request_turns_long():
             asked.append((batch, now, sim.active()[0].running))
             return None
 
-    from rlfleet.daemons.reward_host.reward_sim import PipelineSim
+    from rlfleet.daemons.reward_host.pipeline.simulator import PipelineSim
     sim = PipelineSim(ONE, [0], "fcfs")
     sim.add_batch(A, [SimRequest(A, 0.0, (2.0,)), SimRequest(A, 1.0, (6.0,))], 7.0)
     sim.run(Watch())

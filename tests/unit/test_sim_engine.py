@@ -19,11 +19,10 @@ from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import load_spec, parse_spec
 from rlfleet.common.wire.messages import GenerateRequest
 from rlfleet.common.wire.arrays import Int32Array
-from rlfleet.daemons.rollout.engines import SimEngineConfig
-from rlfleet.daemons.rollout.sim_engine import SimEngine
-from rlfleet.daemons.rollout.sim_lengths import (
-    LengthModel, Lognormal, Trace, length_keys, load_trace)
-from rlfleet.daemons.rollout.sim_timing import PROFILES, SimTiming
+from rlfleet.daemons.rollout.engines.kinds import SimEngineConfig
+from rlfleet.daemons.rollout.sim.engine import SimEngine
+from rlfleet.daemons.rollout.sim.lengths import LengthModel, Lognormal, Trace, length_keys, load_trace
+from rlfleet.daemons.rollout.sim.timing import PROFILES, SimTiming
 
 VOCAB, EOS, SEED = 50, 7, 11
 

@@ -100,7 +100,7 @@ def affinity_spec(base: Path, out: Path, fleet: str, *, time_scale: float, batch
 
 
 def fleet_cost(fleet: str) -> float:
-    from rlfleet.daemons.rollout.sim_timing import PROFILES
+    from rlfleet.daemons.rollout.sim.timing import PROFILES
 
     return round(sum(PROFILES[p["profile"]].cost * p["rollouts"] for p in FLEETS[fleet][0]), 2)
 

@@ -54,9 +54,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlfleet.daemons.reward_host.reward_sim import PipelineSim, SimRequest, simulate
-from rlfleet.daemons.reward_host.scaling import ScalingPlanner, zero_queue_workers
-from rlfleet.daemons.reward_host.stages import BatchKey, BatchRecord, Pipeline, Request, RequestKey, Stage
+from rlfleet.daemons.reward_host.pipeline.simulator import PipelineSim, SimRequest, simulate
+from rlfleet.daemons.reward_host.pipeline.scaling import ScalingPlanner, zero_queue_workers
+from rlfleet.daemons.reward_host.pipeline.stages import BatchKey, BatchRecord, Pipeline, Request, RequestKey, Stage
 
 PIPELINE = Pipeline((Stage("compile", "cpu", 1.0, 120.0), Stage("run", "accelerator", 20.0, 60.0)))
 TRAINING_ITERATIONS = 50  # the outcome mix drifts over 50 iterations (DistRS §3, Fig. 6b)

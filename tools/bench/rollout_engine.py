@@ -39,7 +39,7 @@ import torch
 
 from rlfleet.common.wire.messages import GenerateRequest
 from rlfleet.common.wire.arrays import Int32Array
-from rlfleet.daemons.rollout.engine import TorchEngine
+from rlfleet.daemons.rollout.engines.torch_engine import TorchEngine
 
 
 def _prompts(batch: int, length: int, vocab: int, bos: int, seed: int) -> list[list[int]]:

@@ -28,9 +28,9 @@ import numpy as np
 
 from rlfleet.common.wire.messages import GenerateRequest
 from rlfleet.common.wire.arrays import Int32Array
-from rlfleet.daemons.rollout.sim_engine import SimEngine
-from rlfleet.daemons.rollout.sim_lengths import Lognormal
-from rlfleet.daemons.rollout.sim_timing import PROFILES
+from rlfleet.daemons.rollout.sim.engine import SimEngine
+from rlfleet.daemons.rollout.sim.lengths import Lognormal
+from rlfleet.daemons.rollout.sim.timing import PROFILES
 
 MAX_LAG = 0.05
 VOCAB, EOS = 152064, 151643  # Qwen2.5's vocabulary and <|endoftext|>

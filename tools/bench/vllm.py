@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
 
-    from rlfleet.daemons.rollout.engine import TorchEngine
-    from rlfleet.daemons.rollout.vllm_engine import VllmEngine
+    from rlfleet.daemons.rollout.engines.torch_engine import TorchEngine
+    from rlfleet.daemons.rollout.engines.vllm_engine import VllmEngine
 
     torch.set_num_threads(1)  # as the rollout daemon on this machine (1 torch thread)
     vocab = json.loads((args.model / "tokenizer.json").read_text())["model"]["vocab"]

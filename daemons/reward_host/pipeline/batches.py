@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .stages import ActiveBatch, BatchKey, BatchRecord, Pipeline, RequestKey
+from rlfleet.daemons.reward_host.pipeline.stages import ActiveBatch, BatchKey, BatchRecord, Pipeline, RequestKey
 
 
 @dataclasses.dataclass

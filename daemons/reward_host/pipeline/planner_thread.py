@@ -39,8 +39,8 @@ from prometheus_client import Counter, Histogram
 
 from rlfleet.common.log_throttle import LogThrottle
 
-from .scaling import History, Plan
-from .stages import ActiveBatch
+from rlfleet.daemons.reward_host.pipeline.scaling import History, Plan
+from rlfleet.daemons.reward_host.pipeline.stages import ActiveBatch
 
 log = logging.getLogger("rlfleet.reward_host")
 

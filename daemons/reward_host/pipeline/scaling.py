@@ -54,9 +54,9 @@ import random
 import types
 from collections.abc import Iterable, Mapping, Sequence
 
-from .queues import QueuePolicy
-from .reward_sim import Guard, SimRequest, simulate
-from .stages import ActiveBatch, BatchKey, BatchRecord, Pipeline
+from rlfleet.daemons.reward_host.pipeline.queues import QueuePolicy
+from rlfleet.daemons.reward_host.pipeline.simulator import Guard, SimRequest, simulate
+from rlfleet.daemons.reward_host.pipeline.stages import ActiveBatch, BatchKey, BatchRecord, Pipeline
 
 PlanBatch = tuple[BatchKey, list[SimRequest], float, float]  # key, requests, priority, T
 

@@ -17,8 +17,8 @@ import random
 import time
 from typing import Any
 
-from .backends import RewardBackend
-from .pipeline import SimWorkerConfig
+from rlfleet.daemons.reward_host.backends import RewardBackend
+from rlfleet.daemons.reward_host.pipeline.spec import SimWorkerConfig
 
 
 class SimWorker(RewardBackend):
@@ -38,7 +38,7 @@ class SimWorker(RewardBackend):
         heapq.heappush(self._due, (self._clock() + seconds, self._seq, job.key, seconds))
 
     def poll(self, timeout: float = 0.0) -> list[Any]:
-        from .workers import RewardOutcome
+        from rlfleet.daemons.reward_host.workers import RewardOutcome
 
         if timeout > 0 and self._due:
             time.sleep(max(0.0, min(timeout, self.next_deadline_in())))

@@ -31,8 +31,8 @@ import math
 from collections.abc import Sequence
 from typing import Protocol
 
-from .queues import QueuePolicy, make_queue
-from .stages import ActiveBatch, BatchKey, Pipeline
+from rlfleet.daemons.reward_host.pipeline.queues import QueuePolicy, make_queue
+from rlfleet.daemons.reward_host.pipeline.stages import ActiveBatch, BatchKey, Pipeline
 
 # same-time order: plan first, free workers, then queue; a long runner's plan sees all that
 _BATCH, _FINISH, _ARRIVE, _LONG = 0, 1, 2, 3

@@ -180,6 +180,6 @@ class RewardPipeline(Kind):
     def build(cls, config: PipelineConfig, /, *, batch_requests: int = 0, **_: Any) -> Any:
         """``batch_requests``: trajectories expected per training batch (the daemon's
         estimate, docs/design/reward.md); a batch with that many finished is done at once."""
-        from .pipeline_backend import PipelineBackend
+        from rlfleet.daemons.reward_host.pipeline.backend import PipelineBackend
 
         return PipelineBackend(config, batch_requests=batch_requests)

@@ -49,11 +49,12 @@ from typing import Any
 import httpx2
 from prometheus_client import Counter, Gauge
 
-from .backends import RewardBackend
-from .dispatch import Dispatch, FifoDispatch
-from .remote_config import RemoteHttpConfig, read_secret
-from .remote_policy import Breaker, backoff_s, error_text, job_body, read_reward, retry_after, retryable
-from .workers import RewardJob, RewardOutcome
+from rlfleet.daemons.reward_host.backends import RewardBackend
+from rlfleet.daemons.reward_host.dispatch import Dispatch, FifoDispatch
+from rlfleet.daemons.reward_host.remote.config import RemoteHttpConfig, read_secret
+from rlfleet.daemons.reward_host.remote.policy import (Breaker, backoff_s, error_text, job_body, read_reward,
+                                                       retry_after, retryable)
+from rlfleet.daemons.reward_host.workers import RewardJob, RewardOutcome
 
 log = logging.getLogger("rlfleet.reward_host")
 

@@ -282,6 +282,6 @@ class RemoteHttp(Kind):
     @classmethod
     def build(cls, config: RemoteHttpConfig, /, *, dispatch: Any = None, batch_requests: int = 0,
               **_: Any) -> Any:
-        from .remote import RemoteBackend
+        from rlfleet.daemons.reward_host.remote.backend import RemoteBackend
 
         return RemoteBackend(config, dispatch=dispatch, batch_requests=batch_requests)

@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-from .remote_config import RetryConfig
-from .workers import RewardJob
+from rlfleet.daemons.reward_host.remote.config import RetryConfig
+from rlfleet.daemons.reward_host.workers import RewardJob
 
 RETRY_STATUSES = frozenset({408, 429})  # and every 5xx: the endpoint may answer later
 

@@ -49,8 +49,8 @@ from rlfleet.common.spec.errors import describe, dotted, suggest
 from rlfleet.common.spec.file import read_spec_toml
 from rlfleet.common.spec.fields import PosFloat, PosInt, Section, fail, show
 
-from .pipeline import PipelineConfig
-from .remote_config import TlsFileError, is_loopback, tls_context
+from rlfleet.daemons.reward_host.pipeline.spec import PipelineConfig
+from rlfleet.daemons.reward_host.remote.config import TlsFileError, is_loopback, tls_context
 
 if TYPE_CHECKING:
     import ssl

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .slots import SlotCache
+from rlfleet.daemons.rollout.engines.slots import SlotCache
 
 log = logging.getLogger("rlfleet.rollout")
 

@@ -17,9 +17,9 @@ from pydantic import BaseModel, Field, StrictInt, StrictStr, field_validator, mo
 from rlfleet.common.spec.registry import Kind, KindConfig, Problem, import_failure
 from rlfleet.common.spec.fields import NonNegInt, PosFloat, PosInt, fail
 
-from . import sim_timing
-from .sim_lengths import LENGTH_MODELS
-from .sim_timing import DEFAULT_PROFILE, PROFILES, SimTiming
+from rlfleet.daemons.rollout.sim import timing as sim_timing
+from rlfleet.daemons.rollout.sim.lengths import LENGTH_MODELS
+from rlfleet.daemons.rollout.sim.timing import DEFAULT_PROFILE, PROFILES, SimTiming
 
 # More concurrent sequences than any engine here batches usefully (vLLM's default
 # max_num_seqs is 256): a larger number is a typo such as 1e9, refused before the
@@ -42,7 +42,7 @@ class TorchEngineKind(Kind):
     @classmethod
     def build(cls, config: TorchEngineConfig, /, *, model_path: str | Path, dtype: str = "float32",
               device: str = "cpu", **_: Any) -> Any:
-        from .engine import TorchEngine  # torch
+        from rlfleet.daemons.rollout.engines.torch_engine import TorchEngine  # torch
 
         return TorchEngine.from_pretrained(model_path, max_batch=config.max_batch, dtype=dtype,
                                            device=device)
@@ -84,7 +84,7 @@ class VllmEngineKind(Kind):
     @classmethod
     def build(cls, config: VllmEngineConfig, /, *, model_path: str | Path, dtype: str = "float32",
               **_: Any) -> Any:
-        from .vllm_engine import VllmEngine  # vllm, torch
+        from rlfleet.daemons.rollout.engines.vllm_engine import VllmEngine  # vllm, torch
 
         return VllmEngine.from_pretrained(model_path, max_batch=config.max_batch, dtype=dtype,
                                           kv_cache_mib=config.kv_cache_mib)
@@ -100,7 +100,7 @@ class VllmEngineKind(Kind):
         model = sections.get("model")
         if model is None:
             return []
-        from .vllm_layout import head_problem  # json and numpy only
+        from rlfleet.daemons.rollout.engines.vllm_layout import head_problem  # json and numpy only
 
         problem = head_problem(model.config())  # type: ignore[attr-defined]
         return [(("kind",), f"{model.path}: {problem}")] if problem else []  # type: ignore[attr-defined]
@@ -227,7 +227,7 @@ class SimEngineKind(Kind):
     def build(cls, config: SimEngineConfig, /, *, model_path: str | Path | None = None,
               vocab_size: int | None = None, eos_token_id: int | None = None,
               **context: Any) -> Any:
-        from .sim_engine import SimEngine  # numpy
+        from rlfleet.daemons.rollout.sim.engine import SimEngine  # numpy
 
         if vocab_size is None or eos_token_id is None:
             vocab, eos = _vocab_and_eos(model_path)

@@ -53,9 +53,10 @@ import numpy as np
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
 
-from .engine_api import BadRequest, Engine, EngineStats, TokenRate, error_result, validate_request
-from .engines import default_max_len
-from .vllm_layout import VllmLayout, checkpoint_shapes, prepare
+from rlfleet.daemons.rollout.engines.api import (BadRequest, Engine, EngineStats, TokenRate, error_result,
+                                                 validate_request)
+from rlfleet.daemons.rollout.engines.kinds import default_max_len
+from rlfleet.daemons.rollout.engines.vllm_layout import VllmLayout, checkpoint_shapes, prepare
 
 log = logging.getLogger("rlfleet.rollout")
 

@@ -46,9 +46,9 @@ import numpy as np
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
 
-from .engine_api import BadRequest, Engine, EngineStats, error_result, validate_request
-from .sim_lengths import LENGTH_MODELS, LengthModel, length_keys
-from .sim_timing import SimTiming
+from rlfleet.daemons.rollout.engines.api import BadRequest, Engine, EngineStats, error_result, validate_request
+from rlfleet.daemons.rollout.sim.lengths import LENGTH_MODELS, LengthModel, length_keys
+from rlfleet.daemons.rollout.sim.timing import SimTiming
 
 RATE_WINDOW_S = 5.0  # tokens_per_s: generated tokens over about this many recent wall seconds
 

@@ -30,7 +30,7 @@ import zmq
 
 from rlfleet.common.wire.sockets import RequestServer, shared_context
 
-from .core import ReaderSource, RolloutCore, WeightReader
+from rlfleet.daemons.rollout.core import ReaderSource, RolloutCore, WeightReader
 
 log = logging.getLogger("rlfleet.rollout")
 
