@@ -195,7 +195,9 @@ def render(records: list[dict[str, Any]]) -> str:
                    if rec.get("uncommitted_changes") else "")
                 + (f" Spec settings: {', '.join(f'`{k} = {v}`' for k, v in rec['settings'].items())}."
                    if rec.get("settings") else "")
-                + (f" Note: {rec['note']}" if rec.get("note") else ""), "",
+                + (f" Note: {rec['note']}" if rec.get("note") else "")
+                + (f" Incomplete: the bench stopped after {len(rec['runs'])} run(s) of those its command asked for."
+                   if rec.get("complete") is False else ""), "",
                 "| run | steps | claimed | drop share | by window | at the bound (median of full windows) | "
                 "pinned | pacing stalls | load before / after | |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
@@ -256,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
                     "env_host.pace_for_lag=true; recorded as `settings`")
     args = ap.parse_args(argv)
     commit, dirty = code_version()  # the code the runs start from, read before they start
-    records = []
+    head = {"command": "python -m rlfleet.tools.bench.drops " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "commit": commit, "uncommitted_changes": dirty, "machine": f"{platform.node()} {os.cpu_count()} cores {platform.machine()}",
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "minutes": args.minutes, "window_min": args.window_min,
+            "settings": dict(args.settings)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    records: list[dict[str, Any]] = []
     for run in range(args.runs):
         for task in args.tasks.split(","):  # tasks alternate: a noisy hour hurts both alike
             r = run_once(args.examples, task, run, args.minutes, args.window_min, dict(args.settings))
@@ -265,22 +272,29 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['steps']} steps, drop share {r['drop_share']:.2%} of {r['claimed']} claimed, by window "
                   f"{[f'{s:.1%}' if s is not None else '-' for s in r['drop_share_by_window']]}, "
                   f"{r['pacing_stalls']} pacing stalls"), flush=True)
-    head = {"command": "python -m rlfleet.tools.bench.drops " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "commit": commit, "uncommitted_changes": dirty, "machine": f"{platform.node()} {os.cpu_count()} cores {platform.machine()}",
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "minutes": args.minutes, "window_min": args.window_min,
-            "settings": dict(args.settings)}
-    args.out.mkdir(parents=True, exist_ok=True)
+            # After every run, so a stopped bench keeps what it measured.
+            for path in write_records(args.out, args.tag, head, records, complete=run == args.runs - 1):
+                print(f"wrote {path}", flush=True)
+    return 0
+
+
+def write_records(out: Path, tag: str, head: dict[str, Any], records: list[dict[str, Any]],
+                  complete: bool) -> list[Path]:
+    """OUT/drops-<task>[-<tag>].json for every task measured so far (``runs_planned`` vs the
+    runs present says whether the bench ended)."""
+    written = []
     for task, summary in summarise(records).items():
         runs = [r for r in records if r["task"] == task]
         valid = [r["drop_share_by_window"] for r in runs if "void" not in r]
         by_window = [round(statistics.fmean(v[i] for v in valid if len(v) > i and v[i] is not None), 4)
                      for i in range(max(map(len, valid), default=0))
                      if any(len(v) > i and v[i] is not None for v in valid)]
-        path = args.out / f"drops-{task}{'-' + args.tag if args.tag else ''}.json"
+        path = out / f"drops-{task}{'-' + tag if tag else ''}.json"
         path.write_text(json.dumps({**head, "task": task, "drop_share": summary["drop_share_mean"],
-                                    "drop_share_by_window": by_window, "summary": summary, "runs": runs}, indent=1))
-        print(f"wrote {path}")
-    return 0
+                                    "drop_share_by_window": by_window, "summary": summary,
+                                    "complete": complete, "runs": runs}, indent=1))
+        written.append(path)
+    return written
 
 
 if __name__ == "__main__":
