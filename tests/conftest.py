@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlfleet.tools.etcd_local import EtcdCluster
+from rlfleet.tools.run.etcd_local import EtcdCluster
 
 
 @pytest.fixture

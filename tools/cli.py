@@ -23,8 +23,8 @@ from rlfleet.common.spec.placement import ROLES
 from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import load_spec
 from rlfleet.daemons import NODE_DAEMON_CLASSES
-from rlfleet.tools.cli_etcd import (_etcd_credentials, _fail_unreachable, _pick_job,
-                                    _store, etcd_credential_options, etcd_option, job_name)
+from rlfleet.tools.ctl.etcd_options import (_etcd_credentials, _fail_unreachable, _pick_job, _store,
+                                            etcd_credential_options, etcd_option, job_name)
 from rlfleet.tools.exit_codes import RUN_CODES, Exit
 
 EXIT_SPEC = Exit.BAD_SPEC
@@ -165,7 +165,7 @@ def run(spec_file: str, etcd: str | None, insecure: bool, duration: float | None
     view of it: a live table in a terminal, plain event lines (progress every few seconds,
     restarts, evaluations) when output goes to a file or a pipe. Ends with a summary and
     one line saying how the run ended."""
-    from rlfleet.tools.supervisor import Supervisor
+    from rlfleet.tools.run.supervisor import Supervisor
     try:
         spec = load_spec(spec_file)
     except SpecError as exc:
@@ -199,8 +199,8 @@ def status(job: str | None, etcd: str, output: str) -> None:
     as wide as their contents, so ids, addresses and problems are never cut."""
     from rlfleet.common.control.keys import JobKeys
     from rlfleet.common.control.store import StoreUnavailable
-    from rlfleet.tools.fleet_view import (etcdctl_equivalent, members_table, nodes_table, paused_banner,
-                                          report_console, take_snapshot)
+    from rlfleet.tools.ctl.fleet_view import (etcdctl_equivalent, members_table, nodes_table, paused_banner,
+                                              report_console, take_snapshot)
 
     store = _store(etcd)
     try:
@@ -241,7 +241,7 @@ def status(job: str | None, etcd: str, output: str) -> None:
 def keys(prefix: str, etcd: str, keys_only: bool) -> None:
     """The raw key tree under PREFIX, values as JSON."""
     from rlfleet.common.control.store import StoreUnavailable
-    from rlfleet.tools.fleet_view import etcdctl_equivalent
+    from rlfleet.tools.ctl.fleet_view import etcdctl_equivalent
 
     try:
         items = _store(etcd).get_prefix(prefix)
@@ -262,7 +262,7 @@ def accounting(run_dir: str, job: str, etcd: str, group_size: int | None) -> Non
     from rlfleet.common.control.cluster import read_spec
     from rlfleet.common.control.keys import JobKeys
     from rlfleet.common.control.store import StoreUnavailable
-    from rlfleet.tools.accounting import check
+    from rlfleet.tools.ctl.accounting import check
 
     store = _store(etcd)
     try:
@@ -359,12 +359,12 @@ def submit(spec_file: str, etcd: str, force: bool) -> None:
 
 
 # -- operating a live job (docs/operations/live-fleet.md): each group is its own module ----------------
-from rlfleet.tools.curve_cmd import curve_authorize, curve_keys  # noqa: E402  (docs/operations/security.md)
-from rlfleet.tools.etcd_cmd import etcd_group  # noqa: E402  (docs/operations/etcd-maintenance.md)
-from rlfleet.tools.node_cmd import node  # noqa: E402
-from rlfleet.tools.pause_cmd import pause, resume  # noqa: E402  (docs/operations/maintenance-mode.md)
-from rlfleet.tools.reward_service_cmd import reward_service  # noqa: E402  (docs/design/reward.md)
-from rlfleet.tools.switchover_cmd import switchover  # noqa: E402  (docs/operations/switchover.md)
+from rlfleet.tools.ctl.curve import curve_authorize, curve_keys  # noqa: E402  (docs/operations/security.md)
+from rlfleet.tools.ctl.etcd import etcd_group  # noqa: E402  (docs/operations/etcd-maintenance.md)
+from rlfleet.tools.ctl.node import node  # noqa: E402
+from rlfleet.tools.ctl.pause import pause, resume  # noqa: E402  (docs/operations/maintenance-mode.md)
+from rlfleet.tools.ctl.reward_service import reward_service  # noqa: E402  (docs/design/reward.md)
+from rlfleet.tools.ctl.switchover import switchover  # noqa: E402  (docs/operations/switchover.md)
 
 main.add_command(curve_keys)
 main.add_command(curve_authorize)

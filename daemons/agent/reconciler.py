@@ -1,7 +1,7 @@
 """One reconcile step: what is placed against what runs, through a backend.
 
 Shared by the agent daemon (daemon.py) and the single-machine supervisor
-(tools/supervisor.py), so `rlfleet run` and a cluster host act on placement the
+(tools/run/supervisor.py), so `rlfleet run` and a cluster host act on placement the
 same way. Decisions come from policy.py; this module only observes, starts and
 stops through the backend and says what happened as `Event`s, which each caller
 words its own way (the supervisor's event lines, the agent's log). While the job is

@@ -26,7 +26,7 @@ from rlfleet.daemons.env_host.routing import Router
 from rlfleet.daemons.reward_host.service import RewardService
 from rlfleet.daemons.reward_host.workers import RewardPool
 from rlfleet.daemons.tasks import get_task
-from rlfleet.tools.etcd_local import EtcdCluster
+from rlfleet.tools.run.etcd_local import EtcdCluster
 from tests.env_host.fakes import FakeRollout, answer, policy, tokenizer
 from tests.env_host.test_runner import KEYS, FakeRewardHost, Host, solve
 from tests.reward_host.fakes import FakeTrainer, trajectory

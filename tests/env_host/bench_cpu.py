@@ -133,7 +133,7 @@ def main() -> None:
         return
 
     from rlfleet.common.control.etcd_store import EtcdStore
-    from rlfleet.tools.etcd_local import EtcdCluster
+    from rlfleet.tools.run.etcd_local import EtcdCluster
     from tests.env_host.test_runner import Host
 
     child = subprocess.Popen([sys.executable, "-m", "tests.env_host.bench_cpu", "--serve-peers",

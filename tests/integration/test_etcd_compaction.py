@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import subprocess
 
-from rlfleet.tools.etcd_local import COMPACTION_RETENTION, EtcdCluster
+from rlfleet.tools.run.etcd_local import COMPACTION_RETENTION, EtcdCluster
 
 from .helpers import wait_for
 

@@ -20,8 +20,8 @@ from rlfleet.common.control.etcd_auth import EtcdCredentials
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.spec.job import load_spec
-from rlfleet.tools.etcd_cmd import read_members
-from rlfleet.tools.etcd_local import EtcdCluster
+from rlfleet.tools.ctl.etcd import read_members
+from rlfleet.tools.run.etcd_local import EtcdCluster
 from rlfleet.tools.exit_codes import Exit
 
 from .helpers import rlfleet, stop, wait_for, write_spec
@@ -147,7 +147,7 @@ def test_snapshot_restores_durable_keys_into_a_fresh_etcd_and_refuses_what_would
 
 
 def test_an_unreachable_etcd_exits_3(tmp_path):
-    from rlfleet.tools.etcd_local import free_port
+    from rlfleet.tools.run.etcd_local import free_port
     nobody = f"127.0.0.1:{free_port()}"
     result = cli("etcd", "snapshot", str(tmp_path / "s.json"), "--job", JOB, "--etcd", nobody)
     assert result.returncode == Exit.ETCD_UNREACHABLE, result.stderr

@@ -197,7 +197,7 @@ def test_put_owned_updates_only_a_key_bound_to_the_lease(store):
 
 def test_a_run_killed_with_9_does_not_block_the_next_one(store):
     """The owner key of a dead run is freed at once on its machine, not after its TTL."""
-    from rlfleet.tools.job_owner import JobOwned, JobOwner
+    from rlfleet.tools.run.job_owner import JobOwned, JobOwner
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     old = store.grant_lease(30)

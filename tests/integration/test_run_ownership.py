@@ -20,7 +20,7 @@ from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.procs import ProcessId, boot_id
 from rlfleet.common.spec.job import load_spec
 from rlfleet.common.failpoints import DAEMON as DAEMON_FAILPOINT_ENV
-from rlfleet.tools.etcd_local import EtcdCluster
+from rlfleet.tools.run.etcd_local import EtcdCluster
 from rlfleet.tools.exit_codes import Exit
 
 from .helpers import TINY_MODEL, stop, wait_for, write_spec

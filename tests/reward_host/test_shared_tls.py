@@ -23,7 +23,7 @@ from rlfleet.common.spec.errors import SpecError
 from rlfleet.daemons.reward_host.remote.backend import RemoteBackend
 from rlfleet.daemons.reward_host.remote.config import RemoteHttpConfig, TlsFileError
 from rlfleet.daemons.reward_host.shared.spec import parse_service_spec
-from rlfleet.tools.credentials import EtcdTls, make_etcd_tls
+from rlfleet.tools.run.credentials import EtcdTls, make_etcd_tls
 
 from .test_remote import backends, collect, expected, job  # noqa: F401 — backends: a fixture
 from .test_shared_service import SERVICE_SPEC, SharedService, body, cli, post

@@ -1,5 +1,5 @@
 """etcd credentials against real etcd processes: TLS with --client-cert-auth (the
-certificates `rlfleet run` makes, tools/credentials.py), and etcd users with auth
+certificates `rlfleet run` makes, tools/run/credentials.py), and etcd users with auth
 enabled by etcdctl. Also the same through the `rlfleet` CLI's --etcd-* flags."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from rlfleet.common.control.etcd_auth import EtcdCredentials, StoreAuthError, open_store
 from rlfleet.common.secret_files import SecretFileError, write_private
 from rlfleet.common.control.store import StoreUnavailable
-from rlfleet.tools.credentials import make_etcd_tls
-from rlfleet.tools.etcd_local import EtcdCluster
+from rlfleet.tools.run.credentials import make_etcd_tls
+from rlfleet.tools.run.etcd_local import EtcdCluster
 from rlfleet.tools.exit_codes import Exit
 
 

@@ -194,8 +194,8 @@ def test_a_whole_run_on_an_etcd_with_tls_client_certificates_and_users(tmp_path)
     trains to the end with CURVE and the relay secret on; a user without a password file
     is a usage error, and with a wrong password etcd refuses and the refusal is said."""
     from rlfleet.common.secret_files import write_private
-    from rlfleet.tools.credentials import make_etcd_tls
-    from rlfleet.tools.etcd_local import EtcdCluster
+    from rlfleet.tools.run.credentials import make_etcd_tls
+    from rlfleet.tools.run.etcd_local import EtcdCluster
 
     from .test_etcd_auth import _etcdctl
 

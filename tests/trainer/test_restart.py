@@ -22,7 +22,7 @@ from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.common.failpoints import TRAINER as FAILPOINT_ENV
 from rlfleet.daemons.trainer.journal import Journal
-from rlfleet.tools.report import read_metrics, summary
+from rlfleet.tools.run.report import read_metrics, summary
 
 from ..integration.helpers import stop, wait_for, write_spec
 from .conftest import scored

@@ -1,4 +1,4 @@
-"""What the `rlfleet` commands that talk to etcd share (tools/cli_etcd.py): every --job
+"""What the `rlfleet` commands that talk to etcd share (tools/ctl/etcd_options.py): every --job
 takes only a name a spec could have (common/control/keys.py's rule). Before, `rlfleet status
 --job ../x` built keys from it and ended in a ValueError traceback (exit 1)."""
 

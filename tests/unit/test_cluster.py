@@ -198,7 +198,7 @@ def test_cluster_sorts_every_key_into_its_record_and_lists_what_is_malformed():
 
 
 def test_cluster_read_from_a_real_etcd_and_the_status_snapshot_reports_malformed_values(etcd):
-    from rlfleet.tools.fleet_view import take_snapshot
+    from rlfleet.tools.ctl.fleet_view import take_snapshot
 
     store = EtcdStore(etcd.endpoints)
     lease = store.grant_lease(30)

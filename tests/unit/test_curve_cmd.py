@@ -1,4 +1,4 @@
-"""`rlfleet curve-keys` and `rlfleet curve-authorize` (tools/curve_cmd.py): the one
+"""`rlfleet curve-keys` and `rlfleet curve-authorize` (tools/ctl/curve.py): the one
 command per host Ansible runs to make a host's role pairs and to authorize the cluster's
 keys. Real files; the CLI through click's runner."""
 

@@ -8,8 +8,8 @@ import json
 import os
 from pathlib import Path
 
-from rlfleet.tools.report import read_metrics
-from rlfleet.tools.run_summary import end_summary, eval_line, progress_line
+from rlfleet.tools.run.report import read_metrics
+from rlfleet.tools.run.summary import end_summary, eval_line, progress_line
 
 GOLDEN = Path(__file__).parent / "golden" / "end_summary.txt"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.tools.bench import trl_peer
-from rlfleet.tools.report import read_metrics
+from rlfleet.tools.run.report import read_metrics
 
 
 def write_metrics(path: Path, lines: list[dict]) -> Path:

@@ -37,7 +37,7 @@ from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.common.control.store import StoreUnavailable
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import ScoredTrajectory, Trajectory, Turn
-from rlfleet.tools.etcd_local import EtcdCluster
+from rlfleet.tools.run.etcd_local import EtcdCluster
 
 JOB = "failsafe"
 REPO = Path(__file__).resolve().parents[2]

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 from rlfleet.tools.bench.spec_variants import apply_overrides, parse_override, write_variant
 from rlfleet.tools.exit_codes import RUN_ENDED
-from rlfleet.tools.report import read_metrics
+from rlfleet.tools.run.report import read_metrics
 
 TARGET_GAIN_POINTS = 25.0
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from rlfleet.tools.bench.trl_peer import time_to_level
 from rlfleet.tools.exit_codes import RUN_ENDED
-from rlfleet.tools.report import read_metrics
+from rlfleet.tools.run.report import read_metrics
 
 
 def spec_with(spec_path: Path, pace: bool) -> Path:

@@ -28,7 +28,7 @@ from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import Leader
 from rlfleet.common.spec.job import parse_spec
-from rlfleet.tools.etcd_local import EtcdCluster
+from rlfleet.tools.run.etcd_local import EtcdCluster
 
 JOB = "switchover-bench"
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen2"  # any model folder: no trainer runs

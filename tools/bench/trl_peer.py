@@ -8,7 +8,7 @@
 
 The TRL run writes the same metrics.jsonl as rlfleet's trainer (train lines: time, step,
 reward_mean, tokens, trajectories; eval lines: time, step, eval_success), so
-tools/report.py and tools/bench/learning.py read both.
+tools/run/report.py and tools/bench/learning.py read both.
 
 What is the same: the model folder, the prompt text and tokenization (task.format_turn of
 the env's first observation, encoded exactly as daemons/tasks/episodes.py does), the
@@ -51,7 +51,7 @@ from typing import Any
 from rlfleet.common.spec.job import JobSpec, load_spec, parse_spec
 from rlfleet.common.spec.errors import SpecError
 from rlfleet.tools.exit_codes import RUN_ENDED
-from rlfleet.tools.report import RunMetrics, read_metrics
+from rlfleet.tools.run.report import RunMetrics, read_metrics
 
 log = logging.getLogger("rlfleet.bench")
 

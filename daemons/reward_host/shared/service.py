@@ -6,7 +6,7 @@ stages for all of them (DistRS Algorithm 2 over every tenant's open batches).
                          ├──► HTTP handlers ──► Scorer thread: PipelineBackend ──► answers
     job B's reward-host ─┘     (one thread each)    (stages, queues, planner)
 
-``rlfleet reward-service --spec SERVICE.toml --listen HOST:PORT`` (tools/reward_service_cmd.py;
+``rlfleet reward-service --spec SERVICE.toml --listen HOST:PORT`` (tools/ctl/reward_service.py;
 spec: shared_spec.py; docs/design/reward.md "Shared reward service"). Each job keeps its own
 reward-host with ``[reward_host.backend] kind = "remote_http"`` pointing here: dedup,
 acks and delivery to its trainer stay per job, and the service is a remote endpoint

@@ -96,7 +96,7 @@ class Soak:
     def setup(self) -> None:
         from rlfleet.common.control.etcd_store import EtcdStore
         from rlfleet.tools.bench.spec_variants import write_variant
-        from rlfleet.tools.etcd_local import EtcdCluster
+        from rlfleet.tools.run.etcd_local import EtcdCluster
         if os.geteuid() != 0:
             raise SystemExit("soak: mounting the runs' tmpfs needs root")
         self.runs.mkdir()

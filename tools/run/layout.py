@@ -1,5 +1,5 @@
 """Where and how `rlfleet run` lays out a run on this machine: its own run directory,
-and the threads each torch process may use (tools/supervisor.py)."""
+and the threads each torch process may use (tools/run/supervisor.py)."""
 
 from __future__ import annotations
 

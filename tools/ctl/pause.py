@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from rlfleet.tools.cli_etcd import _fail_unreachable, _pick_job, _store, etcd_option, job_name
+from rlfleet.tools.ctl.etcd_options import _fail_unreachable, _pick_job, _store, etcd_option, job_name
 from rlfleet.tools.exit_codes import Exit
 
 DEFAULT_TIMEOUT_S = 120.0  # a step in progress, then a checkpoint: minutes on a big model

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlfleet.tools.report import RunMetrics, summary
+from rlfleet.tools.run.report import RunMetrics, summary
 
 LABEL_WIDTH = 18
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from rlfleet.tools.cli_etcd import _fail_unreachable, _pick_job, _store, etcd_option, job_name
+from rlfleet.tools.ctl.etcd_options import _fail_unreachable, _pick_job, _store, etcd_option, job_name
 from rlfleet.tools.exit_codes import Exit
 
 POLL_S = 0.1
@@ -62,7 +62,7 @@ class _Job:
             _fail_unreachable(exc, self.etcd)
 
     def known(self, host: str, cluster) -> None:
-        from rlfleet.tools.node_ops import known_hosts
+        from rlfleet.tools.ctl.node_ops import known_hosts
         hosts = known_hosts(cluster, self.spec)
         if host not in hosts:
             raise click.BadParameter(f"unknown host {host!r} in job {self.job!r}: not named by the spec, no agent "
@@ -113,8 +113,8 @@ def list_(job: str | None, etcd: str, output: str) -> None:
     """Every host the job knows: named or admitted (pool), state, agent, daemons."""
     from rich.table import Table
 
-    from rlfleet.tools.fleet_view import report_console
-    from rlfleet.tools.node_ops import known_hosts, on_host
+    from rlfleet.tools.ctl.fleet_view import report_console
+    from rlfleet.tools.ctl.node_ops import known_hosts, on_host
     j = _Job(etcd, job)
     cluster = j.cluster()
     named = {h.name for h in j.spec.placement.hosts}
@@ -191,7 +191,7 @@ def drain(host: str, job: str | None, etcd: str, reason: str, timeout_s: float, 
     env-hosts continue what was cut on another rollout holding the same version. The
     host's relay leaves the chain (its predecessor sends to its successor)."""
     from rlfleet.common.control.operations import DRAINED, DRAINING, REMOVED
-    from rlfleet.tools.node_ops import on_host, sole_instances
+    from rlfleet.tools.ctl.node_ops import on_host, sole_instances
     j = _Job(etcd, job)
     cluster = j.cluster()
     j.known(host, cluster)
@@ -261,7 +261,7 @@ def add(host: str, job: str | None, etcd: str, timeout_s: float, no_wait: bool, 
     resource-manager admits it into the first pool its labels match (or it is named by
     the spec), places daemons there, its relay joins the chain and catches up, and its
     rollouts serve. Each phase is printed with its time from the agent's registration."""
-    from rlfleet.tools.node_ops import JoinWatch
+    from rlfleet.tools.ctl.node_ops import JoinWatch
     j = _Job(etcd, job)
     cluster = j.cluster()
     state = cluster.node_states.get(host)

@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from rlfleet.tools.cli_etcd import _fail_unreachable, _pick_job, _store, etcd_option, job_name
+from rlfleet.tools.ctl.etcd_options import _fail_unreachable, _pick_job, _store, etcd_option, job_name
 from rlfleet.tools.exit_codes import Exit
 
 REQUEST_LEASE_MIN_S = 10  # the request's lease: at least this, and three of the job's lease TTLs
@@ -91,7 +91,7 @@ def switchover(role: str, target: str, job: str | None, etcd: str, timeout_s: fl
 def _check(store, job: str, role: str, target: str) -> tuple[str, float]:
     """The current leader and the job's lease TTL, or Refused: the target must be a
     registered, healthy, non-leading member of the role, and no other request pending."""
-    from rlfleet.tools.fleet_view import take_snapshot
+    from rlfleet.tools.ctl.fleet_view import take_snapshot
 
     snap = take_snapshot(store, job, check_leases=True)
     assert snap.cluster is not None

@@ -4,7 +4,7 @@ metrics.jsonl holds one JSON object per line, each with `time` (unix seconds)
 and `step`; training lines carry `reward_mean`, `tokens_per_s`, `staleness`
 ({staleness: count}), evaluation lines carry `eval_success` in [0, 1].
 
-    python -m rlfleet.tools.report runs/<job>/<timestamp>
+    python -m rlfleet.tools.run.report runs/<job>/<timestamp>
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def plot(m: RunMetrics, out_dir: Path, title: str = "") -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     if len(args) != 1:
-        print("usage: python -m rlfleet.tools.report RUN_DIR", file=sys.stderr)
+        print("usage: python -m rlfleet.tools.run.report RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(args[0])
     m = read_metrics(run_dir / "metrics.jsonl")

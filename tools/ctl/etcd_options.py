@@ -1,7 +1,7 @@
 """What every `rlfleet` command that talks to etcd shares: the --etcd option and the
 credential flags, the one place a store is opened, and picking the job.
 
-Kept apart from tools/cli.py so each operator command group (tools/node_cmd.py, ...)
+Kept apart from tools/cli.py so each operator command group (tools/ctl/node.py, ...)
 is its own module and imports only this.
 """
 

@@ -1,7 +1,7 @@
 """What `rlfleet node` decides and watches, apart from the command line: which hosts a
 job knows, whether draining one would leave a role without a running instance, and
 the phases of a host joining (docs/operations/live-fleet.md). Pure code over `Cluster`
-snapshots and the spec; tools/node_cmd.py does the I/O.
+snapshots and the spec; tools/ctl/node.py does the I/O.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ process still exists (stopped, or its loop stalled) is killed and restarted.
 While the job is paused (`rlfleet pause`, docs/operations/maintenance-mode.md) it observes only,
 like any agent: nothing is started, restarted, stopped or replaced, and the paused
 time does not count toward max_idle_s. The run owns the job through
-`/rlfleet/<job>/owner` (tools/job_owner.py): a second run of a live job is refused
+`/rlfleet/<job>/owner` (tools/run/job_owner.py): a second run of a live job is refused
 (exit 8) unless `--take-over`.
 Ctrl-C stops the daemons (SIGTERM, then SIGKILL after a grace period) and etcd
 last. The run ends with the accounting check, the plots, the end summary and
@@ -62,14 +62,14 @@ from rlfleet.daemons.agent.inventory import machine_inventory
 from rlfleet.daemons.agent.policy import CRASH_LOOP_DEATHS, CRASH_LOOP_WINDOW_S, CrashLoop
 from rlfleet.daemons.agent.process import ProcessBackend, daemon_command, tree_cpu_s
 from rlfleet.daemons.agent.reconciler import Event, Reconciler
-from rlfleet.tools.credentials import RunCredentials
-from rlfleet.tools.etcd_local import EtcdCluster
+from rlfleet.tools.run.credentials import RunCredentials
+from rlfleet.tools.run.etcd_local import EtcdCluster
 from rlfleet.tools.exit_codes import Exit, Outcome
-from rlfleet.tools.fleet_view import members_table, nodes_table, paused_banner, take_snapshot
-from rlfleet.tools.job_owner import JobOwned, JobOwner, RegistrationCheck
-from rlfleet.tools.report import MetricsTail, RunMetrics, plot, read_metrics, summary
-from rlfleet.tools.run_layout import new_run_dir, torch_threads
-from rlfleet.tools.run_summary import end_summary, eval_line, progress_line
+from rlfleet.tools.ctl.fleet_view import members_table, nodes_table, paused_banner, take_snapshot
+from rlfleet.tools.run.job_owner import JobOwned, JobOwner, RegistrationCheck
+from rlfleet.tools.run.report import MetricsTail, RunMetrics, plot, read_metrics, summary
+from rlfleet.tools.run.layout import new_run_dir, torch_threads
+from rlfleet.tools.run.summary import end_summary, eval_line, progress_line
 
 log = logging.getLogger("rlfleet.supervisor")
 
@@ -88,7 +88,7 @@ class Supervisor:
                  etcd_creds: EtcdCredentials | None = None) -> None:
         self.spec, self.spec_path, self.runs_dir = spec, spec_path, runs_dir
         # secure: TLS etcd with client certificates (the private one), CURVE and the relay's
-        # job secret, all made for this run (tools/credentials.py); `rlfleet run` defaults to it.
+        # job secret, all made for this run (tools/run/credentials.py); `rlfleet run` defaults to it.
         self.secure = secure
         self.etcd_creds = etcd_creds or EtcdCredentials()  # for an --etcd given, from flags/env
         self.credentials: RunCredentials | None = None
@@ -353,7 +353,7 @@ class Supervisor:
         """With every daemon stopped (journals unlocked) and etcd still up; an Outcome
         when the invariant is broken or could not be checked."""
         from rlfleet.daemons.env_host.journal import launched_per_prompt
-        from rlfleet.tools.accounting import check
+        from rlfleet.tools.ctl.accounting import check
         try:
             result = check(store, self.spec.job.name, self.run_dir, launched_per_prompt(self.spec))
         except Exception as exc:  # noqa: BLE001 — a report, never a reason to hang the shutdown

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from rlfleet.common.procs import with_parent_death
 
 if TYPE_CHECKING:
-    from rlfleet.tools.credentials import EtcdTls
+    from rlfleet.tools.run.credentials import EtcdTls
 
 INSTALL_HINT = ("etcd is not installed. On Debian/Ubuntu as root: "
                 "apt-get install -y etcd-server etcd-client (or put an etcd 3.4+ binary on PATH)")
