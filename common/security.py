@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 
-from rlfleet.common.wire import curve, edges
+from rlfleet.common.job_secret import ENV_VAR as JOB_SECRET_ENV  # the relay's chunk transport reads it
 from rlfleet.common.secret_files import SecretFileError
 from rlfleet.common.spec.job import JobSpec
 from rlfleet.common.spec.placement import ROLES
+from rlfleet.common.wire import curve, edges
 
-from rlfleet.common.job_secret import ENV_VAR as JOB_SECRET_ENV  # the relay's chunk transport reads it
 # Who speaks the relay's chunk transport: relays, and the trainer that pushes to the master.
 RELAY_AUTH_ROLES = ("relay", "trainer")
 

@@ -25,8 +25,20 @@ from typing import Any, Protocol
 
 from rlfleet.relay.admission import Limits, Refused, check_chunk, check_offer
 from rlfleet.relay.manifest import ChecksumMismatch, Manifest, ManifestError
-from rlfleet.relay.protocol import (Ack, Chunk, Done, Hello, Nack, Offer, ProtocolError, Reject, State, Status,
-                                    StatusQuery, Want)
+from rlfleet.relay.protocol import (
+    Ack,
+    Chunk,
+    Done,
+    Hello,
+    Nack,
+    Offer,
+    ProtocolError,
+    Reject,
+    State,
+    Status,
+    StatusQuery,
+    Want,
+)
 from rlfleet.relay.shm import RejectError, WeightStore
 from rlfleet.relay.transport import Conn
 

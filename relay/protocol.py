@@ -16,7 +16,7 @@ Headers are msgpack (msgspec structs, tagged); payloads follow as raw bytes.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -91,7 +91,7 @@ class Status(_M):
     stats: dict[str, Any]
 
 
-Message = Union[Hello, State, Offer, Want, Reject, Chunk, Ack, Nack, Done, StatusQuery, Status]
+Message = Hello | State | Offer | Want | Reject | Chunk | Ack | Nack | Done | StatusQuery | Status
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

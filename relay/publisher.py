@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy
 
-from rlfleet.common.job_secret import job_secret_from_env
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import Member
 from rlfleet.common.control.records import RelayMaster, WeightsLatest
 from rlfleet.common.control.store import KeyValue, Store, StoreUnavailable
+from rlfleet.common.job_secret import job_secret_from_env
 from rlfleet.relay.link import Link, Rejected
 from rlfleet.relay.manifest import FlatSource, Manifest, build_manifest
 from rlfleet.relay.protocol import ProtocolError

@@ -15,10 +15,10 @@ import sys
 import time
 from typing import Any
 
-from rlfleet.common.job_secret import job_secret_from_env
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.records import RelayChain, WeightsLatest
 from rlfleet.common.control.store import Store
+from rlfleet.common.job_secret import job_secret_from_env
 from rlfleet.relay.protocol import Status, StatusQuery
 from rlfleet.relay.topology import read_chain
 from rlfleet.relay.transport import transport_for

@@ -15,8 +15,8 @@ older version than a survivor has.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from rlfleet.common.control.keys import JobKeys

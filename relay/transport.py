@@ -177,7 +177,7 @@ class TcpConn(Conn):
         try:
             while got < len(buf):
                 if not self._readable.poll(wait_ms):
-                    raise socket.timeout
+                    raise TimeoutError
                 try:
                     n = self.sock.recv_into(buf[got:], 0, socket.MSG_DONTWAIT)
                 except BlockingIOError:
@@ -187,7 +187,7 @@ class TcpConn(Conn):
                 if hasher is not None:
                     hasher.update(buf[got:got + n])  # while the bytes are still in cache
                 got += n
-        except socket.timeout:
+        except TimeoutError:
             if got:  # a half-read frame cannot be resumed: the stream is unusable
                 raise ConnectionError(f"{self.peer} stalled mid-frame ({got}/{len(buf)} bytes)") from None
             raise TimeoutError(f"no data from {self.peer} within {timeout}s") from None
@@ -294,7 +294,7 @@ class TcpListener(Listener):
         self.sock.settimeout(timeout)
         try:
             s, addr = self.sock.accept()
-        except socket.timeout:
+        except TimeoutError:
             return None
         except OSError as exc:
             raise ConnectionError(f"listener {self.address} closed: {exc}") from exc

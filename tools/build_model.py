@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
+from rlfleet.common.sandbox.parent import SandboxResult
 from rlfleet.daemons.tasks import Prompt, Task, get_task
 from rlfleet.daemons.tasks.episodes import evaluate_model
-from rlfleet.common.sandbox.parent import SandboxResult
 from rlfleet.daemons.tasks.frozenlake import ACTIONS, optimal_actions, parse_observation
 from rlfleet.daemons.tasks.tool_use import ToolUseTask, observation_after
 from rlfleet.tools.evaluate import WARMSTART_FILE, load

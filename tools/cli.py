@@ -19,12 +19,19 @@ import click
 
 from rlfleet.common import failpoints
 from rlfleet.common.control.keys import ROOT_PREFIX
-from rlfleet.common.spec.placement import ROLES
 from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import load_spec
+from rlfleet.common.spec.placement import ROLES
 from rlfleet.daemons import NODE_DAEMON_CLASSES
-from rlfleet.tools.ctl.etcd_options import (_etcd_credentials, _fail_unreachable, _pick_job, _store,
-                                            etcd_credential_options, etcd_option, job_name)
+from rlfleet.tools.ctl.etcd_options import (
+    _etcd_credentials,
+    _fail_unreachable,
+    _pick_job,
+    _store,
+    etcd_credential_options,
+    etcd_option,
+    job_name,
+)
 from rlfleet.tools.exit_codes import RUN_CODES, Exit
 
 EXIT_SPEC = Exit.BAD_SPEC
@@ -199,8 +206,14 @@ def status(job: str | None, etcd: str, output: str) -> None:
     as wide as their contents, so ids, addresses and problems are never cut."""
     from rlfleet.common.control.keys import JobKeys
     from rlfleet.common.control.store import StoreUnavailable
-    from rlfleet.tools.ctl.fleet_view import (etcdctl_equivalent, members_table, nodes_table, paused_banner,
-                                              report_console, take_snapshot)
+    from rlfleet.tools.ctl.fleet_view import (
+        etcdctl_equivalent,
+        members_table,
+        nodes_table,
+        paused_banner,
+        report_console,
+        take_snapshot,
+    )
 
     store = _store(etcd)
     try:

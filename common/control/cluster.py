@@ -15,17 +15,25 @@ it with the same constructors (`members.members_from`, `TrainerProgress.parse`).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import Leader, Member, Node, Placement
 from rlfleet.common.control.operations import Admission, JobState, NodeState, Switchover
-from rlfleet.common.control.records import (Checkpoint, PromptCursor, RelayChain, RelayLayoutRequest, RelayMaster,
-                                            TrainerProgress, WeightsLatest)
-from rlfleet.common.spec.job import JobSpec, parse_spec
+from rlfleet.common.control.records import (
+    Checkpoint,
+    PromptCursor,
+    RelayChain,
+    RelayLayoutRequest,
+    RelayMaster,
+    TrainerProgress,
+    WeightsLatest,
+)
 from rlfleet.common.control.store import KeyValue, Store
+from rlfleet.common.spec.job import JobSpec, parse_spec
 
 _NO_LEADERS: Mapping[str, Leader] = MappingProxyType({})
 _NO_NODES: Mapping[str, Node] = MappingProxyType({})

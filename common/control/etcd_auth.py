@@ -21,8 +21,8 @@ from dataclasses import dataclass, fields
 
 import grpc
 
-from rlfleet.common.secret_files import read_private
 from rlfleet.common.control.store import StoreUnavailable
+from rlfleet.common.secret_files import read_private
 
 ENV = {"cacert": "RLFLEET_ETCD_CACERT", "cert": "RLFLEET_ETCD_CERT", "key": "RLFLEET_ETCD_KEY",
        "user": "RLFLEET_ETCD_USER", "password_file": "RLFLEET_ETCD_PASSWORD_FILE"}

@@ -14,8 +14,8 @@ import logging
 import math
 import queue
 import threading
-import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
 import pyetcd
@@ -24,8 +24,16 @@ from pyetcd import exceptions as etcd_exc
 
 from rlfleet.common.control.etcd_auth import EtcdCredentials, raise_if_refused, tls_hint
 from rlfleet.common.control.keys import ROOT_PREFIX
-from rlfleet.common.control.store import (KeyValue, Lease, LeaseExpired, LeaseInfo, Store, StoreUnavailable, Watch,
-                                          WatchEvent)
+from rlfleet.common.control.store import (
+    KeyValue,
+    Lease,
+    LeaseExpired,
+    LeaseInfo,
+    Store,
+    StoreUnavailable,
+    Watch,
+    WatchEvent,
+)
 
 log = logging.getLogger("rlfleet.store")
 

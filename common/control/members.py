@@ -7,9 +7,10 @@ exception for a malformed value, a `problem` sentence instead.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from rlfleet.common.control import keys as names
 from rlfleet.common.control.keys import JobKeys

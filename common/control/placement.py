@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlfleet.common.spec.placement import ROLES
 from rlfleet.common.spec.job import JobSpec
+from rlfleet.common.spec.placement import ROLES
 
 
 @dataclass(frozen=True, order=True)

@@ -17,9 +17,10 @@ that parsed is usable even when `pid` did not). Keys come from
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, ClassVar, Mapping, Self
+from typing import Any, ClassVar, Self
 
 from rlfleet.common.control import keys as names
 from rlfleet.common.control.keys import JobKeys

@@ -44,15 +44,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import Leader
 from rlfleet.common.control.operations import Switchover
-from rlfleet.common.procs import ProcessId
 from rlfleet.common.control.store import KeyValue, Lease, LeaseExpired, Store, StoreUnavailable
 from rlfleet.common.control.switchover import DONE, HAND_OVER, leader_action, vacancy_target
+from rlfleet.common.procs import ProcessId
 
 log = logging.getLogger("rlfleet.session")
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Iterator, Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 
 class StoreUnavailable(Exception):
@@ -206,7 +207,7 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -81,7 +81,8 @@ def _check(ret: int, what: str) -> None:
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int,
            data: str | None = None) -> None:
-    enc = (lambda s: None if s is None else s.encode())
+    def enc(s: str | None) -> bytes | None:
+        return None if s is None else s.encode()
     _check(_libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)),
            f"mount {target}")
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rlfleet.common.spec.registry import KindSlot
 from rlfleet.common.spec.fields import SPEC_ERROR, num, show
+from rlfleet.common.spec.registry import KindSlot
 
 __all__ = ["SpecError", "describe", "dotted", "suggest", "toml_error"]
 

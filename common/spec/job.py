@@ -42,14 +42,22 @@ from pydantic import (
 )
 
 from rlfleet.common.job_name import JOB_NAME_RULE, is_job_name
-from rlfleet.common.spec.registry import Kind, KindConfig, KindSlot
-from rlfleet.common.spec.seams import (ENV_ROUTERS, POLICY_LOSSES, REPACK_PLANNERS, REWARD_BACKENDS, REWARD_DISPATCH,
-                                       ROLLOUT_ENGINES, TASKS, TRAINER_BACKENDS)
 from rlfleet.common.spec.errors import SpecError, describe, dotted, suggest
+from rlfleet.common.spec.fields import Host, NonNegInt, PosFloat, PosInt, Section, fail, show
 from rlfleet.common.spec.file import read_spec_toml
 from rlfleet.common.spec.filters import FilterSchedule, check_extra, check_schedule, filter_errors
-from rlfleet.common.spec.fields import Host, NonNegInt, PosFloat, PosInt, Section, fail, show
 from rlfleet.common.spec.placement import ROLES, PlacementSection
+from rlfleet.common.spec.registry import Kind, KindConfig, KindSlot
+from rlfleet.common.spec.seams import (
+    ENV_ROUTERS,
+    POLICY_LOSSES,
+    REPACK_PLANNERS,
+    REWARD_BACKENDS,
+    REWARD_DISPATCH,
+    ROLLOUT_ENGINES,
+    TASKS,
+    TRAINER_BACKENDS,
+)
 from rlfleet.common.weights_size import published_bytes
 
 __all__ = ["MOVED", "JobSpec", "load_spec", "parse_spec"]

@@ -13,7 +13,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 
-
 class Array:
     """A dense little-endian array: dtype, shape and a bytes-like buffer.
 

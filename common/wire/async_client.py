@@ -13,8 +13,8 @@ from typing import Any
 
 import zmq
 
-from rlfleet.common.wire.sockets import DEFAULT_HWM, CurveKeys, Expect, PeerTimeout, _Endpoint
 from rlfleet.common.wire.messages import MAX_FRAME_BYTES, Message, encode
+from rlfleet.common.wire.sockets import DEFAULT_HWM, CurveKeys, Expect, PeerTimeout, _Endpoint
 
 log = logging.getLogger("rlfleet.sockets")
 
@@ -168,6 +168,6 @@ class AsyncRequestClient(_Endpoint):
         if self._loop is not None and not self._loop.is_closed():
             with contextlib.suppress(Exception):  # from the loop's own thread only
                 self._loop.remove_reader(self._fd)
-        for fut, timer in self._waiting.values():
+        for _, timer in self._waiting.values():
             timer.cancel()
         super().close()

@@ -45,9 +45,9 @@ from prometheus_client import Counter
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-from rlfleet.common.wire import edges
-from rlfleet.common.spec.placement import ROLES
 from rlfleet.common.secret_files import read_private, write_private
+from rlfleet.common.spec.placement import ROLES
+from rlfleet.common.wire import edges
 
 log = logging.getLogger("rlfleet.auth")
 

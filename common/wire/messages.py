@@ -26,13 +26,12 @@ import math
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 from prometheus_client import Counter
 
 from rlfleet.common import metrics
-
 from rlfleet.common.wire.arrays import ARRAY_TYPES, Array, Float32Array, Int32Array
 
 PROTOCOL_VERSION = 1
@@ -267,16 +266,8 @@ class MessageType(enum.IntEnum):
     ACK = 8
 
 
-Message = Union[
-    GenerateRequest,
-    GenerateResult,
-    Abort,
-    Trajectory,
-    ScoredTrajectory,
-    RolloutStats,
-    RepackOrder,
-    Ack,
-]
+Message = (GenerateRequest | GenerateResult | Abort | Trajectory | ScoredTrajectory | RolloutStats | RepackOrder
+           | Ack)
 
 MESSAGE_TYPES: dict[MessageType, type[_Msg]] = {
     MessageType.GENERATE_REQUEST: GenerateRequest,

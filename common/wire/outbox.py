@@ -17,8 +17,8 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
-from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.common.wire.messages import Message
+from rlfleet.common.wire.reliable import ReliableSender
 
 log = logging.getLogger("rlfleet.outbox")
 

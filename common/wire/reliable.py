@@ -17,8 +17,8 @@ from typing import Any
 import zmq
 
 from rlfleet.common.log_throttle import LogThrottle
-from rlfleet.common.wire.sockets import DEFAULT_HWM, CurveKeys, Expect, PeerTimeout, _deadline, _Endpoint, log
 from rlfleet.common.wire.messages import MAX_FRAME_BYTES, Ack, Message, encode
+from rlfleet.common.wire.sockets import DEFAULT_HWM, CurveKeys, Expect, PeerTimeout, _deadline, _Endpoint, log
 
 __all__ = ["ReliableReceiver", "ReliableSender"]
 

@@ -38,9 +38,16 @@ from typing import Any, Self
 import zmq
 
 from rlfleet.common.wire import curve as curve_setup
+from rlfleet.common.wire.messages import (
+    MAX_FRAME_BYTES,
+    REJECT_REASONS,
+    Message,
+    WireError,
+    decode,
+    encode,
+    record_rejection,
+)
 from rlfleet.common.wire.validation import DEFAULT_LIMITS, Limits, check_message, error_reply
-from rlfleet.common.wire.messages import (MAX_FRAME_BYTES, REJECT_REASONS, Message, WireError, decode, encode,
-                                          record_rejection)
 
 log = logging.getLogger("rlfleet.wire")
 

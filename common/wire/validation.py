@@ -38,9 +38,21 @@ from typing import Any
 import msgspec
 
 from rlfleet.common.wire.arrays import Array, Float32Array, Int32Array
-from rlfleet.common.wire.messages import (Abort, Ack, GenerateRequest, GenerateResult, Prompt, RepackOrder,
-                                          RolloutStats, ScoredTrajectory, Segment, Trajectory, Turn, WireError,
-                                          count_rejection)
+from rlfleet.common.wire.messages import (
+    Abort,
+    Ack,
+    GenerateRequest,
+    GenerateResult,
+    Prompt,
+    RepackOrder,
+    RolloutStats,
+    ScoredTrajectory,
+    Segment,
+    Trajectory,
+    Turn,
+    WireError,
+    count_rejection,
+)
 
 log = logging.getLogger("rlfleet.wire")
 

@@ -8,8 +8,9 @@ host, where systemd itself restarts a unit that dies (Restart=on-failure).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from rlfleet.common.control.placement import Placed
 

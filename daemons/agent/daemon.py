@@ -21,13 +21,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlfleet.common.daemon import Daemon, DaemonOptions
 from rlfleet.common.control.members import members_from, placements_from
 from rlfleet.common.control.pause import PauseWatch
 from rlfleet.common.control.placement import Placed, placement_from_spec
+from rlfleet.common.control.store import Store, StoreUnavailable
+from rlfleet.common.daemon import Daemon, DaemonOptions
 from rlfleet.common.procs import ProcessId
 from rlfleet.common.spec.seams import sandboxed_roles
-from rlfleet.common.control.store import Store, StoreUnavailable
 from rlfleet.daemons.agent import http, policy
 from rlfleet.daemons.agent.backend import Backend
 from rlfleet.daemons.agent.inventory import machine_inventory

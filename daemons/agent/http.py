@@ -7,7 +7,8 @@ Served by waitress with the settings of every daemon's /metrics (common/metrics.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client import make_wsgi_app

@@ -10,8 +10,9 @@ reconciler (reconciler.py) do the I/O.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from rlfleet.common.control.placement import Placed
 from rlfleet.common.spec.placement import ROLES

@@ -11,8 +11,9 @@ stopped (docs/operations/maintenance-mode.md).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from rlfleet.common.control.placement import Placed
 from rlfleet.daemons.agent import policy
@@ -54,8 +55,8 @@ class Event:
 
 
 class Reconciler:
-    def __init__(self, backend: Backend, crash_loop: CrashLoop = CrashLoop()) -> None:
-        self.backend, self.crash_loop = backend, crash_loop
+    def __init__(self, backend: Backend, crash_loop: CrashLoop | None = None) -> None:
+        self.backend, self.crash_loop = backend, crash_loop or CrashLoop()
         self.tracked: dict[str, Tracked] = {}
         self.paused = False  # as of the last step
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from rlfleet.common.control.placement import Placed
 from rlfleet.daemons.agent.backend import Observed, role_of

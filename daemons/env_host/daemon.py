@@ -23,18 +23,18 @@ import os
 import time
 from typing import Any
 
-from rlfleet.common.daemon import Daemon
 from rlfleet.common.control.members import Member, members_from
-from rlfleet.common.spec.seams import ENV_ROUTERS
-from rlfleet.common.wire.outbox import OutboxThread
 from rlfleet.common.control.store import StoreUnavailable
+from rlfleet.common.daemon import Daemon
+from rlfleet.common.spec.seams import ENV_ROUTERS
 from rlfleet.common.wire.messages import Trajectory
+from rlfleet.common.wire.outbox import OutboxThread
 from rlfleet.daemons.tasks.prompts import PromptStream, task_from_spec
 
 from .claims import PromptClaimer
-from .pacing import ClaimPacer, pacer_for
 from .journal import Journal, journal_path, launched_per_prompt
 from .manager import ManagerConfig, TurnCodec
+from .pacing import ClaimPacer, pacer_for
 from .routing_policy import RolloutTraits
 from .runner import EnvRunner
 

@@ -38,8 +38,8 @@ from typing import Any
 import msgspec
 
 from rlfleet.common.logs import LineWriter
-from rlfleet.common.spec.run_dir import job_run_dir
 from rlfleet.common.spec.job import JobSpec
+from rlfleet.common.spec.run_dir import job_run_dir
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import Prompt, Trajectory, Turn
 from rlfleet.daemons.tasks.prompts import group_id, parse_trajectory_id, trajectory_id

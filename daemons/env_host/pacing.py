@@ -36,14 +36,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import Gauge
 
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.records import TrainerProgress
-from rlfleet.common.spec.job import JobSpec
 from rlfleet.common.control.store import Store, StoreUnavailable
+from rlfleet.common.spec.job import JobSpec
 
 log = logging.getLogger("rlfleet.env_host")
 
@@ -154,7 +155,7 @@ class ClaimPacer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="claim-pacer", daemon=True)
 
-    def start(self) -> "ClaimPacer":
+    def start(self) -> ClaimPacer:
         self._thread.start()
         return self
 

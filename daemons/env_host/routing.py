@@ -31,8 +31,8 @@ from prometheus_client import Counter
 from zmq.utils.monitor import parse_monitor_message
 
 from rlfleet.common.wire.async_client import AsyncRequestClient
-from rlfleet.common.wire.sockets import PeerTimeout
 from rlfleet.common.wire.messages import Abort, GenerateRequest, GenerateResult
+from rlfleet.common.wire.sockets import PeerTimeout
 
 from .routing_policy import LeastLoaded, Route, RoutingPolicy, group_of
 

@@ -35,10 +35,10 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from rlfleet.common.log_throttle import LogThrottle
-from rlfleet.common.wire.outbox import Acked
 from rlfleet.common.control.store import StoreUnavailable
+from rlfleet.common.log_throttle import LogThrottle
 from rlfleet.common.wire.messages import Trajectory, Turn
+from rlfleet.common.wire.outbox import Acked
 from rlfleet.daemons.tasks import Prompt, Task
 from rlfleet.daemons.tasks.prompts import PromptStream, parse_trajectory_id, trajectory_id
 

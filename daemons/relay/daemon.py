@@ -21,10 +21,10 @@ import threading
 import time
 from typing import Any
 
-from rlfleet.common.daemon import Daemon
-from rlfleet.common.job_secret import job_secret_from_env
 from rlfleet.common.control.records import RelayMaster
 from rlfleet.common.control.store import KeyValue, StoreUnavailable, Watch
+from rlfleet.common.daemon import Daemon
+from rlfleet.common.job_secret import job_secret_from_env
 from rlfleet.relay.admission import ceiling_bytes
 from rlfleet.relay.node import NodeConfig, RelayNode
 from rlfleet.relay.topology import ChainFollower, ChainView

@@ -33,14 +33,14 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 from rlfleet.common import failpoints
-from rlfleet.common.daemon import Daemon
 from rlfleet.common.control.members import members_from
 from rlfleet.common.control.records import RepackPlan, WeightsLatest
+from rlfleet.common.control.store import StoreUnavailable
+from rlfleet.common.daemon import Daemon
 from rlfleet.common.spec.run_dir import job_run_dir
 from rlfleet.common.spec.seams import REPACK_PLANNERS
-from rlfleet.common.wire.sockets import PeerTimeout, RequestClient
-from rlfleet.common.control.store import StoreUnavailable
 from rlfleet.common.wire.messages import Ack, RepackOrder, RolloutStats
+from rlfleet.common.wire.sockets import PeerTimeout, RequestClient
 
 from .rollout_view import check_stats, engine_batch_limit
 

@@ -30,8 +30,8 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, Field
 
-from rlfleet.common.spec.registry import Kind, KindConfig, Problem
 from rlfleet.common.spec.fields import PosFloat, PosInt
+from rlfleet.common.spec.registry import Kind, KindConfig, Problem
 
 from .rollout_view import RolloutLoad, engine_batch_limit
 

@@ -18,8 +18,8 @@ What runs where is decided from three sources (docs/operations/live-fleet.md):
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 from rlfleet.common.control.operations import DRAINING, REMOVED, Admission, NodeState
 from rlfleet.common.control.placement import Placed, placement_from_spec

@@ -14,12 +14,12 @@ import logging
 import time
 
 from rlfleet.common.control.cluster import Cluster
-from rlfleet.common.daemon import Daemon
 from rlfleet.common.control.members import Placement
 from rlfleet.common.control.operations import DRAINED
-from rlfleet.common.spec.placement import ROLES
-from rlfleet.common.spec.job import JobSpec
 from rlfleet.common.control.store import KeyValue, StoreUnavailable
+from rlfleet.common.daemon import Daemon
+from rlfleet.common.spec.job import JobSpec
+from rlfleet.common.spec.placement import ROLES
 from rlfleet.daemons.resource_manager.admission import Decision, Fleet, decide, describe_labels
 
 log = logging.getLogger("rlfleet.resource_manager")

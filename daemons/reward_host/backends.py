@@ -18,8 +18,8 @@ from __future__ import annotations
 import abc
 from typing import Any, Literal
 
-from rlfleet.common.spec.registry import Kind, KindConfig
 from rlfleet.common.spec.fields import PosFloat, PosInt
+from rlfleet.common.spec.registry import Kind, KindConfig
 
 
 class RewardBackend(abc.ABC):
@@ -44,7 +44,7 @@ class RewardBackend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
-    def resize(self, workers: int) -> None:
+    def resize(self, workers: int) -> None:  # noqa: B027 — a default that does nothing, not abstract
         """Hold ``workers`` workers from now on: a scaling plan applied (the ``pipeline``
         kind, pipeline.py). A stop lets a running job finish. The default does nothing,
         which is right for a kind whose concurrency is simply how many jobs its owner

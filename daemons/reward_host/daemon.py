@@ -23,12 +23,12 @@ import threading
 import time
 from typing import Any
 
-from rlfleet.common.daemon import Daemon
 from rlfleet.common.control.members import Leader, Member, members_from
-from rlfleet.common.spec.seams import REWARD_BACKENDS, REWARD_DISPATCH
-from rlfleet.common.wire.reliable import ReliableReceiver
 from rlfleet.common.control.store import StoreUnavailable
+from rlfleet.common.daemon import Daemon
+from rlfleet.common.spec.seams import REWARD_BACKENDS, REWARD_DISPATCH
 from rlfleet.common.wire.messages import Trajectory
+from rlfleet.common.wire.reliable import ReliableReceiver
 from rlfleet.daemons.tasks.prompts import task_kwargs
 
 from .service import RewardService

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rlfleet.common.spec.registry import Kind, KindConfig
 from rlfleet.common.wire.messages import Trajectory
-
 from rlfleet.daemons.reward_host.pipeline.queues import EbfQueue
 
 if TYPE_CHECKING:  # workers.py imports this module

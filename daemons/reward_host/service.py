@@ -35,10 +35,10 @@ import zmq
 from prometheus_client import Counter
 
 from rlfleet.common.log_throttle import LogThrottle
+from rlfleet.common.wire.messages import ScoredTrajectory, Trajectory
 from rlfleet.common.wire.outbox import Outbox
 from rlfleet.common.wire.reliable import ReliableReceiver
 from rlfleet.common.wire.validation import confined
-from rlfleet.common.wire.messages import ScoredTrajectory, Trajectory
 
 from .backends import RewardBackend
 from .dispatch import arrival

@@ -43,8 +43,8 @@ from typing import Any, Literal
 
 from pydantic import StrictStr, field_validator, model_validator
 
-from rlfleet.common.spec.registry import Kind, KindConfig
 from rlfleet.common.spec.fields import PosFloat, PosInt
+from rlfleet.common.spec.registry import Kind, KindConfig
 
 from .backends import RewardBackend
 

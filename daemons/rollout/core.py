@@ -42,13 +42,12 @@ from typing import Any, Protocol
 
 import msgspec
 
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import Abort, Ack, GenerateRequest, GenerateResult, RepackOrder, RolloutStats, Segment
 from rlfleet.common.wire.sockets import RequestServer
 from rlfleet.common.wire.validation import confined
-from rlfleet.common.wire.messages import (Abort, Ack, GenerateRequest, GenerateResult, RepackOrder, RolloutStats,
-                                          Segment)
-from rlfleet.common.wire.arrays import Float32Array, Int32Array
-
 from rlfleet.daemons.rollout.engines.api import Engine, error_result
+
 from .weight_policy import WeightUpdatePolicy
 
 log = logging.getLogger("rlfleet.rollout")

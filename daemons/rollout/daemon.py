@@ -28,8 +28,8 @@ import os
 from typing import Any
 
 from rlfleet.common.daemon import Daemon
-from rlfleet.common.wire.sockets import RequestServer
 from rlfleet.common.wire.messages import Abort, GenerateRequest, RepackOrder, RolloutStats
+from rlfleet.common.wire.sockets import RequestServer
 
 log = logging.getLogger("rlfleet.rollout")
 
@@ -99,9 +99,9 @@ class Rollout(Daemon):
         """Many simulated rollouts in this process (sim_host.py), each its own member."""
         from rlfleet.common.spec.run_dir import job_run_dir
         from rlfleet.common.spec.seams import ROLLOUT_ENGINES
+        from rlfleet.daemons.rollout.sim.host import SimHost, bind_servers, sim_member_id
 
         from .core import RolloutCore
-        from rlfleet.daemons.rollout.sim.host import SimHost, bind_servers, sim_member_id
 
         assert self.spec is not None
         rs, host_id = self.spec.rollout, self.options.member_id

@@ -26,11 +26,12 @@ import logging
 import threading
 import time
 from collections import deque
-from rlfleet.common.wire.sockets import RequestServer
+
 from rlfleet.common.wire.messages import RolloutStats
+from rlfleet.common.wire.sockets import RequestServer
+from rlfleet.daemons.rollout.engines.api import Engine
 
 from .core import ReaderSource, RolloutCore
-from rlfleet.daemons.rollout.engines.api import Engine
 
 log = logging.getLogger("rlfleet.rollout")
 

@@ -38,9 +38,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable
 
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import RelayMember, members_from

@@ -17,8 +17,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, StrictInt, StrictStr, ValidationInfo, field_validator
 
-from rlfleet.common.spec.registry import Kind, KindConfig
 from rlfleet.common.spec.fields import Section, fail, show
+from rlfleet.common.spec.registry import Kind, KindConfig
 
 from .base import Task
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from rlfleet.common.spec.seams import TASKS
 from rlfleet.common.spec.job import JobSpec
+from rlfleet.common.spec.seams import TASKS
 from rlfleet.daemons.tasks import Prompt, Task
 
 _FIRST_CHUNK = 1024

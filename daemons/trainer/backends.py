@@ -57,8 +57,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StrictInt
 
-from rlfleet.common.spec.registry import Kind, KindConfig, Problem, import_failure
 from rlfleet.common.spec.fields import PosInt
+from rlfleet.common.spec.registry import Kind, KindConfig, Problem, import_failure
 
 # -- the sim backend's model (see the module docstring for the sources) ------------------
 SIM_PARAMS = 7.62e9          # Qwen2.5-7B

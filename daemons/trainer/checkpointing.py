@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.common import failpoints
-from rlfleet.common.durable import fsync_path
 from rlfleet.common.control.store import Store, StoreUnavailable
+from rlfleet.common.durable import fsync_path
 
 from .journal import Journal
 from .metrics_log import CHECKPOINT_FAILURES, io_reason, member_id

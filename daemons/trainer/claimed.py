@@ -15,9 +15,9 @@ import logging
 import time
 
 from rlfleet.common.control.keys import JobKeys
-from rlfleet.common.log_throttle import LogThrottle
 from rlfleet.common.control.records import PromptCursor
 from rlfleet.common.control.store import Store, StoreUnavailable
+from rlfleet.common.log_throttle import LogThrottle
 
 log = logging.getLogger("rlfleet.trainer")
 

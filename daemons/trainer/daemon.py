@@ -44,8 +44,8 @@ import threading
 import time
 from typing import Any
 
-from rlfleet.common.daemon import Daemon
 from rlfleet.common.control.pause import PauseWatch
+from rlfleet.common.daemon import Daemon
 from rlfleet.common.spec.job import JobSpec
 
 from .metrics_log import set_member_id

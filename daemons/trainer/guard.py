@@ -30,6 +30,7 @@ import torch
 
 from .batching import NonFiniteStep
 
+
 def require_finite(what: str, value: torch.Tensor) -> None:
     """Raise NonFiniteStep naming ``what`` and its first bad values if any is not finite."""
     finite = torch.isfinite(value)

@@ -22,8 +22,8 @@ from typing import Any
 
 from rlfleet.common import failpoints
 from rlfleet.common.log_throttle import LogThrottle
-from rlfleet.common.wire.validation import confined
 from rlfleet.common.wire.messages import ScoredTrajectory, count_rejection
+from rlfleet.common.wire.validation import confined
 
 from .batching import INVALID, check_trajectory, drop_reason, identity_problem
 from .claimed import ClaimedPrompts

@@ -140,7 +140,8 @@ def ensure_parallel_state(device: str, seed: int, tensor_parallel: int = 1,
 
     Idempotent: a second learner in the process (a checkpoint load, a test) reuses both."""
     import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel as tp
+    from megatron.core import parallel_state
+    from megatron.core import tensor_parallel as tp
 
     if not dist.is_initialized():
         # A file rendezvous: no port to pick or collide with for a group of one.

@@ -45,8 +45,16 @@ from typing import Any
 from rlfleet.common import failpoints
 from rlfleet.common.spec.job import JobSpec
 
-from .batching import (INVALID, NO_SIGNAL, NON_FINITE, STALENESS, NonFiniteStep, in_finished_rounds,
-                       select_groups, staleness)
+from .batching import (
+    INVALID,
+    NO_SIGNAL,
+    NON_FINITE,
+    STALENESS,
+    NonFiniteStep,
+    in_finished_rounds,
+    select_groups,
+    staleness,
+)
 from .buffer import capacity_groups, evict_overflow, evict_stale, ordered
 from .checkpointing import Checkpointer, checkpoints
 from .evaluation import policy_to_evaluate
@@ -224,8 +232,8 @@ class TrainingLoop:
             self.skip_non_finite(groups, exc)
             return
         except ValueError as exc:  # the data, not the trainer: account and go on
-            if not self.journaled(lambda: self.journal.record_dropped(
-                    [(gid, INVALID, str(exc)[:500]) for gid in groups])):
+            why = str(exc)[:500]
+            if not self.journaled(lambda: self.journal.record_dropped([(gid, INVALID, why) for gid in groups])):
                 return
             log.warning("dropped %d groups, batch refused: %s", len(groups), exc,
                         extra={"event": "drop", "reason": INVALID})

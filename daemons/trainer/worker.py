@@ -36,21 +36,22 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rlfleet.common.control.keys import JobKeys
-from rlfleet.common.spec.run_dir import job_run_dir
-from rlfleet.common.spec.job import JobSpec
 from rlfleet.common.control.store import Store
+from rlfleet.common.spec.job import JobSpec
+from rlfleet.common.spec.run_dir import job_run_dir
 
 from .checkpointing import Checkpointer
+from .claimed import ClaimedPrompts
 from .intake import Intake
 from .journal import Journal
 from .metrics_log import MetricsLog
 from .progress import ProgressWriter, progress_record
-from .claimed import ClaimedPrompts
 from .resume import restore
 from .training import TrainerState, TrainingLoop
 

@@ -16,13 +16,13 @@ import time
 
 import msgspec
 
-from rlfleet.common.wire import curve
 from rlfleet.common.control.etcd_auth import EtcdCredentials, open_store
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import members_from
-from rlfleet.common.wire.reliable import ReliableSender
+from rlfleet.common.wire import curve
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import Trajectory, Turn
+from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.daemons.tasks import get_task
 
 

@@ -55,7 +55,7 @@ def main(instance: str) -> int:
         notify("WATCHDOG=1")
         try:
             conn, _ = server.accept()
-        except socket.timeout:
+        except TimeoutError:
             continue
         with conn:
             conn.settimeout(60.0)

@@ -25,8 +25,9 @@ from typing import Any
 
 import pytest
 
-from .conftest import lab_cli
 from rlfleet.tools.lab.job import JOB, RLFLEET, RUN_DIR, LabJob, job_spec, recap, wait_for, with_job_env
+
+from .conftest import lab_cli
 
 # Each step waits on a cluster of five hosts sharing two cores: minutes, not the suite default.
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1500)]

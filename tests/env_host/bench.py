@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from rlfleet.common.control.etcd_store import EtcdStore
-from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
 from rlfleet.common.wire.messages import Trajectory
+from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
 from rlfleet.daemons.env_host.claims import PromptClaimer
 from rlfleet.daemons.env_host.manager import EnvManager, ManagerConfig, TurnCodec
 from rlfleet.daemons.env_host.routing import Router

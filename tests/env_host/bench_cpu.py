@@ -26,8 +26,8 @@ def serve_peers(rate: float) -> None:
     """Child process: a fake rollout and a fake reward-host until stdin closes. With a
     rate, the rollout answers every 10 ms a batch of at most rate/100 requests (as a
     real engine finishes a batch of short completions together)."""
-    from rlfleet.common.wire.sockets import RequestServer
     from rlfleet.common.wire.messages import GenerateRequest
+    from rlfleet.common.wire.sockets import RequestServer
     from tests.env_host.fakes import FakeRollout, policy
     from tests.env_host.test_runner import FakeRewardHost, solve
 

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlfleet.common.wire.sockets import RequestServer
-from rlfleet.common.wire.messages import Abort, GenerateRequest, GenerateResult
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import Abort, GenerateRequest, GenerateResult
+from rlfleet.common.wire.sockets import RequestServer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.daemons.env_host.claims import parse_cursor
 from rlfleet.daemons.env_host.env_modes import BatchBarrier
 from rlfleet.daemons.env_host.groups import PromptGroup, Round
-from rlfleet.daemons.env_host.claims import parse_cursor
 from rlfleet.daemons.env_host.journal import Journal
 from rlfleet.daemons.env_host.manager import ManagerConfig
 from rlfleet.daemons.tasks import get_task

@@ -12,8 +12,7 @@ import pytest
 
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import GenerateResult, Turn
-from rlfleet.daemons.env_host.manager import (EnvManager, EnvThreads, ManagerConfig, TurnCodec,
-                                              check_result)
+from rlfleet.daemons.env_host.manager import EnvManager, EnvThreads, ManagerConfig, TurnCodec, check_result
 from rlfleet.daemons.env_host.routing import Router
 from rlfleet.daemons.tasks import ArithmeticTask, TaskEnv, get_task
 from rlfleet.daemons.tasks.frozenlake import optimal_actions, parse_observation

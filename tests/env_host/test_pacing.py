@@ -11,10 +11,10 @@ import pytest
 
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
-from rlfleet.common.spec.job import parse_spec
-from rlfleet.daemons.env_host.claims import PromptClaimer
-from rlfleet.daemons.env_host import pacing
 from rlfleet.common.control.records import TrainerProgress
+from rlfleet.common.spec.job import parse_spec
+from rlfleet.daemons.env_host import pacing
+from rlfleet.daemons.env_host.claims import PromptClaimer
 from rlfleet.daemons.env_host.pacing import ClaimPacer, claim_limit, consumed_of, pacer_for, round_limit
 
 from ..integration.helpers import TINY_MODEL, wait_for

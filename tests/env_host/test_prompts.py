@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.common.spec.job import parse_spec
+from rlfleet.daemons.tasks import get_task
 from rlfleet.daemons.tasks.prompts import (
     PromptStream,
     group_id,
@@ -13,7 +14,6 @@ from rlfleet.daemons.tasks.prompts import (
     task_kwargs,
     trajectory_id,
 )
-from rlfleet.daemons.tasks import get_task
 
 from .fakes import tokenizer_dir
 

@@ -30,8 +30,7 @@ def test_ties_are_spread_at_random():
 
 # -- routes, traits and the kinds of issue 15 (prompt replication, hardware affinity) ------------
 from rlfleet.daemons.env_host.affinity import Affinity  # noqa: E402
-from rlfleet.daemons.env_host.routing_policy import (  # noqa: E402
-    GroupSticky, Route, RolloutTraits, group_of)
+from rlfleet.daemons.env_host.routing_policy import GroupSticky, RolloutTraits, Route, group_of  # noqa: E402
 
 
 def test_group_of_a_trajectory_is_its_prompt():

@@ -12,15 +12,15 @@ import pytest
 
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
-from rlfleet.common.wire.reliable import ReliableReceiver
 from rlfleet.common.wire.messages import Trajectory
+from rlfleet.common.wire.outbox import OutboxThread
+from rlfleet.common.wire.reliable import ReliableReceiver
 from rlfleet.daemons.env_host.claims import PromptClaimer, parse_cursor
 from rlfleet.daemons.env_host.journal import Journal
 from rlfleet.daemons.env_host.manager import ManagerConfig, TurnCodec
-from rlfleet.common.wire.outbox import OutboxThread
-from rlfleet.daemons.tasks.prompts import PromptStream, parse_trajectory_id, trajectory_id
 from rlfleet.daemons.env_host.runner import EnvRunner
 from rlfleet.daemons.tasks import get_task
+from rlfleet.daemons.tasks.prompts import PromptStream, parse_trajectory_id, trajectory_id
 from tests.integration.helpers import wait_for
 
 from .fakes import FakeRollout, policy, tokenizer

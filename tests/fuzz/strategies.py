@@ -15,8 +15,19 @@ import numpy as np
 from hypothesis import strategies as st
 
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
-from rlfleet.common.wire.messages import (Abort, Ack, GenerateRequest, GenerateResult, Prompt, RepackOrder,
-                                          RolloutStats, ScoredTrajectory, Segment, Trajectory, Turn)
+from rlfleet.common.wire.messages import (
+    Abort,
+    Ack,
+    GenerateRequest,
+    GenerateResult,
+    Prompt,
+    RepackOrder,
+    RolloutStats,
+    ScoredTrajectory,
+    Segment,
+    Trajectory,
+    Turn,
+)
 
 U64_MAX = 2**64 - 1
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1

@@ -7,15 +7,14 @@ the daemon stays up and scores the valid trajectory sent after them."""
 
 from __future__ import annotations
 
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.wire.messages import Trajectory, WireError
 from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.common.wire.validation import check_message
-from rlfleet.common.wire.messages import Prompt, Trajectory, WireError
 from rlfleet.daemons.tasks import get_task
 from tests.integration.helpers import wait_for
 from tests.reward_host.fakes import FakeTrainer, trajectory

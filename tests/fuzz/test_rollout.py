@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from hypothesis import given
 
+from rlfleet.common.wire.arrays import Int32Array
+from rlfleet.common.wire.messages import Ack, GenerateRequest, GenerateResult, RepackOrder, RolloutStats, WireError
 from rlfleet.common.wire.sockets import PeerTimeout, RequestClient
 from rlfleet.common.wire.validation import Limits, check_message
-from rlfleet.common.wire.messages import Ack, GenerateRequest, GenerateResult, RepackOrder, RolloutStats, WireError
-from rlfleet.common.wire.arrays import Int32Array
 from rlfleet.daemons.trainer.sim_learner import read_vocab_size
 from tests.integration.helpers import TINY_MODEL, wait_for
 

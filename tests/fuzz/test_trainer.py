@@ -12,9 +12,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rlfleet.common.wire.messages import ScoredTrajectory, WireError
 from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.common.wire.validation import check_message
-from rlfleet.common.wire.messages import ScoredTrajectory, WireError
 from rlfleet.daemons.trainer.sim_learner import read_vocab_size
 from tests.integration.helpers import TINY_MODEL, wait_for
 from tests.trainer.conftest import claim_prompts, scored

@@ -16,9 +16,20 @@ from hypothesis import strategies as st
 from rlfleet.common import metrics
 from rlfleet.common.wire import messages as wire
 from rlfleet.common.wire.arrays import Array, Float32Array, Int32Array
+from rlfleet.common.wire.messages import (
+    CONTENT_REASONS,
+    GenerateRequest,
+    GenerateResult,
+    Prompt,
+    ScoredTrajectory,
+    Segment,
+    Trajectory,
+    Turn,
+    WireError,
+    decode,
+    encode,
+)
 from rlfleet.common.wire.validation import Limits, check_message, confined, error_reply
-from rlfleet.common.wire.messages import (CONTENT_REASONS, GenerateRequest, GenerateResult, Prompt, ScoredTrajectory,
-                                          Segment, Trajectory, Turn, WireError, decode, encode)
 
 from . import strategies as hs
 

@@ -6,8 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.tools.lab.job import wait_for as poll_until

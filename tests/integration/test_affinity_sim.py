@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import urllib.request
-from pathlib import Path
 
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys

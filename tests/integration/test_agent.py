@@ -20,8 +20,8 @@ import urllib.request
 
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
-from rlfleet.common.spec.job import load_spec
 from rlfleet.common.failpoints import DAEMON as DAEMON_FAILPOINT_ENV
+from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.exit_codes import Exit
 
 from .helpers import agent_host_placement, wait_for, write_spec

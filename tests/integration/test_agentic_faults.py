@@ -104,7 +104,7 @@ def test_redundant_and_filtered_work_is_accounted_across_kill_9_of_the_env_host(
     store = EtcdStore(etcd.endpoints_arg)
     try:
         run_dir = run_dir_of(tmp_path, job)
-        for kill in range(2):
+        for _ in range(2):  # two kills
             trained = len(steps(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
             wait_for("two training steps", lambda: (run_dir / "metrics.jsonl").exists()
                      and len(steps(run_dir)) >= trained + 2, 60)

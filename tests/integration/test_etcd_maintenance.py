@@ -14,15 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from rlfleet.common.control.etcd_auth import EtcdCredentials
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.ctl.etcd import read_members
-from rlfleet.tools.run.etcd_local import EtcdCluster
 from rlfleet.tools.exit_codes import Exit
+from rlfleet.tools.run.etcd_local import EtcdCluster
 
 from .helpers import rlfleet, stop, wait_for, write_spec
 

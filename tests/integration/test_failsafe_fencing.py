@@ -6,8 +6,6 @@ killing that member: the other two keep a quorum, so a standby can take over.
 
 from __future__ import annotations
 
-import time
-
 import numpy
 import pytest
 

@@ -18,8 +18,8 @@ import pytest
 
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
-from rlfleet.common.spec.placement import ROLES
 from rlfleet.common.spec.job import load_spec
+from rlfleet.common.spec.placement import ROLES
 from rlfleet.tools.exit_codes import Exit
 
 from .helpers import rlfleet, stop, wait_for, write_spec
@@ -78,7 +78,7 @@ def test_all_seven_roles_register_and_etcdctl_shows_json(fleet, etcd):
     assert "/rlfleet/life/spec" in pairs
     assert any(k.startswith("/rlfleet/life/nodes/") for k in pairs)
     assert any(k.startswith("/rlfleet/life/placement/") for k in pairs)
-    for key, value in pairs.items():
+    for value in pairs.values():
         json.loads(value)  # every value is JSON
 
 

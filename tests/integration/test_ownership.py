@@ -13,8 +13,8 @@ import pytest
 
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
-from rlfleet.common.procs import ProcessId, boot_id
 from rlfleet.common.control.session import Session
+from rlfleet.common.procs import ProcessId, boot_id
 
 from .helpers import wait_for
 

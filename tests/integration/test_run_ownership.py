@@ -17,11 +17,11 @@ import pytest
 
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.failpoints import DAEMON as DAEMON_FAILPOINT_ENV
 from rlfleet.common.procs import ProcessId, boot_id
 from rlfleet.common.spec.job import load_spec
-from rlfleet.common.failpoints import DAEMON as DAEMON_FAILPOINT_ENV
-from rlfleet.tools.run.etcd_local import EtcdCluster
 from rlfleet.tools.exit_codes import Exit
+from rlfleet.tools.run.etcd_local import EtcdCluster
 
 from .helpers import TINY_MODEL, stop, wait_for, write_spec
 

@@ -15,9 +15,9 @@ import numpy as np
 
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.control.records import RelayMaster
 from rlfleet.common.spec.job import load_spec
 from rlfleet.relay.status import query_relay
-from rlfleet.common.control.records import RelayMaster
 from rlfleet.relay.topology import read_chain
 from tests.integration.helpers import stop, wait_for, write_spec
 

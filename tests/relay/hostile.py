@@ -94,7 +94,7 @@ class RawPeer:
             try:
                 if self.sock.recv(65536) == b"":
                     return True
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return True

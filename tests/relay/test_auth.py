@@ -21,8 +21,8 @@ from rlfleet.relay.reader import WeightReader
 from rlfleet.relay.shm import MISSING, object_stem
 from rlfleet.relay.transport import TcpTransport, get_transport
 from tests.integration.helpers import wait_for
-from tests.relay.hostile import RawPeer, frame
 from tests.relay.fleet import model_tensors
+from tests.relay.hostile import RawPeer, frame
 
 SECRET = b"s" * 16 + os.urandom(16)
 OTHER = b"o" * 16 + os.urandom(16)

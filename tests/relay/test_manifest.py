@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlfleet.relay.manifest import (ALIGN, ChecksumMismatch, Manifest, ManifestError, build_manifest,
-                                    tensor_views)
+from rlfleet.relay.manifest import ALIGN, ChecksumMismatch, Manifest, ManifestError, build_manifest, tensor_views
 from rlfleet.relay.reshard import shard_tensors, split_dim
 from tests.relay.fleet import model_tensors
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from rlfleet.common.wire.reliable import ReliableReceiver
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import ScoredTrajectory, Trajectory, Turn
+from rlfleet.common.wire.reliable import ReliableReceiver
 from rlfleet.daemons.tasks import Prompt
 
 

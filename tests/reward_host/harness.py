@@ -10,8 +10,8 @@ from pathlib import Path
 
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
-from rlfleet.common.wire.outbox import OutboxThread
 from rlfleet.common.wire.messages import Trajectory
+from rlfleet.common.wire.outbox import OutboxThread
 from tests.integration.helpers import rlfleet, stop, wait_for, write_spec
 
 from .fakes import FakeTrainer

@@ -10,18 +10,17 @@ import time
 
 import pytest
 
-from rlfleet.common.spec.seams import REWARD_BACKENDS
-from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
-from rlfleet.common.wire.messages import Trajectory
-from rlfleet.daemons.reward_host.backends import RewardBackend
 from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import load_spec
-from rlfleet.daemons.reward_host.pipeline.spec import PipelineConfig
+from rlfleet.common.spec.seams import REWARD_BACKENDS
+from rlfleet.common.wire.messages import Trajectory
+from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
+from rlfleet.daemons.reward_host.backends import RewardBackend
 from rlfleet.daemons.reward_host.pipeline.backend import PipelineBackend, held_count
+from rlfleet.daemons.reward_host.pipeline.spec import PipelineConfig
 from rlfleet.daemons.reward_host.service import RewardService, batch_of
 from rlfleet.daemons.reward_host.workers import RewardJob, RewardPool
 from rlfleet.daemons.tasks import get_task
-
 from tests.integration.helpers import wait_for
 
 from ..unit.test_spec import REPO

@@ -13,12 +13,11 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import REGISTRY
 
-from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
 from rlfleet.common.wire.messages import Trajectory
+from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
 from rlfleet.daemons.reward_host.pipeline.planner_thread import PlannerThread, PlanRequest
 from rlfleet.daemons.reward_host.pipeline.scaling import History, Plan, ScalingPlanner
 from rlfleet.daemons.reward_host.service import RewardService
-
 from tests.integration.helpers import wait_for
 
 from .fakes import FakeTrainer, trajectory

@@ -15,13 +15,12 @@ from typing import Any
 
 import pytest
 
-from rlfleet.daemons.reward_host.remote.backend import RemoteBackend
-from rlfleet.daemons.reward_host.remote.policy import Breaker, backoff_s
-from rlfleet.daemons.reward_host.remote.config import RemoteHttpConfig, RetryConfig
-from rlfleet.daemons.reward_host.workers import RewardJob, RewardOutcome
 from rlfleet.common.secret_files import write_private
+from rlfleet.daemons.reward_host.remote.backend import RemoteBackend
+from rlfleet.daemons.reward_host.remote.config import RemoteHttpConfig, RetryConfig
+from rlfleet.daemons.reward_host.remote.policy import Breaker, backoff_s
+from rlfleet.daemons.reward_host.workers import RewardJob, RewardOutcome
 from rlfleet.daemons.tasks import get_task
-
 from tests.integration.helpers import wait_for
 
 TASK = get_task("arithmetic")
@@ -70,19 +69,6 @@ def endpoints():
     yield start
     for e in started:
         e.close()
-
-
-@pytest.fixture
-def backends():
-    built: list[RemoteBackend] = []
-
-    def build(**config: Any) -> RemoteBackend:
-        built.append(RemoteBackend(RemoteHttpConfig(**config), seed=1))
-        return built[-1]
-
-    yield build
-    for b in built:
-        b.close()
 
 
 def job(i: int, right: bool = True, key: str | None = None) -> RewardJob:

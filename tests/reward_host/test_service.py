@@ -9,12 +9,11 @@ import time
 import pytest
 
 from rlfleet.common.log_throttle import LogThrottle
-from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
 from rlfleet.common.wire.messages import Trajectory
+from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
 from rlfleet.daemons.reward_host.service import RewardService
 from rlfleet.daemons.reward_host.workers import RewardPool
 from rlfleet.daemons.tasks import get_task
-
 from tests.integration.helpers import wait_for
 
 from .fakes import FakeTrainer, trajectory

@@ -85,7 +85,7 @@ def test_two_jobs_share_one_service_through_a_kill9_of_it(tmp_path, etcd, traine
         for feeder in feeders:
             feeder.join(10)
 
-        for n, job in enumerate(JOBS):
+        for job in JOBS:
             got = trainers[job].unique()
             assert set(got) == {t.trajectory_id for t in trajs[job]}  # none lost, none of the other job's
             for t in trajs[job]:

@@ -25,7 +25,7 @@ from rlfleet.daemons.reward_host.remote.config import RemoteHttpConfig, TlsFileE
 from rlfleet.daemons.reward_host.shared.spec import parse_service_spec
 from rlfleet.tools.run.credentials import EtcdTls, make_etcd_tls
 
-from .test_remote import backends, collect, expected, job  # noqa: F401 — backends: a fixture
+from .test_remote import collect, expected, job
 from .test_shared_service import SERVICE_SPEC, SharedService, body, cli, post
 
 TOKEN = "Bearer s3cret"

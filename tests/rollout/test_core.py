@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlfleet.common.wire.messages import GenerateRequest, GenerateResult, RepackOrder
 from rlfleet.common.wire.arrays import Int32Array
+from rlfleet.common.wire.messages import GenerateRequest, GenerateResult, RepackOrder
 from rlfleet.daemons.rollout.core import RolloutCore
 from rlfleet.daemons.rollout.engines.kinds import SimEngineConfig
 from rlfleet.daemons.rollout.sim.engine import SimEngine

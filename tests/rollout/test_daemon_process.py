@@ -17,9 +17,9 @@ import torch
 
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
-from rlfleet.common.wire.sockets import PeerTimeout, RequestClient
 from rlfleet.common.spec.job import load_spec
 from rlfleet.common.wire.messages import Abort, RolloutStats
+from rlfleet.common.wire.sockets import PeerTimeout, RequestClient
 from rlfleet.daemons.rollout.daemon import torch_threads
 
 from ..integration.helpers import rlfleet, stop, wait_for, write_spec

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
 from rlfleet.common.wire.arrays import Int32Array
-from rlfleet.daemons.rollout.engines.torch_engine import TorchEngine
+from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
 from rlfleet.daemons.rollout.engines.forward import LeanForward, ModelForward
 from rlfleet.daemons.rollout.engines.slots import sample_rows
+from rlfleet.daemons.rollout.engines.torch_engine import TorchEngine
 
 from .conftest import VOCAB
 
@@ -375,7 +375,7 @@ def test_a_checkpoint_loaded_without_transformers_answers_as_through_transformer
         for i, p in enumerate(ps):
             engine.add(req(f"r{i}", p, max_new=12, temperature=[0.0, 1.0][i % 2], seed=i))
     a, b = run_all(lean), run_all(hf)
-    for i, p in enumerate(ps):
+    for i in range(len(ps)):
         assert a[f"r{i}"].token_ids.tolist() == b[f"r{i}"].token_ids.tolist()
         np.testing.assert_allclose(a[f"r{i}"].logprobs.numpy(), b[f"r{i}"].logprobs.numpy(), atol=1e-5)
     new = {k: (v.detach().numpy() * 0.5).astype(np.float32) for k, v in tiny_model.state_dict().items()}

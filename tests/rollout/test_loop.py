@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rlfleet.common.wire.sockets import RequestClient, RequestServer
 from rlfleet.common.wire.messages import Abort, GenerateRequest, GenerateResult, RolloutStats
+from rlfleet.common.wire.sockets import RequestClient, RequestServer
 from rlfleet.daemons.rollout.engines.torch_engine import TorchEngine
 from rlfleet.daemons.rollout.loop import EngineLoop
 

@@ -12,8 +12,8 @@ import time
 
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import RelayMember
-from rlfleet.common.wire.sockets import RequestClient, RequestServer
 from rlfleet.common.control.store import KeyValue, StoreUnavailable
+from rlfleet.common.wire.sockets import RequestClient, RequestServer
 from rlfleet.daemons.rollout.loop import EngineLoop
 from rlfleet.daemons.rollout.relay_source import RelayFollower, choose_relay
 

@@ -19,9 +19,9 @@ import torch
 
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
-from rlfleet.common.wire.sockets import RequestClient
-from rlfleet.common.spec.job import load_spec
 from rlfleet.common.control.store import Lease
+from rlfleet.common.spec.job import load_spec
+from rlfleet.common.wire.sockets import RequestClient
 
 from ..integration.helpers import rlfleet, stop, wait_for, write_spec
 from .test_daemon_process import fill_store

@@ -16,8 +16,8 @@ import threading
 import numpy as np
 import pytest
 
-from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
 from rlfleet.common.wire.arrays import Int32Array
+from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
 
 from ..integration.helpers import TINY_MODEL
 from ..vllm_support import needs_vllm

@@ -9,12 +9,12 @@ import os
 import pytest
 import zmq
 
+from rlfleet.common.secret_files import SecretFileError
+from rlfleet.common.spec.placement import ROLES
 from rlfleet.common.wire import curve
 from rlfleet.common.wire.edges import EDGES
-from rlfleet.common.spec.placement import ROLES
-from rlfleet.common.secret_files import SecretFileError
-from rlfleet.common.wire.sockets import CurveKeys, PeerTimeout, RequestClient, RequestServer
 from rlfleet.common.wire.messages import Abort
+from rlfleet.common.wire.sockets import CurveKeys, PeerTimeout, RequestClient, RequestServer
 
 LOCAL = "tcp://127.0.0.1:0"
 

@@ -11,11 +11,11 @@ import sys
 import pytest
 
 from rlfleet.common.control.etcd_auth import EtcdCredentials, StoreAuthError, open_store
-from rlfleet.common.secret_files import SecretFileError, write_private
 from rlfleet.common.control.store import StoreUnavailable
+from rlfleet.common.secret_files import SecretFileError, write_private
+from rlfleet.tools.exit_codes import Exit
 from rlfleet.tools.run.credentials import make_etcd_tls
 from rlfleet.tools.run.etcd_local import EtcdCluster
-from rlfleet.tools.exit_codes import Exit
 
 
 @pytest.fixture

@@ -24,14 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.wire import curve
 from rlfleet.common.control.etcd_auth import EtcdCredentials, open_store
-from rlfleet.common.wire.edges import EDGES
 from rlfleet.common.control.keys import JobKeys
-from rlfleet.common.spec.placement import ROLES
-from rlfleet.common.wire.sockets import CurveKeys
-from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.common.control.store import StoreUnavailable
+from rlfleet.common.spec.placement import ROLES
+from rlfleet.common.wire import curve
+from rlfleet.common.wire.edges import EDGES
+from rlfleet.common.wire.reliable import ReliableSender
+from rlfleet.common.wire.sockets import CurveKeys
 from rlfleet.daemons.trainer.journal import Journal
 from rlfleet.tools.exit_codes import Exit
 
@@ -85,7 +85,7 @@ def test_a_secure_run_trains_and_refuses_injected_trajectories(tmp_path):
     out = Lines(proc)
     try:
         run_dir = Path(wait_for("the run dir line", lambda: out.find("run dir: "), 60).split("run dir: ")[1].strip())
-        started = wait_for("the job line", lambda: out.find(f"job secure:"), 60)
+        started = wait_for("the job line", lambda: out.find("job secure:"), 60)
         assert out.find("security on: etcd over TLS with client certificates, CURVE"), out.lines
         endpoints = started.split(" etcd ")[1].split(",")[0]
         pki = run_dir / "credentials" / "etcd"

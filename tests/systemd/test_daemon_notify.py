@@ -20,8 +20,8 @@ import pytest
 
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
-from rlfleet.common.spec.job import load_spec
 from rlfleet.common.failpoints import DAEMON as DAEMON_FAILPOINT_ENV
+from rlfleet.common.spec.job import load_spec
 
 from ..integration.helpers import stop, wait_for, write_spec
 from .notify_listener import NotifyListener

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import ScoredTrajectory, Trajectory, Turn
-from rlfleet.daemons.trainer.batching import (check_trajectory, drop_reason, select_groups,
-                                              staleness)
+from rlfleet.daemons.trainer.batching import check_trajectory, drop_reason, select_groups, staleness
 
 from .conftest import scored
 

@@ -10,15 +10,14 @@ import time
 
 import pytest
 
+from rlfleet.common.failpoints import TRAINER_STEP_DELAY_S as STEP_DELAY_ENV
+from rlfleet.common.failpoints import trainer_step_delay_s as step_delay_s
 from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import load_spec, parse_spec
 from rlfleet.daemons.trainer import buffer
 from rlfleet.daemons.trainer.journal import Journal
 from rlfleet.daemons.trainer.metrics_log import MetricsLog
-from rlfleet.common.failpoints import TRAINER_STEP_DELAY_S as STEP_DELAY_ENV
-from rlfleet.common.failpoints import trainer_step_delay_s as step_delay_s
 from rlfleet.daemons.trainer.training import TrainerState, TrainingLoop
-
 from tests.integration.helpers import TINY_MODEL
 
 from .conftest import scored

@@ -10,18 +10,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
+from rlfleet.common.failpoints import TRAINER as FAILPOINT_ENV
 from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.daemons.trainer.journal import Journal
-from rlfleet.common.failpoints import TRAINER as FAILPOINT_ENV
 
 from ..integration.helpers import stop, wait_for, write_spec
 from .conftest import claim_prompts, scored

@@ -17,7 +17,12 @@ import pytest
 from prometheus_client import REGISTRY
 
 from rlfleet.daemons.trainer.checkpointing import (
-    Checkpointer, CheckpointWriteError, checkpoints, failure_reason, write_checkpoint)
+    Checkpointer,
+    CheckpointWriteError,
+    checkpoints,
+    failure_reason,
+    write_checkpoint,
+)
 from rlfleet.daemons.trainer.journal import Journal, JournalUnwritable, until_written
 from rlfleet.daemons.trainer.metrics_log import MetricsLog, io_reason
 from rlfleet.daemons.trainer.sim_learner import SimLearner

@@ -22,9 +22,9 @@ import pytest
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.records import RelayMaster, WeightsLatest
-from rlfleet.common.wire.reliable import ReliableSender
-from rlfleet.common.spec.job import load_spec
 from rlfleet.common.control.store import StoreUnavailable
+from rlfleet.common.spec.job import load_spec
+from rlfleet.common.wire.reliable import ReliableSender
 
 from ..integration.helpers import TINY_MODEL, stop, wait_for, write_spec
 from .conftest import claim_prompts, scored

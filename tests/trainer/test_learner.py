@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from rlfleet.daemons.trainer import grpo
-from rlfleet.daemons.trainer.losses import PPOClipLoss
 from rlfleet.daemons.trainer.checkpointing import STATE_FILE, CheckpointError, checkpoints
 from rlfleet.daemons.trainer.learner import Learner, scheduled_lr
+from rlfleet.daemons.trainer.losses import PPOClipLoss
 
 from .conftest import scored
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlfleet.common.spec.seams import POLICY_LOSSES
 from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import load_spec
+from rlfleet.common.spec.seams import POLICY_LOSSES
 from rlfleet.daemons.trainer.losses import (
     CISPOLoss,
     DecoupledPPOLoss,
@@ -22,7 +22,6 @@ from rlfleet.daemons.trainer.losses import (
     TISLoss,
     TOPRLoss,
 )
-
 from tests.integration.helpers import TINY_MODEL
 
 from .conftest import scored

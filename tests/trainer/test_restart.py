@@ -19,8 +19,8 @@ import pytest
 from safetensors.torch import load_file
 
 from rlfleet.common.control.etcd_store import EtcdStore
-from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.common.failpoints import TRAINER as FAILPOINT_ENV
+from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.daemons.trainer.journal import Journal
 from rlfleet.tools.run.report import read_metrics, summary
 
@@ -28,7 +28,6 @@ from ..integration.helpers import stop, wait_for, write_spec
 from .conftest import scored
 from .test_daemon import JOB, REPO, address
 from .test_daemon import SPEC as DAEMON_SPEC
-
 
 SPEC = DAEMON_SPEC + "max_staleness = 2\n"  # [trainer] is its last section
 STEPS = 6

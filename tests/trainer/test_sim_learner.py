@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlfleet.common.spec.seams import TRAINER_BACKENDS
 from rlfleet.common.spec.job import parse_spec
+from rlfleet.common.spec.seams import TRAINER_BACKENDS
 from rlfleet.daemons.trainer.checkpointing import STATE_FILE, CheckpointError, checkpoints
 from rlfleet.daemons.trainer.evaluation import evaluation_off
 from rlfleet.daemons.trainer.sim_learner import SimLearner

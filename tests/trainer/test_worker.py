@@ -13,8 +13,8 @@ import pytest
 
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
-from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.common.spec.job import parse_spec
+from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.daemons.trainer import training as training_module
 from rlfleet.daemons.trainer.worker import TrainingWorker
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from rlfleet.common.control.placement import Placed
-from rlfleet.common.spec.seams import sandboxed_roles
 from rlfleet.common.spec.job import load_spec, parse_spec
+from rlfleet.common.spec.seams import sandboxed_roles
 from rlfleet.daemons.agent.daemon import unit_env
 from rlfleet.daemons.agent.policy import CrashLoop
 from rlfleet.daemons.agent.reconciler import Reconciler

@@ -7,8 +7,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import pytest
 
@@ -16,8 +16,15 @@ from rlfleet.common.control.cluster import Cluster
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import ROOT_PREFIX, JobKeys, job_of
 from rlfleet.common.control.members import Leader, Member, Node, Placement, RelayMember, members_from, placements_from
-from rlfleet.common.control.records import (Checkpoint, PromptCursor, RelayChain, RelayLayoutRequest, RelayMaster,
-                                            TrainerProgress, WeightsLatest)
+from rlfleet.common.control.records import (
+    Checkpoint,
+    PromptCursor,
+    RelayChain,
+    RelayLayoutRequest,
+    RelayMaster,
+    TrainerProgress,
+    WeightsLatest,
+)
 from rlfleet.common.control.store import KeyValue
 
 K = JobKeys("demo")

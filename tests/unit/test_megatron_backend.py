@@ -24,9 +24,9 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
-from rlfleet.common.spec.seams import TRAINER_BACKENDS  # noqa: E402
 from rlfleet.common.spec.job import load_spec, parse_spec  # noqa: E402
-from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.spec.seams import TRAINER_BACKENDS  # noqa: E402
+from rlfleet.common.wire.arrays import Float32Array, Int32Array  # noqa: E402
 from rlfleet.common.wire.messages import ScoredTrajectory, Trajectory, Turn  # noqa: E402
 from rlfleet.daemons.trainer import megatron_backend as mb  # noqa: E402
 from rlfleet.daemons.trainer import megatron_weights as mw  # noqa: E402

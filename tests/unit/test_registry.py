@@ -14,11 +14,20 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from rlfleet.common.spec.registry import Kind, KindConfig, Registry, RegistryError, UnknownKind, import_failure
-from rlfleet.common.spec.seams import (ENV_ROUTERS, POLICY_LOSSES, REPACK_PLANNERS, REWARD_BACKENDS, REWARD_DISPATCH,
-                                       ROLLOUT_ENGINES, SEAMS, TASKS, TRAINER_BACKENDS)
 from rlfleet.common.spec.errors import describe, dotted
 from rlfleet.common.spec.fields import PosInt
+from rlfleet.common.spec.registry import Kind, KindConfig, Registry, RegistryError, UnknownKind, import_failure
+from rlfleet.common.spec.seams import (
+    ENV_ROUTERS,
+    POLICY_LOSSES,
+    REPACK_PLANNERS,
+    REWARD_BACKENDS,
+    REWARD_DISPATCH,
+    ROLLOUT_ENGINES,
+    SEAMS,
+    TASKS,
+    TRAINER_BACKENDS,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP = "rlfleet.test_seam"  # no distribution declares it: only monkeypatched entry points

@@ -16,10 +16,15 @@ from hypothesis import strategies as st
 
 from rlfleet.common.spec.seams import REPACK_PLANNERS
 from rlfleet.common.wire.messages import RolloutStats
-from rlfleet.daemons.repack_manager.planners import (LaminarConfig, LaminarKind, LaminarPlanner, Move,
-                                                     NoPlanner, Plan)
-from rlfleet.daemons.repack_manager.rollout_view import (REJECTION_CODES, Rejection, RolloutLoad,
-                                                         check_reply, check_stats, engine_batch_limit)
+from rlfleet.daemons.repack_manager.planners import LaminarConfig, LaminarKind, LaminarPlanner, Move, NoPlanner, Plan
+from rlfleet.daemons.repack_manager.rollout_view import (
+    REJECTION_CODES,
+    Rejection,
+    RolloutLoad,
+    check_reply,
+    check_stats,
+    engine_batch_limit,
+)
 
 
 def load(rid: str, c: float, n: int, version: int = 1, b: int | None = None) -> RolloutLoad:

@@ -2,8 +2,16 @@ from __future__ import annotations
 
 import json
 
-from rlfleet.tools.run.report import (MetricsTail, RunMetrics, draw, moving_average, plot, read_metrics,
-                                      smoothing_window, summary)
+from rlfleet.tools.run.report import (
+    MetricsTail,
+    RunMetrics,
+    draw,
+    moving_average,
+    plot,
+    read_metrics,
+    smoothing_window,
+    summary,
+)
 
 
 def test_summary_and_plots_from_metrics(tmp_path):

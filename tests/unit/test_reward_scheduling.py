@@ -9,10 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlfleet.daemons.reward_host.pipeline.queues import EbfQueue, FcfsQueue, make_queue
-from rlfleet.daemons.reward_host.pipeline.simulator import Guard, SimRequest, simulate
 from rlfleet.daemons.reward_host.pipeline.scaling import ScalingPlanner, search_workers, zero_queue_workers
-from rlfleet.daemons.reward_host.pipeline.stages import (ActiveBatch, BatchKey, BatchRecord, Pipeline, Request,
-                                                         RequestKey, Stage)
+from rlfleet.daemons.reward_host.pipeline.simulator import Guard, SimRequest, simulate
+from rlfleet.daemons.reward_host.pipeline.stages import (
+    ActiveBatch,
+    BatchKey,
+    BatchRecord,
+    Pipeline,
+    Request,
+    RequestKey,
+    Stage,
+)
 
 TWO = Pipeline((Stage("compile", "cpu", 1.0, 10.0), Stage("run", "accelerator", 5.0, 5.0)))
 ONE = Pipeline((Stage("run", "accelerator", 1.0, 100.0),))

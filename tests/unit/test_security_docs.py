@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from rlfleet.common.wire.edges import EDGES
 from rlfleet.common.spec.placement import ROLES
+from rlfleet.common.wire.edges import EDGES
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operations" / "security.md"
 

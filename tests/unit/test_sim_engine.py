@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.spec.seams import ROLLOUT_ENGINES
 from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import load_spec, parse_spec
-from rlfleet.common.wire.messages import GenerateRequest
+from rlfleet.common.spec.seams import ROLLOUT_ENGINES
 from rlfleet.common.wire.arrays import Int32Array
+from rlfleet.common.wire.messages import GenerateRequest
 from rlfleet.daemons.rollout.engines.kinds import SimEngineConfig
 from rlfleet.daemons.rollout.sim.engine import SimEngine
 from rlfleet.daemons.rollout.sim.lengths import LengthModel, Lognormal, Trace, length_keys, load_trace

@@ -13,12 +13,22 @@ import pytest
 import zmq
 
 from rlfleet.common.wire import messages as wire
-from rlfleet.common.wire.async_client import AsyncRequestClient
-from rlfleet.common.wire.sockets import CurveKeys, PeerTimeout, RequestClient, RequestServer, bind, make_socket
-from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
-from rlfleet.common.wire.messages import (Abort, Ack, GenerateRequest, GenerateResult, RepackOrder, RolloutStats,
-                                          ScoredTrajectory, Trajectory, Turn, encode)
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.async_client import AsyncRequestClient
+from rlfleet.common.wire.messages import (
+    Abort,
+    Ack,
+    GenerateRequest,
+    GenerateResult,
+    RepackOrder,
+    RolloutStats,
+    ScoredTrajectory,
+    Trajectory,
+    Turn,
+    encode,
+)
+from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
+from rlfleet.common.wire.sockets import CurveKeys, PeerTimeout, RequestClient, RequestServer, bind, make_socket
 
 LOCAL = "tcp://127.0.0.1:0"
 BIG = 5000  # int32 elements: 20 kB, sent as an out-of-band frame
@@ -386,8 +396,8 @@ def test_ack_type_is_the_only_thing_a_sender_accepts() -> None:
 
 
 def test_take_acked_names_the_acknowledged_keys():
-    from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
     from rlfleet.common.wire.messages import Abort
+    from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
 
     receiver = ReliableReceiver("tcp://127.0.0.1:0")
     sender = ReliableSender(receiver.endpoint, resend_after_s=0.2)

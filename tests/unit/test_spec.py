@@ -7,10 +7,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from rlfleet.common.spec.placement import ROLES, SINGLETON_ROLES
-from rlfleet.common.spec.job import JobSpec, load_spec, parse_spec
 from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import JobSpec, load_spec, parse_spec
+from rlfleet.common.spec.placement import ROLES, SINGLETON_ROLES
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.toml") if not p.name.startswith("."))  # not bench variants
@@ -131,9 +132,9 @@ def test_ints_accepted_for_floats(tree):
 
 def test_spec_is_immutable(tree):
     spec = load_spec("examples/arithmetic.toml")
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         spec.trainer.batch_size = 4
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         spec.trainer = None
 
 

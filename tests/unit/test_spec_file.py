@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from rlfleet.common.spec.errors import SpecError
-from rlfleet.common.spec.job import load_spec
 from rlfleet.common.spec.file import MAX_SPEC_BYTES
+from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.exit_codes import Exit
 
 CLI = [sys.executable, "-m", "rlfleet.tools.cli"]

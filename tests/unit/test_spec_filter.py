@@ -11,7 +11,6 @@ import pytest
 
 from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import load_spec
-
 from tests.integration.helpers import TINY_MODEL
 
 BASE = f"""\

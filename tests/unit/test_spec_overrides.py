@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from rlfleet.common.spec.job import load_spec
 from rlfleet.common.spec.overrides import with_bind_host
-
 from tests.integration.helpers import write_spec
 
 SECTIONS_THAT_BIND = ("trainer", "rollout", "relay", "env_host", "reward_host")

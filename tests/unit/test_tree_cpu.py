@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import psutil
 
 from rlfleet.daemons.agent import process
-from tests.integration.helpers import wait_for
 from rlfleet.daemons.agent.process import TreeCpu, tree_cpu_s
+from tests.integration.helpers import wait_for
 
 # A parent that starts one child burning ~0.3 s of CPU, then waiting for a line on its stdin
 # to exit; the parent prints the child's pid, and "reaped" once the child is gone.

@@ -12,11 +12,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlfleet.common.wire import messages as wire
-from rlfleet.common.wire.messages import (INLINE_MAX_BYTES, MESSAGE_TYPES, PROTOCOL_VERSION, REJECT_REASONS, Abort,
-                                          Ack, GenerateRequest, GenerateResult, MessageType, Prompt, RepackOrder,
-                                          RolloutStats, ScoredTrajectory, Trajectory, Turn, WireError, decode,
-                                          encode)
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import (
+    INLINE_MAX_BYTES,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    REJECT_REASONS,
+    Abort,
+    Ack,
+    GenerateRequest,
+    GenerateResult,
+    MessageType,
+    Prompt,
+    RepackOrder,
+    RolloutStats,
+    ScoredTrajectory,
+    Trajectory,
+    Turn,
+    WireError,
+    decode,
+    encode,
+)
 
 BIG = 5000  # elements: 20 kB, above INLINE_MAX_BYTES -> out-of-band frame
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlfleet.tools.bench.longtail import MAX_LAG, judge_final_lag, measure as measure_run, run_once
+from rlfleet.tools.bench.longtail import MAX_LAG, judge_final_lag, run_once
+from rlfleet.tools.bench.longtail import measure as measure_run
 from rlfleet.tools.bench.spec_variants import write_variant
 
 BASE = Path(__file__).resolve().parents[2] / "examples" / "agentic-sim.toml"

@@ -30,9 +30,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from rlfleet.tools.bench.longtail import judge_final_lag
+from rlfleet.tools.bench.longtail import judge_final_lag, run_once
 from rlfleet.tools.bench.longtail import measure as measure_run
-from rlfleet.tools.bench.longtail import run_once
 from rlfleet.tools.bench.spec_variants import to_toml
 
 BASE_SPEC = Path("examples/longtail-sim.toml")

@@ -22,8 +22,9 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 _METHOD = re.compile(r'grpc_method="([^"]+)"')
 

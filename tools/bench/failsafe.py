@@ -33,10 +33,10 @@ from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import Member
 from rlfleet.common.control.records import RelayMaster, WeightsLatest
-from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.common.control.store import StoreUnavailable
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import ScoredTrajectory, Trajectory, Turn
+from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.tools.run.etcd_local import EtcdCluster
 
 JOB = "failsafe"

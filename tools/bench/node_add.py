@@ -27,8 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlfleet.tools.lab.job import (ANSIBLE, JOB, LAB_CMD, RLFLEET, RUN_DIR, LabJob, job_spec, wait_for,
-                                   with_job_env)
+from rlfleet.tools.lab.job import ANSIBLE, JOB, LAB_CMD, RLFLEET, RUN_DIR, LabJob, job_spec, wait_for, with_job_env
 
 LAB, SUBNET, HOSTS, NEW, OBSERVER = "bench-node", "10.215.0", 6, "h6", "h5"
 

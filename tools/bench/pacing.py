@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
-import re
 from pathlib import Path
 from typing import Any
 

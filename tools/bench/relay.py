@@ -213,7 +213,7 @@ class Workers:
                 env["GLOO_SOCKET_IFNAME"] = netns.ifname(i)
             self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                                env=env, start_new_session=True))
-        for i, proc in enumerate(self.procs):
+        for i in range(len(self.procs)):
             self.addresses[f"relay-{i}"] = self.recv(i)["address"]
         self.order = [f"relay-{i}" for i in range(p)]
         self._locks = [threading.Lock() for _ in range(p)]  # one request at a time per worker
@@ -255,10 +255,10 @@ class Workers:
 
 def _push_versions(workers: Workers, data: np.ndarray, chunk: int, reps: int, window: int) -> list[tuple[float, float]]:
     """(broadcast seconds, trainer stall seconds) per rep."""
+    from rlfleet.common.job_secret import job_secret_from_env
     from rlfleet.relay.link import Link
     from rlfleet.relay.manifest import build_manifest
     from rlfleet.relay.publisher import _FullSource
-    from rlfleet.common.job_secret import job_secret_from_env
     from rlfleet.relay.transport import transport_for
 
     addr = workers.addresses["relay-0"]

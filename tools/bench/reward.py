@@ -54,8 +54,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlfleet.daemons.reward_host.pipeline.simulator import PipelineSim, SimRequest, simulate
 from rlfleet.daemons.reward_host.pipeline.scaling import ScalingPlanner, zero_queue_workers
+from rlfleet.daemons.reward_host.pipeline.simulator import PipelineSim, SimRequest, simulate
 from rlfleet.daemons.reward_host.pipeline.stages import BatchKey, BatchRecord, Pipeline, Request, RequestKey, Stage
 
 PIPELINE = Pipeline((Stage("compile", "cpu", 1.0, 120.0), Stage("run", "accelerator", 20.0, 60.0)))
@@ -70,7 +70,8 @@ def draw_batch(rng: random.Random, key: BatchKey, start_s: float, size: int, pro
                rollout_s: float) -> list[SimRequest]:
     """One batch: arrival offsets over the rollout, and each request's stage times.
     ``progress`` in [0, 1]: how far training is (the outcome mix of Fig. 6b)."""
-    gen_fail, compile_fail, run_error = 0.25 - 0.15 * progress, 0.30 - 0.15 * progress, 0.2
+    # A run that errors takes the same two stages as one that passes: not told apart here.
+    gen_fail, compile_fail = 0.25 - 0.15 * progress, 0.30 - 0.15 * progress
     out = []
     for _ in range(size):
         r = rollout_s * min(1.0, rng.lognormvariate(math.log(0.3), 0.45))

@@ -32,13 +32,14 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from rlfleet.common.wire.messages import GenerateRequest
 from rlfleet.common.wire.arrays import Int32Array
+from rlfleet.common.wire.messages import GenerateRequest
 from rlfleet.daemons.rollout.engines.torch_engine import TorchEngine
 
 

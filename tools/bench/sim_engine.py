@@ -26,8 +26,8 @@ import time
 
 import numpy as np
 
-from rlfleet.common.wire.messages import GenerateRequest
 from rlfleet.common.wire.arrays import Int32Array
+from rlfleet.common.wire.messages import GenerateRequest
 from rlfleet.daemons.rollout.sim.engine import SimEngine
 from rlfleet.daemons.rollout.sim.lengths import Lognormal
 from rlfleet.daemons.rollout.sim.timing import PROFILES

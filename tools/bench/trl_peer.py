@@ -48,8 +48,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from rlfleet.common.spec.job import JobSpec, load_spec, parse_spec
 from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import JobSpec, load_spec, parse_spec
 from rlfleet.tools.exit_codes import RUN_ENDED
 from rlfleet.tools.run.report import RunMetrics, read_metrics
 

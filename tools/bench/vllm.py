@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from rlfleet.common.wire.messages import GenerateRequest
 from rlfleet.common.wire.arrays import Int32Array
+from rlfleet.common.wire.messages import GenerateRequest
 
 TIS_CAP = 2.0  # daemons/trainer/losses.py, TISConfig.cap's default
 
@@ -79,7 +79,7 @@ def tokens_per_s(engines: dict[str, Any], batches: list[int], prompt_len: int, n
 
 def load_seconds(engine: Any, tensors: dict[str, np.ndarray], loads: int) -> float:
     times = []
-    for v in range(loads):
+    for _ in range(loads):
         started = time.perf_counter()
         engine.load_weights(engine.weight_version + 1, tensors)
         times.append(time.perf_counter() - started)

@@ -23,8 +23,8 @@ from typing import Any
 
 import click
 
-from rlfleet.common.wire import curve
 from rlfleet.common.spec.placement import ROLES
+from rlfleet.common.wire import curve
 
 _Z85_KEY = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a host name as a file name

@@ -20,8 +20,14 @@ from dataclasses import asdict, dataclass
 
 import click
 
-from rlfleet.tools.ctl.etcd_options import (_etcd_credentials, _fail_unreachable, _pick_job, _store, etcd_option,
-                                            job_name)
+from rlfleet.tools.ctl.etcd_options import (
+    _etcd_credentials,
+    _fail_unreachable,
+    _pick_job,
+    _store,
+    etcd_option,
+    job_name,
+)
 from rlfleet.tools.exit_codes import Exit
 
 

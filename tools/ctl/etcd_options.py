@@ -12,8 +12,8 @@ import sys
 
 import click
 
-from rlfleet.common.job_name import JOB_NAME_RULE, is_job_name
 from rlfleet.common.control.keys import ROOT_PREFIX, job_of
+from rlfleet.common.job_name import JOB_NAME_RULE, is_job_name
 from rlfleet.tools.exit_codes import Exit
 
 EXIT_ETCD = Exit.ETCD_UNREACHABLE

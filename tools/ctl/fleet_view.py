@@ -33,9 +33,9 @@ from rlfleet.common.control.cluster import Cluster
 from rlfleet.common.control.keys import NODES
 from rlfleet.common.control.operations import JobState
 from rlfleet.common.control.pause import describe
+from rlfleet.common.control.store import Store
 from rlfleet.common.procs import ProcessId
 from rlfleet.common.spec.placement import ROLES, SINGLETON_ROLES
-from rlfleet.common.control.store import Store
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlfleet.common.control.cluster import Cluster
-from rlfleet.common.spec.placement import ROLES
 from rlfleet.common.spec.job import JobSpec
+from rlfleet.common.spec.placement import ROLES
 
 # The phases of `rlfleet node add`, in order: each is the time from the previous one.
 ADD_PHASES = ("admit", "place", "start", "weights", "first_trajectory")

@@ -91,8 +91,8 @@ def _open(etcd: str, job: str | None):
     """(store, keys, spec) of the job; exit 9 when etcd holds no spec for it."""
     from rlfleet.common.control.cluster import read_spec
     from rlfleet.common.control.keys import JobKeys
-    from rlfleet.common.spec.errors import SpecError
     from rlfleet.common.control.store import StoreUnavailable
+    from rlfleet.common.spec.errors import SpecError
 
     store = _store(etcd)
     try:

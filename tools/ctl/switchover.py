@@ -63,8 +63,8 @@ def switchover(role: str, target: str, job: str | None, etcd: str, timeout_s: fl
     Exit 0 once leader/ROLE names the target; 9 refused (no leader, the target is not a
     healthy standby of ROLE, or a switchover is pending); 10 not done within --timeout
     (the request stays until its lease expires); 2 bad usage; 3 etcd unreachable."""
-    from rlfleet.common.spec.placement import SINGLETON_ROLES
     from rlfleet.common.control.store import StoreUnavailable
+    from rlfleet.common.spec.placement import SINGLETON_ROLES
 
     if role not in SINGLETON_ROLES:
         raise click.BadParameter(f"{role!r} is not a singleton role (one of {', '.join(SINGLETON_ROLES)})",

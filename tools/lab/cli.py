@@ -83,8 +83,9 @@ def up(name: str, count: int, subnet: str, timeout: float) -> None:
     """Boot hosts h1..hN, each in its own network namespace on the lab's bridge."""
     _root()
     import time
-    from rlfleet.tools.lab.hosts import LabError
+
     from rlfleet.tools.lab.commands import CommandFailed
+    from rlfleet.tools.lab.hosts import LabError
     lab = _lab(name)
     t0 = time.monotonic()
     try:

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlfleet.tools.lab import cgroups, net, procs
+from rlfleet.tools.lab.commands import run, say
 from rlfleet.tools.lab.files import HostState, LabState, etc_hosts, inventory, known_hosts, ssh_config
 from rlfleet.tools.lab.paths import HOST_RE, KEY, ROOTFS, WHEELHOUSE, check_name, host_netns, lab_dir
-from rlfleet.tools.lab.commands import run, say
 from rlfleet.tools.lab.rootfs import cached as rootfs_cached
 
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -15,9 +15,17 @@ import subprocess
 import time
 from pathlib import Path
 
-from rlfleet.tools.lab.paths import (BASE_DISABLED_UNITS, BASE_PACKAGES, CACHE, CONTROLLER_PACKAGES, KEY,
-                                     ROOTFS, ROOTFS_STAMP, SUITE)
 from rlfleet.tools.lab.commands import CommandFailed, run, run_long, say
+from rlfleet.tools.lab.paths import (
+    BASE_DISABLED_UNITS,
+    BASE_PACKAGES,
+    CACHE,
+    CONTROLLER_PACKAGES,
+    KEY,
+    ROOTFS,
+    ROOTFS_STAMP,
+    SUITE,
+)
 
 RECIPE = 1  # bump when the steps below change what ends up in the base
 # debootstrap's own resolver handles plain Depends only; apt (in the chroot) installs the rest.

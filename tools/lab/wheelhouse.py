@@ -22,8 +22,8 @@ import time
 import tomllib
 from pathlib import Path
 
-from rlfleet.tools.lab.paths import CACHE, WHEELHOUSE, WHEELHOUSE_STAMP
 from rlfleet.tools.lab.commands import CommandFailed, run, run_long, say
+from rlfleet.tools.lab.paths import CACHE, WHEELHOUSE, WHEELHOUSE_STAMP
 
 EXTRAS = ("ml",)
 TORCH_PIN = "torch==2.13.0"

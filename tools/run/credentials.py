@@ -17,11 +17,12 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlfleet.common.wire import curve
 from rlfleet.common.control.etcd_auth import EtcdCredentials
-from rlfleet.common.secret_files import write_private
 from rlfleet.common.job_secret import ENV_VAR as JOB_SECRET_ENV
+from rlfleet.common.secret_files import write_private
 from rlfleet.common.spec.placement import ROLES
+from rlfleet.common.wire import curve
+
 CERT_DAYS = 30  # a run's certificates outlive any run, and are worthless after it
 _EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-noenc"]
 

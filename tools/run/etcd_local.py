@@ -125,7 +125,7 @@ class EtcdCluster:
                 "--auto-compaction-retention", self.compaction_retention,
                 "--log-level", "warn"]
 
-    def start(self, timeout_s: float = 20.0) -> "EtcdCluster":
+    def start(self, timeout_s: float = 20.0) -> EtcdCluster:
         for m in self.members:
             self.start_member(m, wait=False)
         self.wait_healthy(timeout_s)
@@ -203,7 +203,7 @@ class EtcdCluster:
         if self._own_dir and self.base_dir is not None:
             shutil.rmtree(self.base_dir, ignore_errors=True)
 
-    def __enter__(self) -> "EtcdCluster":
+    def __enter__(self) -> EtcdCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

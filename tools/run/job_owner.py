@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import Member, Owner
-from rlfleet.common.procs import ProcessId, boot_id
 from rlfleet.common.control.store import Lease, LeaseExpired, Store
+from rlfleet.common.procs import ProcessId, boot_id
 
 
 class JobOwned(Exception):

@@ -43,8 +43,6 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from rlfleet.common.wire import curve
-from rlfleet.common.daemon import INCARNATION_ENV
 from rlfleet.common.control.etcd_auth import ENV as ETCD_ENV
 from rlfleet.common.control.etcd_auth import EtcdCredentials
 from rlfleet.common.control.etcd_store import EtcdStore
@@ -52,23 +50,25 @@ from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import members_from, placements_from
 from rlfleet.common.control.pause import PauseWatch
 from rlfleet.common.control.placement import Placed, placement_from_spec
-from rlfleet.common.procs import ProcessId
+from rlfleet.common.control.store import StoreUnavailable
+from rlfleet.common.daemon import INCARNATION_ENV
 from rlfleet.common.job_secret import ENV_VAR as JOB_SECRET_ENV
+from rlfleet.common.procs import ProcessId
 from rlfleet.common.signals import route_signals
 from rlfleet.common.spec.job import JobSpec
-from rlfleet.common.control.store import StoreUnavailable
+from rlfleet.common.wire import curve
 from rlfleet.daemons.agent import policy
 from rlfleet.daemons.agent.inventory import machine_inventory
 from rlfleet.daemons.agent.policy import CRASH_LOOP_DEATHS, CRASH_LOOP_WINDOW_S, CrashLoop
 from rlfleet.daemons.agent.process import ProcessBackend, daemon_command, tree_cpu_s
 from rlfleet.daemons.agent.reconciler import Event, Reconciler
+from rlfleet.tools.ctl.fleet_view import members_table, nodes_table, paused_banner, take_snapshot
+from rlfleet.tools.exit_codes import Exit, Outcome
 from rlfleet.tools.run.credentials import RunCredentials
 from rlfleet.tools.run.etcd_local import EtcdCluster
-from rlfleet.tools.exit_codes import Exit, Outcome
-from rlfleet.tools.ctl.fleet_view import members_table, nodes_table, paused_banner, take_snapshot
 from rlfleet.tools.run.job_owner import JobOwned, JobOwner, RegistrationCheck
-from rlfleet.tools.run.report import MetricsTail, RunMetrics, plot, read_metrics, summary
 from rlfleet.tools.run.layout import new_run_dir, torch_threads
+from rlfleet.tools.run.report import MetricsTail, RunMetrics, plot, read_metrics, summary
 from rlfleet.tools.run.summary import end_summary, eval_line, progress_line
 
 log = logging.getLogger("rlfleet.supervisor")

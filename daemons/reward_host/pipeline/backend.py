@@ -49,14 +49,13 @@ from typing import Any
 from prometheus_client import Counter, Gauge, Histogram
 
 from rlfleet.common.spec.seams import REWARD_BACKENDS
-
 from rlfleet.daemons.reward_host.backends import RewardBackend
 from rlfleet.daemons.reward_host.pipeline.batches import BatchTracker, ClosedBatch
-from rlfleet.daemons.reward_host.pipeline.spec import PipelineConfig, StageConfig
 from rlfleet.daemons.reward_host.pipeline.planner_thread import PlannerThread, PlanRequest
 from rlfleet.daemons.reward_host.pipeline.queues import StageQueue, make_queue
 from rlfleet.daemons.reward_host.pipeline.scaling import ScalingPlanner
 from rlfleet.daemons.reward_host.pipeline.sim_worker import SimWorker
+from rlfleet.daemons.reward_host.pipeline.spec import PipelineConfig, StageConfig
 from rlfleet.daemons.reward_host.pipeline.stages import Pipeline, RequestKey, Stage
 from rlfleet.daemons.reward_host.workers import RewardJob, RewardOutcome
 

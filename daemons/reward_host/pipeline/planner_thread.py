@@ -38,7 +38,6 @@ from collections.abc import Callable, Sequence
 from prometheus_client import Counter, Histogram
 
 from rlfleet.common.log_throttle import LogThrottle
-
 from rlfleet.daemons.reward_host.pipeline.scaling import History, Plan
 from rlfleet.daemons.reward_host.pipeline.stages import ActiveBatch
 

@@ -46,9 +46,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictStr, ValidationError, field_serializer, field_validator, model_validator
 
-from rlfleet.common.spec.registry import Kind, KindConfig, UnknownKind
 from rlfleet.common.spec.errors import describe, dotted
 from rlfleet.common.spec.fields import NonNegInt, PosFloat, PosInt, Section, fail, show
+from rlfleet.common.spec.registry import Kind, KindConfig, UnknownKind
 
 NonNegFloat = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
 Fraction = Annotated[float, Field(strict=True, ge=0, lt=1, allow_inf_nan=False)]

@@ -52,8 +52,15 @@ from prometheus_client import Counter, Gauge
 from rlfleet.daemons.reward_host.backends import RewardBackend
 from rlfleet.daemons.reward_host.dispatch import Dispatch, FifoDispatch
 from rlfleet.daemons.reward_host.remote.config import RemoteHttpConfig, read_secret
-from rlfleet.daemons.reward_host.remote.policy import (Breaker, backoff_s, error_text, job_body, read_reward,
-                                                       retry_after, retryable)
+from rlfleet.daemons.reward_host.remote.policy import (
+    Breaker,
+    backoff_s,
+    error_text,
+    job_body,
+    read_reward,
+    retry_after,
+    retryable,
+)
 from rlfleet.daemons.reward_host.workers import RewardJob, RewardOutcome
 
 log = logging.getLogger("rlfleet.reward_host")

@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import AfterValidator, Field, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
 
-from rlfleet.common.spec.registry import Kind, KindConfig
 from rlfleet.common.secret_files import SecretFileError, read_private
 from rlfleet.common.spec.fields import PosFloat, PosInt, Section, fail, num, show
+from rlfleet.common.spec.registry import Kind, KindConfig
 
 if TYPE_CHECKING:
     import ssl

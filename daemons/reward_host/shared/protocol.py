@@ -21,7 +21,6 @@ import re
 from typing import Any
 
 from rlfleet.common.wire.messages import Prompt
-
 from rlfleet.daemons.reward_host.workers import RewardJob
 
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # no '/': see pipeline_key

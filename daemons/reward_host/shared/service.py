@@ -54,10 +54,9 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from rlfleet.common.wire.curve import REFUSED
-
-from rlfleet.daemons.reward_host.shared.answer_journal import AnswerJournal
 from rlfleet.daemons.reward_host.pipeline.backend import PipelineBackend
 from rlfleet.daemons.reward_host.remote.config import read_secret
+from rlfleet.daemons.reward_host.shared.answer_journal import AnswerJournal
 from rlfleet.daemons.reward_host.shared.protocol import BadRequest, ScoreRequest, read_request, split_key
 from rlfleet.daemons.reward_host.shared.spec import ServiceSpec, listen_refusal
 

@@ -44,11 +44,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, StrictStr, ValidationError
 
-from rlfleet.common.spec.errors import SpecError
-from rlfleet.common.spec.errors import describe, dotted, suggest
-from rlfleet.common.spec.file import read_spec_toml
+from rlfleet.common.spec.errors import SpecError, describe, dotted, suggest
 from rlfleet.common.spec.fields import PosFloat, PosInt, Section, fail, show
-
+from rlfleet.common.spec.file import read_spec_toml
 from rlfleet.daemons.reward_host.pipeline.spec import PipelineConfig
 from rlfleet.daemons.reward_host.remote.config import TlsFileError, is_loopback, tls_context
 

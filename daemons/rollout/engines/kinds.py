@@ -14,9 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StrictInt, StrictStr, field_validator, model_validator
 
-from rlfleet.common.spec.registry import Kind, KindConfig, Problem, import_failure
 from rlfleet.common.spec.fields import NonNegInt, PosFloat, PosInt, fail
-
+from rlfleet.common.spec.registry import Kind, KindConfig, Problem, import_failure
 from rlfleet.daemons.rollout.sim import timing as sim_timing
 from rlfleet.daemons.rollout.sim.lengths import LENGTH_MODELS
 from rlfleet.daemons.rollout.sim.timing import DEFAULT_PROFILE, PROFILES, SimTiming

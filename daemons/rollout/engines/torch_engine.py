@@ -63,12 +63,17 @@ import torch
 
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
-
 from rlfleet.daemons.rollout.engines import lean_model
-from rlfleet.daemons.rollout.engines.api import (MAX_SEED, BadRequest, Engine, EngineStats, TokenRate, error_result,
-                                                 validate_request)
-from rlfleet.daemons.rollout.engines.kinds import default_max_len
+from rlfleet.daemons.rollout.engines.api import (
+    BadRequest,
+    Engine,
+    EngineStats,
+    TokenRate,
+    error_result,
+    validate_request,
+)
 from rlfleet.daemons.rollout.engines.forward import LeanForward, ModelForward, pick_forward
+from rlfleet.daemons.rollout.engines.kinds import default_max_len
 from rlfleet.daemons.rollout.engines.lean_model import LeanModel
 from rlfleet.daemons.rollout.engines.slots import SlotCache, sample
 

@@ -39,7 +39,6 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
 import warnings
 import weakref
 from collections import deque
@@ -52,9 +51,14 @@ import numpy as np
 
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
-
-from rlfleet.daemons.rollout.engines.api import (BadRequest, Engine, EngineStats, TokenRate, error_result,
-                                                 validate_request)
+from rlfleet.daemons.rollout.engines.api import (
+    BadRequest,
+    Engine,
+    EngineStats,
+    TokenRate,
+    error_result,
+    validate_request,
+)
 from rlfleet.daemons.rollout.engines.kinds import default_max_len
 from rlfleet.daemons.rollout.engines.vllm_layout import VllmLayout, checkpoint_shapes, prepare
 

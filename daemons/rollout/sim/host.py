@@ -29,7 +29,6 @@ from typing import Any
 import zmq
 
 from rlfleet.common.wire.sockets import RequestServer, shared_context
-
 from rlfleet.daemons.rollout.core import ReaderSource, RolloutCore, WeightReader
 
 log = logging.getLogger("rlfleet.rollout")

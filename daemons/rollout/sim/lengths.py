@@ -34,8 +34,8 @@ from typing import Annotated, Any, Literal
 import xxhash
 from pydantic import Field, ValidationInfo, field_validator
 
-from rlfleet.common.spec.registry import Kind, KindConfig, Registry
 from rlfleet.common.spec.fields import PosFloat, fail, num
+from rlfleet.common.spec.registry import Kind, KindConfig, Registry
 
 Z_P99 = 2.3263478740408408  # NormalDist().inv_cdf(0.99)
 _NORMAL = NormalDist()

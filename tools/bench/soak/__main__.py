@@ -19,8 +19,14 @@ from pathlib import Path
 
 import rlfleet.tools.bench.soak as package
 from rlfleet.tools.bench.soak import REPO
-from rlfleet.tools.bench.soak.faults import (DISK_FULL_EVERY_MIN, DISK_FULL_S, ETCD_DOWN_S, ETCD_LOSS_EVERY_MIN,
-                                            KILL_EVERY_MIN, QUIET_END_S)
+from rlfleet.tools.bench.soak.faults import (
+    DISK_FULL_EVERY_MIN,
+    DISK_FULL_S,
+    ETCD_DOWN_S,
+    ETCD_LOSS_EVERY_MIN,
+    KILL_EVERY_MIN,
+    QUIET_END_S,
+)
 from rlfleet.tools.bench.soak.page import PAGE, read_records, render
 from rlfleet.tools.bench.soak.record import JSON_DEFAULT, build_record, plot
 from rlfleet.tools.bench.soak.runner import HOURS, TMPFS_MIB, WINDOW_MIN, Soak

@@ -18,14 +18,35 @@ from typing import Any
 
 from rlfleet.tools.bench.drops import WASTE
 from rlfleet.tools.bench.soak import REPO
-from rlfleet.tools.bench.soak.faults import (DISK_FULL_EVERY_MIN, DISK_FULL_S, DISK_PHASE_S, ETCD_DOWN_S,
-                                            ETCD_LOSS_EVERY_MIN, ETCD_PHASE_S, KILL_EVERY_MIN, QUIET_END_S)
+from rlfleet.tools.bench.soak.faults import (
+    DISK_FULL_EVERY_MIN,
+    DISK_FULL_S,
+    DISK_PHASE_S,
+    ETCD_DOWN_S,
+    ETCD_LOSS_EVERY_MIN,
+    ETCD_PHASE_S,
+    KILL_EVERY_MIN,
+    QUIET_END_S,
+)
 from rlfleet.tools.bench.soak.record import JSON_DEFAULT
-from rlfleet.tools.bench.soak.runner import (ETCD_ELECTION_MS, ETCD_HEARTBEAT_MS, ETCD_MEMBERS, HOURS, TASKS,
-                                             TICK_S, TMPFS_MIB)
+from rlfleet.tools.bench.soak.runner import (
+    ETCD_ELECTION_MS,
+    ETCD_HEARTBEAT_MS,
+    ETCD_MEMBERS,
+    HOURS,
+    TASKS,
+    TICK_S,
+    TMPFS_MIB,
+)
 from rlfleet.tools.bench.soak.sampling import SAMPLE_S
-from rlfleet.tools.bench.soak.verdicts import (DROP_SHARE_LIMIT, DROP_SHARE_TASK, GROWTH_LIMIT, METRICS, MIN_POINTS,
-                                               WINDOW_S)
+from rlfleet.tools.bench.soak.verdicts import (
+    DROP_SHARE_LIMIT,
+    DROP_SHARE_TASK,
+    GROWTH_LIMIT,
+    METRICS,
+    MIN_POINTS,
+    WINDOW_S,
+)
 from rlfleet.tools.exit_codes import RUN_ENDED
 
 PAGE = REPO / "docs" / "results" / "soak.md"

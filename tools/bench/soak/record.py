@@ -23,8 +23,14 @@ from rlfleet.tools.bench.soak import REPO
 from rlfleet.tools.bench.soak.faults import fault_summary
 from rlfleet.tools.bench.soak.runner import Soak
 from rlfleet.tools.bench.soak.sampling import slim_step_lines
-from rlfleet.tools.bench.soak.verdicts import (DROP_SHARE_LIMIT, DROP_SHARE_TASK, GROWTH_LIMIT, MIN_POINTS,
-                                               WINDOW_S, growth_verdict)
+from rlfleet.tools.bench.soak.verdicts import (
+    DROP_SHARE_LIMIT,
+    DROP_SHARE_TASK,
+    GROWTH_LIMIT,
+    MIN_POINTS,
+    WINDOW_S,
+    growth_verdict,
+)
 
 JSON_DEFAULT = Path("runs/bench/soak.json")   # where --json writes the record (the PNG beside it)
 

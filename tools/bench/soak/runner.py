@@ -27,8 +27,15 @@ from typing import Any
 
 from rlfleet.tools.bench.soak import REPO
 from rlfleet.tools.bench.soak.faults import Fault, fault_schedule, fill
-from rlfleet.tools.bench.soak.sampling import (MetricsReader, Proc, descends_from, mem_available_mib, proc_usage,
-                                              read_procs, used_mib)
+from rlfleet.tools.bench.soak.sampling import (
+    MetricsReader,
+    Proc,
+    descends_from,
+    mem_available_mib,
+    proc_usage,
+    read_procs,
+    used_mib,
+)
 from rlfleet.tools.bench.soak.verdicts import drop_counts
 
 TASKS = ("arithmetic", "longtail-sim")
