@@ -10,7 +10,7 @@ chunk i+1 is still arriving.
 `serve` is the receiving end: every chunk lands directly in the store's
 shared-memory segment, is verified against the manifest's digest, and only
 then acknowledged and made visible to this relay's own forwarder. A corrupt
-chunk is refused (Nack) and sent again by the sender; it is never served.
+chunk is refused (ChunkNack) and sent again by the sender; it is never served.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from typing import Any, Protocol
 from rlfleet.relay.admission import Limits, Refused, check_chunk, check_offer
 from rlfleet.relay.manifest import ChecksumMismatch, Manifest, ManifestError
 from rlfleet.relay.protocol import (
-    Ack,
     Chunk,
+    ChunkAck,
+    ChunkNack,
     Done,
     Hello,
-    Nack,
     Offer,
     ProtocolError,
     Reject,
@@ -169,9 +169,9 @@ class Link:
                 if isinstance(reply, BaseException):
                     self._replies.put(reply)
                     raise reply
-                if isinstance(reply, Ack) and (reply.version, reply.layout) == (v, lay):
+                if isinstance(reply, ChunkAck) and (reply.version, reply.layout) == (v, lay):
                     inflight.discard(reply.index)
-                elif isinstance(reply, Nack) and (reply.version, reply.layout) == (v, lay):
+                elif isinstance(reply, ChunkNack) and (reply.version, reply.layout) == (v, lay):
                     inflight.discard(reply.index)
                     resends[reply.index] = resends.get(reply.index, 0) + 1
                     self.stats.resends += 1
@@ -284,7 +284,7 @@ def _receive_chunk(conn: Conn, ctx: ServeContext, msg: Chunk, offered: set[tuple
     if not store.claim(obj, msg.index):
         # Already here (or arriving from another sender during a repair): read past it.
         conn.discard_payload(nbytes)
-        conn.send(Ack(msg.version, msg.layout, msg.index))
+        conn.send(ChunkAck(msg.version, msg.layout, msg.index))
         return
     try:
         conn.recv_payload_into(obj.view(msg.index))
@@ -295,9 +295,9 @@ def _receive_chunk(conn: Conn, ctx: ServeContext, msg: Chunk, offered: set[tuple
         store.commit(obj, msg.index)
     except ChecksumMismatch as exc:
         log.warning("%s: %s; asking %s to send it again", ctx.name, exc, conn.peer)
-        conn.send(Nack(msg.version, msg.layout, msg.index, str(exc)))
+        conn.send(ChunkNack(msg.version, msg.layout, msg.index, str(exc)))
         return
-    conn.send(Ack(msg.version, msg.layout, msg.index))
+    conn.send(ChunkAck(msg.version, msg.layout, msg.index))
     if obj.complete:
         conn.send(Done(msg.version, msg.layout, obj.manifest.checksum))
         ctx.on_complete(obj.key)

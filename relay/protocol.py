@@ -5,7 +5,7 @@ The sending side (predecessor or publisher) drives; the receiving side answers::
     P -> S  Hello(sender)                      S -> P  State(have=[[version, layout, complete], ...])
     P -> S  Offer(manifest)                    S -> P  Want(version, layout, missing=[i, ...]) | Reject(reason)
     P -> S  Chunk(version, layout, index) + payload   (up to `window` unacked)
-                                               S -> P  Ack(index) | Nack(index, reason)   per chunk
+                                               S -> P  ChunkAck(index) | ChunkNack(index, reason)   per chunk
                                                S -> P  Done(version, layout, checksum)    after the last chunk
     any  -> S  StatusQuery                     S -> any Status(stats)
 
@@ -64,13 +64,13 @@ class Chunk(_M):
     nbytes: int
 
 
-class Ack(_M):
+class ChunkAck(_M, tag="Ack"):  # the tag on the wire stays "Ack": relays of both names interoperate
     version: int
     layout: int
     index: int
 
 
-class Nack(_M):
+class ChunkNack(_M, tag="Nack"):
     version: int
     layout: int
     index: int
@@ -91,7 +91,7 @@ class Status(_M):
     stats: dict[str, Any]
 
 
-Message = Hello | State | Offer | Want | Reject | Chunk | Ack | Nack | Done | StatusQuery | Status
+Message = Hello | State | Offer | Want | Reject | Chunk | ChunkAck | ChunkNack | Done | StatusQuery | Status
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

@@ -50,26 +50,26 @@ class Tracked:
 
 
 @dataclass(frozen=True)
-class Plan:
+class ReconcilePlan:
     start: tuple[Placed, ...] = ()
     stop: tuple[Placed, ...] = ()
 
 
-def plan(desired: Iterable[Placed], tracked: dict[str, Tracked], now: float, paused: bool = False) -> Plan:
+def plan(desired: Iterable[Placed], tracked: dict[str, Tracked], now: float, paused: bool = False) -> ReconcilePlan:
     """Start what is placed and not running (once its backoff has passed), stop what
     runs and is no longer placed. A member id placed under another role or host than
     the one running is stopped first and started once the old one is gone.
     Paused: nothing either way. A daemon that died, or that an operator stopped for
     maintenance, stays down until the resume; one no longer placed keeps running."""
     if paused:
-        return Plan()
+        return ReconcilePlan()
     want = {p.member_id: p for p in desired}
     start = [p for mid, p in sorted(want.items())
              if (t := tracked.get(mid)) is None
              or (not t.active and not t.stopping and (t.placed != p or now >= t.next_start_at))]
     stop = [t.placed for mid, t in sorted(tracked.items())
             if t.active and not t.stopping and want.get(mid) != t.placed]
-    return Plan(tuple(start), tuple(stop))
+    return ReconcilePlan(tuple(start), tuple(stop))
 
 
 def started(t: Tracked, now: float) -> None:

@@ -32,7 +32,7 @@ from rlfleet.common.wire.outbox import OutboxThread
 from rlfleet.daemons.tasks.prompts import PromptStream, task_from_spec
 
 from .claims import PromptClaimer
-from .journal import Journal, journal_path, launched_per_prompt
+from .journal import TrajectoryJournal, journal_path, launched_per_prompt
 from .manager import ManagerConfig, TurnCodec
 from .pacing import ClaimPacer, pacer_for
 from .routing_policy import RolloutTraits
@@ -98,7 +98,7 @@ class EnvHost(Daemon):
         try:
             task = task_from_spec(spec)
             codec = TurnCodec.from_model_dir(str(spec.model.path))
-            journal = Journal(journal_path(spec, member_id), launched_per_prompt(spec))
+            journal = TrajectoryJournal(journal_path(spec, member_id), launched_per_prompt(spec))
         except Exception as exc:  # noqa: BLE001 — reported in the registration and the log
             error = f"cannot start: {type(exc).__name__}: {exc}"[:300]
             changed, self.setup_error = error != self.setup_error, error

@@ -82,7 +82,7 @@ class TrajState:
     spare: str = ""  # why it was kept here instead of handed on ("redundant", "env_error", ...)
 
 
-class Journal:
+class TrajectoryJournal:
     """Append-only journal with live state in memory. Thread-safe (one lock)."""
 
     def __init__(self, path: str | os.PathLike, group_size: int, *, fsync_claims: bool = True,

@@ -45,7 +45,7 @@ from rlfleet.daemons.tasks.prompts import PromptStream, parse_trajectory_id, tra
 from .claims import ClaimContention, ClaimError
 from .env_modes import BatchBarrier, TurnGate
 from .groups import REDUNDANT, PromptGroup, Round
-from .journal import Journal
+from .journal import TrajectoryJournal
 from .loop_lag import LoopLagProbe
 from .manager import EnvManager, ManagerConfig, TurnCodec
 from .routing import Router
@@ -65,7 +65,7 @@ TURNS = Counter("rlfleet_env_turns_total", "Turns generated and stepped", ["id"]
 
 class EnvRunner:
     def __init__(self, *, task: Task, stream: PromptStream, codec: TurnCodec, config: ManagerConfig,
-                 group_size: int, max_concurrent: int, journal: Journal,
+                 group_size: int, max_concurrent: int, journal: TrajectoryJournal,
                  claim: Callable[[int], range], recent_claims: Callable[[], list[range]],
                  submit: Callable[[str, Trajectory], None], name: str = "env-host",
                  routing: RoutingPolicy | None = None, env_mode: str = "async",

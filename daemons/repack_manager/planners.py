@@ -3,7 +3,7 @@ running generations to which.
 
 A planner is plain code over the checked loads of the live rollouts (rollout_view.py:
 ``check_stats`` turns a poll's ``RolloutStats`` replies into ``RolloutLoad``s), no
-sockets, no clock: it returns a ``Plan``, the repack-manager does the I/O.
+sockets, no clock: it returns a ``RepackDecision``, the repack-manager does the I/O.
 
 - ``none`` (the default) plans nothing: the repack-manager only collects statistics.
 - ``laminar``: Laminar §5.2, Algorithm 1 (Best-Fit Trajectory Consolidation). Per
@@ -36,7 +36,7 @@ from rlfleet.common.spec.registry import Kind, KindConfig, Problem
 from .rollout_view import RolloutLoad, engine_batch_limit
 
 __all__ = ["LaminarConfig", "LaminarKind", "LaminarPlanner", "Move", "NoPlanner", "NoneConfig", "NoneKind",
-           "Plan", "RepackPlanner", "plan_id"]
+           "RepackDecision", "RepackPlanner", "plan_id"]
 
 _NO_PREVIOUS: Mapping[str, RolloutLoad] = MappingProxyType({})
 
@@ -47,7 +47,7 @@ class Move(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class RepackDecision:
     """One planning round's decision. ``id`` is a digest of the planner's inputs
     (``plan_id``): the same loads give the same id, so a repack-manager that replans
     after a restart over unchanged stats finds its plan already recorded, and a
@@ -66,7 +66,7 @@ class Plan:
 class RepackPlanner(abc.ABC):
     @abc.abstractmethod
     def plan(self, loads: Mapping[str, RolloutLoad],
-             previous: Mapping[str, RolloutLoad] = _NO_PREVIOUS) -> Plan:
+             previous: Mapping[str, RolloutLoad] = _NO_PREVIOUS) -> RepackDecision:
         """The plan for now, given rollout id -> its load now (accepted stats only)
         and rollout id -> its load at the previous planning round (the daemon keeps
         these; a rollout missing from ``previous`` has no C_prev)."""
@@ -74,8 +74,8 @@ class RepackPlanner(abc.ABC):
 
 class NoPlanner(RepackPlanner):
     def plan(self, loads: Mapping[str, Any],
-             previous: Mapping[str, Any] = _NO_PREVIOUS) -> Plan:
-        return Plan("none")
+             previous: Mapping[str, Any] = _NO_PREVIOUS) -> RepackDecision:
+        return RepackDecision("none")
 
 
 class NoneConfig(KindConfig):
@@ -153,7 +153,7 @@ class LaminarPlanner(RepackPlanner):
                 and 0 < load.n_reqs and limit is not None and load.n_reqs < limit)
 
     def plan(self, loads: Mapping[str, RolloutLoad],
-             previous: Mapping[str, RolloutLoad] = _NO_PREVIOUS) -> Plan:
+             previous: Mapping[str, RolloutLoad] = _NO_PREVIOUS) -> RepackDecision:
         groups: dict[int, list[RolloutLoad]] = {}
         for load in loads.values():
             if self.is_candidate(load, previous.get(load.id)):
@@ -164,7 +164,7 @@ class LaminarPlanner(RepackPlanner):
             group = sorted(groups[version], key=lambda r: (r.c_used, r.id))  # line 4
             candidates.extend(r.id for r in group)
             moves.extend(self._best_fit(group))
-        return Plan(plan_id(f"laminar:{self.c_max!r}:{self.roofline_batch}", loads, previous),
+        return RepackDecision(plan_id(f"laminar:{self.c_max!r}:{self.roofline_batch}", loads, previous),
                     tuple(moves), tuple(candidates))
 
     def _best_fit(self, group: Sequence[RolloutLoad]) -> list[Move]:

@@ -33,7 +33,7 @@ from rlfleet.common import failpoints
 from rlfleet.common.control.store import Store, StoreUnavailable
 from rlfleet.common.durable import fsync_path
 
-from .journal import Journal
+from .journal import ExperienceJournal
 from .metrics_log import CHECKPOINT_FAILURES, io_reason, member_id
 
 log = logging.getLogger("rlfleet.trainer")
@@ -148,7 +148,7 @@ def write_checkpoint(root: str | os.PathLike[str], version: int, fill: Callable[
 
 
 class Checkpointer:
-    def __init__(self, learner: Any, journal: Journal, folder: Path, *, store: Store, key: str,
+    def __init__(self, learner: Any, journal: ExperienceJournal, folder: Path, *, store: Store, key: str,
                  is_leader: Callable[[], bool]) -> None:
         """Built by the journal's lock holder, so the partial folders it sweeps are nobody's."""
         self.learner, self.journal, self.folder = learner, journal, folder

@@ -27,7 +27,7 @@ from rlfleet.common.wire.validation import confined
 
 from .batching import INVALID, check_trajectory, drop_reason, identity_problem
 from .claimed import ClaimedPrompts
-from .journal import Journal, until_written
+from .journal import ExperienceJournal, until_written
 
 log = logging.getLogger("rlfleet.trainer")
 
@@ -56,7 +56,7 @@ def triage(got: Sequence[tuple[str, ScoredTrajectory]], duplicate: Sequence[bool
            max_version: int | None = None, launched: int | None = None,
            claimed_below: int | None = None) -> Triage:
     """Decide each arrival. ``duplicate[i]``: the journal already holds ``got[i]`` (a
-    string: holds another trajectory under its id, and why, Journal.duplicates);
+    string: holds another trajectory under its id, and why, ExperienceJournal.duplicates);
     ``group_sizes``: trajectories the journal holds per group (not modified);
     ``max_version``: the newest version the trainer made (a later weight_version is forged);
     ``launched``: trajectories a prompt launches (group_size + redundant samples; default G);
@@ -108,7 +108,7 @@ def triage(got: Sequence[tuple[str, ScoredTrajectory]], duplicate: Sequence[bool
 class Intake:
     """Owns the trainer's ReliableReceiver socket, on the thread that calls ``run``."""
 
-    def __init__(self, journal: Journal, *, bind_host: str, group_size: Callable[[], int],
+    def __init__(self, journal: ExperienceJournal, *, bind_host: str, group_size: Callable[[], int],
                  vocab_size: int | None, counts: Counter[str], on_data: Callable[[], None],
                  on_bound: Callable[[], None] = lambda: None,
                  launched: Callable[[], int] | None = None,

@@ -140,7 +140,7 @@ class JournalState:
         return f"{t.trajectory_id} is already in group {t.group_id} with other turns"
 
 
-class Journal:
+class ExperienceJournal:
     """Open (replaying) or create the journal at ``path``.
 
     Thread-safe: the trainer's intake thread appends while its training thread
@@ -443,7 +443,7 @@ class Journal:
             if not self._file.closed:
                 self._file.close()  # closing releases the flock
 
-    def __enter__(self) -> Journal:
+    def __enter__(self) -> ExperienceJournal:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpointing import checkpoints
-from .journal import Journal
+from .journal import ExperienceJournal
 
 log = logging.getLogger("rlfleet.trainer")
 
@@ -59,7 +59,7 @@ class Replay:
         return sum(len(b) for b in self.batches.values())
 
 
-def restore(learner: Any, journal: Journal, folder: Path) -> Replay:
+def restore(learner: Any, journal: ExperienceJournal, folder: Path) -> Replay:
     """Load the newest loadable checkpoint under ``folder`` into ``learner`` (none: the
     learner stays as built, version 0), reopen the groups trained after it, and return
     the replay plan."""

@@ -58,7 +58,7 @@ from .batching import (
 from .buffer import capacity_groups, evict_overflow, evict_stale, ordered
 from .checkpointing import Checkpointer, checkpoints
 from .evaluation import policy_to_evaluate
-from .journal import Journal, JournalUnwritable, until_written
+from .journal import ExperienceJournal, JournalUnwritable, until_written
 from .metrics_log import PAUSED, MetricsLog, batch_versions, step_line
 from .resume import Replay, restore
 
@@ -89,7 +89,7 @@ class TrainerState:
     non_finite_groups: int = 0  # groups dropped as non_finite (their reward, or a skipped step)
     non_finite: str = ""  # the last one's sentence, with its values
     rewinds: int = 0  # checkpoints restored after skipped steps
-    journal: Journal | None = field(default=None, repr=False)  # for journal_error
+    journal: ExperienceJournal | None = field(default=None, repr=False)  # for journal_error
 
     @property
     def journal_error(self) -> str:
@@ -102,7 +102,7 @@ class TrainerState:
 
 
 class TrainingLoop:
-    def __init__(self, *, spec: Callable[[], JobSpec], journal: Journal, learner: Any,
+    def __init__(self, *, spec: Callable[[], JobSpec], journal: ExperienceJournal, learner: Any,
                  publisher: Any, checkpointer: Checkpointer, evaluator: Any,
                  metrics: MetricsLog, state: TrainerState, wake: threading.Event,
                  pause: threading.Event | None = None, replay: Replay | None = None,

@@ -49,7 +49,7 @@ from rlfleet.common.spec.run_dir import job_run_dir
 from .checkpointing import Checkpointer
 from .claimed import ClaimedPrompts
 from .intake import Intake
-from .journal import Journal
+from .journal import ExperienceJournal
 from .metrics_log import MetricsLog
 from .progress import ProgressWriter, progress_record
 from .resume import restore
@@ -103,7 +103,7 @@ class TrainingWorker:
         self._pause = threading.Event()  # the job is paused: train -> hold at the step boundary
         if paused:
             self._pause.set()
-        self._journal: Journal | None = None
+        self._journal: ExperienceJournal | None = None
         self._intake: Intake | None = None
         self._loop: TrainingLoop | None = None
         self._publisher: Any = None
@@ -232,7 +232,7 @@ class TrainingWorker:
         from .evaluation import Evaluator, evaluation_off
 
         self.state.status = "resuming"
-        self._journal = journal = Journal(self.paths.journal)
+        self._journal = journal = ExperienceJournal(self.paths.journal)
         # [trainer.backend]: the torch Learner, or the sim backend's timing model
         # (backends.py); torch is imported only here, by a leader, and only for torch.
         learner = TRAINER_BACKENDS.build(self.spec.trainer.backend, spec=self.spec)

@@ -13,7 +13,7 @@ from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.daemons.env_host.claims import parse_cursor
 from rlfleet.daemons.env_host.env_modes import BatchBarrier
 from rlfleet.daemons.env_host.groups import PromptGroup, Round
-from rlfleet.daemons.env_host.journal import Journal
+from rlfleet.daemons.env_host.journal import TrajectoryJournal
 from rlfleet.daemons.env_host.manager import ManagerConfig
 from rlfleet.daemons.tasks import get_task
 from rlfleet.daemons.tasks.prompts import parse_trajectory_id, trajectory_id
@@ -121,7 +121,7 @@ def _by_prompt(delivered: dict) -> dict[int, list]:
 
 def _forgotten(store, path, launched: int) -> tuple[int, set[int]]:
     nxt, _ = parse_cursor(store.get(KEYS.prompts_cursor).value)
-    return nxt, set(range(nxt)) - set(Journal(path, launched).live_prompts())
+    return nxt, set(range(nxt)) - set(TrajectoryJournal(path, launched).live_prompts())
 
 
 def test_redundant_samples_hand_on_whole_groups_and_keep_the_spares(world):

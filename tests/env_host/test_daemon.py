@@ -12,7 +12,7 @@ import time
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.daemons.env_host.claims import parse_cursor
-from rlfleet.daemons.env_host.journal import Journal
+from rlfleet.daemons.env_host.journal import TrajectoryJournal
 from rlfleet.daemons.tasks.prompts import parse_trajectory_id, trajectory_id
 from tests.integration.helpers import rlfleet, stop, wait_for, write_spec
 from tests.reward_host.fakes import FakeTrainer
@@ -92,7 +92,7 @@ def _sigkill_and_account(tmp_path, etcd, JOB):
     assert "replayed" in log_text  # the second incarnation read the first one's journal
     nxt, recorded = parse_cursor(store.get(keys.prompts_cursor).value)
     assert set(recorded) == {"eh-0"} and nxt > nxt_at_kill
-    journal = Journal(tmp_path / "runs" / JOB / "env-host" / "eh-0.jsonl", G)
+    journal = TrajectoryJournal(tmp_path / "runs" / JOB / "env-host" / "eh-0.jsonl", G)
     live = set(journal.live_prompts())
     got = trainer.unique()
     assert {parse_trajectory_id(t)[0] for t in got} <= set(range(nxt)), "a trajectory of an unclaimed prompt"

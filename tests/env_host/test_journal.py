@@ -8,7 +8,7 @@ import pytest
 
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import Prompt, Trajectory, Turn
-from rlfleet.daemons.env_host.journal import Journal, journal_path, turn_from_json, turn_to_json
+from rlfleet.daemons.env_host.journal import TrajectoryJournal, journal_path, turn_from_json, turn_to_json
 
 G = 2
 
@@ -28,7 +28,7 @@ def done(tid: str, prompt_id: int, turns: list[Turn], reason: str = "", prompt=N
 
 def test_replay_restores_every_state(tmp_path):
     path = tmp_path / "env-0.jsonl"
-    j = Journal(path, G)
+    j = TrajectoryJournal(path, G)
     j.record_claim(range(0, 3))
     j.record_turn("p0-g0", 0, turn(0))
     j.record_done(done("p0-g0", 0, [turn(0)]))
@@ -39,7 +39,7 @@ def test_replay_restores_every_state(tmp_path):
     j.record_turn("p1-g0", 1, turn(1))  # partial
     j.close()
 
-    j = Journal(path, G)
+    j = TrajectoryJournal(path, G)
     assert j.live_prompts() == [0, 1, 2] and j.claimed_to == 3
     assert j.status("p0-g0") == "acked"
     assert j.status("p0-g1") == "done"
@@ -53,7 +53,7 @@ def test_replay_restores_every_state(tmp_path):
     j.record_acked(["p0-g1"])  # the whole group of prompt 0 is acked: forgotten
     assert j.live_prompts() == [1, 2]
     j.close()
-    j = Journal(path, G)
+    j = TrajectoryJournal(path, G)
     assert j.live_prompts() == [1, 2] and j.claimed_to == 3
     assert "p0-g0" not in path.read_text()  # compacted away on open
     j.close()
@@ -65,7 +65,7 @@ def test_turn_json_round_trip_is_exact():
 
 
 def test_resumed_trajectory_that_restarts_truncates_its_turns(tmp_path):
-    j = Journal(tmp_path / "j.jsonl", G)
+    j = TrajectoryJournal(tmp_path / "j.jsonl", G)
     j.record_claim(range(0, 1))
     for n in range(3):
         j.record_turn("p0-g0", n, turn(n))
@@ -79,30 +79,30 @@ def test_resumed_trajectory_that_restarts_truncates_its_turns(tmp_path):
     j.record_done(done("p1-g0", 1, [], reason="env_error"))
     assert j.finished("p1-g0").turns == []
     j.close()
-    assert Journal(tmp_path / "j.jsonl", G).finished("p1-g0").turns == []
+    assert TrajectoryJournal(tmp_path / "j.jsonl", G).finished("p1-g0").turns == []
 
 
 def test_torn_and_corrupt_lines_cost_only_themselves(tmp_path):
     path = tmp_path / "j.jsonl"
-    j = Journal(path, G)
+    j = TrajectoryJournal(path, G)
     j.record_claim(range(0, 2))
     j.record_turn("p1-g1", 0, turn(0))
     j.close()
     with open(path, "ab") as f:
         f.write(b'{"t":"garbage"}\n')
         f.write(b'{"t":"turn","id":"p1-g1","n":1,"turn":{"p":[1],"t":[2]')  # kill -9 mid-write
-    j = Journal(path, G)
+    j = TrajectoryJournal(path, G)
     assert j.skipped == 2
     assert j.live_prompts() == [0, 1] and j.turns("p1-g1") == [turn(0)]
     j.record_turn("p1-g1", 1, turn(1))  # appending after a torn line still works
     j.close()
-    assert Journal(path, G).turns("p1-g1") == [turn(0), turn(1)]
+    assert TrajectoryJournal(path, G).turns("p1-g1") == [turn(0), turn(1)]
 
 
 def test_claimed_to_survives_compaction_of_completed_prompts(tmp_path):
     # It tells a restarted env-host which cursor ranges it already knew about.
     path = tmp_path / "j.jsonl"
-    j = Journal(path, G, compact_min_records=4)
+    j = TrajectoryJournal(path, G, compact_min_records=4)
     j.record_claim(range(0, 4))
     for p in range(4):
         for k in range(G):
@@ -113,11 +113,11 @@ def test_claimed_to_survives_compaction_of_completed_prompts(tmp_path):
     assert j.live_prompts() == [] and j.claimed_to == 4
     j.close()
     assert len(path.read_text().splitlines()) == 1  # only the mark is left
-    assert Journal(path, G).claimed_to == 4
+    assert TrajectoryJournal(path, G).claimed_to == 4
 
 
 def test_late_duplicate_ack_of_a_forgotten_prompt_is_ignored(tmp_path):
-    j = Journal(tmp_path / "j.jsonl", G)
+    j = TrajectoryJournal(tmp_path / "j.jsonl", G)
     j.record_claim(range(0, 1))
     for k in range(G):
         j.record_turn(f"p0-g{k}", 0, turn(0))
@@ -145,7 +145,7 @@ def test_handed_counts_only_undropped_trajectories_as_good_across_a_restart(tmp_
     handed-on trajectory that was dropped (env_error) must not count towards a whole
     group, else a redundant round closes one group early."""
     path = tmp_path / "env-0.jsonl"
-    j = Journal(path, 3)  # what a prompt launches: group_size 2 + 1 redundant sample
+    j = TrajectoryJournal(path, 3)  # what a prompt launches: group_size 2 + 1 redundant sample
     j.record_claim(range(0, 1))
     for k, reason in enumerate(["", "env_error"]):
         j.record_turn(f"p0-g{k}", 0, turn(0))
@@ -154,7 +154,7 @@ def test_handed_counts_only_undropped_trajectories_as_good_across_a_restart(tmp_
     j.record_turn("p0-g2", 0, turn(0))  # still running: the prompt stays live
     assert j.handed(0) == (2, 1)
     j.close()
-    j = Journal(path, 3)  # replayed and compacted: the acked trajectories keep their reason
+    j = TrajectoryJournal(path, 3)  # replayed and compacted: the acked trajectories keep their reason
     assert j.handed(0) == (2, 1)
     j.close()
 
@@ -167,11 +167,11 @@ def test_a_full_file_leaves_no_torn_line_and_keeps_what_it_could_not_write(tmp_p
     import sys
     script = f"""
 import os, resource, signal
-from rlfleet.daemons.env_host.journal import Journal
+from rlfleet.daemons.env_host.journal import TrajectoryJournal
 from tests.env_host.test_journal import turn
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a short write / EFBIG instead of a kill
 path = {str(tmp_path / "env-0.jsonl")!r}
-j = Journal(path, 2)
+j = TrajectoryJournal(path, 2)
 j.record_claim(range(0, 2))
 j.record_turn("p0-g0", 0, turn(0))
 size = os.path.getsize(path)
@@ -191,5 +191,5 @@ j.close()
                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
     assert out.returncode == 0, out.stderr
     assert "refused:" in out.stdout and "journal lines not written (no_space); kept for the next write" in out.stdout
-    j = Journal(tmp_path / "env-0.jsonl", G)
+    j = TrajectoryJournal(tmp_path / "env-0.jsonl", G)
     assert j.skipped == 0 and j.turns("p0-g0") == [turn(0), turn(1)] and j.turns("p0-g1") == [turn(0)]

@@ -16,7 +16,7 @@ from rlfleet.common.wire.messages import Trajectory
 from rlfleet.common.wire.outbox import OutboxThread
 from rlfleet.common.wire.reliable import ReliableReceiver
 from rlfleet.daemons.env_host.claims import PromptClaimer, parse_cursor
-from rlfleet.daemons.env_host.journal import Journal
+from rlfleet.daemons.env_host.journal import TrajectoryJournal
 from rlfleet.daemons.env_host.manager import ManagerConfig, TurnCodec
 from rlfleet.daemons.env_host.runner import EnvRunner
 from rlfleet.daemons.tasks import get_task
@@ -80,7 +80,7 @@ class Host:
 
     def __init__(self, store, rollout, reward_host, path, owner: str = "env-0",
                  group_size: int = G, max_concurrent: int = 8, *, task=None, config=None,
-                 journal_cls=Journal, **runner_options) -> None:
+                 journal_cls=TrajectoryJournal, **runner_options) -> None:
         """``runner_options``: EnvRunner's env_mode / redundant_* (test_agentic_modes.py)."""
         task = task or get_task("arithmetic")
         launch = group_size + runner_options.get("redundant_samples", 0)
@@ -110,7 +110,7 @@ def check_accounting(store, reward_host: FakeRewardHost, path,
                      foreign: frozenset[int] = frozenset()) -> tuple[int, set[int]]:
     """Every prompt we claimed is delivered (all G trajectories) or live in the journal."""
     nxt, _ = parse_cursor(store.get(KEYS.prompts_cursor).value)
-    live = set(Journal(path, G).live_prompts())
+    live = set(TrajectoryJournal(path, G).live_prompts())
     delivered = reward_host.unique()
     assert {parse_trajectory_id(t)[0] for t in delivered} <= set(range(nxt))
     for p in range(nxt):
@@ -134,7 +134,7 @@ def test_claims_runs_and_resumes_the_journal_after_a_restart(world):
     assert host.runner.claimed == claimed_before, "claimed more while nothing was acked"
     assert host.runner.live_prompts <= 2 * (8 // G)  # back-pressure: twice the prompts max_concurrent runs
     host.stop()
-    unacked = {tid for tid, s in Journal(path, G).trajectories.items() if s.done and not s.acked}
+    unacked = {tid for tid, s in TrajectoryJournal(path, G).trajectories.items() if s.done and not s.acked}
     assert unacked, "nothing was waiting for an ack: the restart would test nothing"
 
     delivered_before = set(reward_host.unique())
@@ -167,9 +167,9 @@ def test_a_claim_lost_between_etcd_and_the_journal_is_adopted(world):
     check_accounting(store, reward_host, path, foreign=frozenset({3, 4}))
 
 
-class FullDiskJournal(Journal):
+class FullDiskJournal(TrajectoryJournal):
     """While ``full`` is set every write fails as a full disk does (ENOSPC, the lines kept
-    in memory for the next write: what Journal._write does on a short write)."""
+    in memory for the next write: what TrajectoryJournal._write does on a short write)."""
 
     full = False
 
@@ -193,7 +193,7 @@ def test_a_full_disk_holds_finished_trajectories_and_hands_them_on_once_written(
              lambda: host.runner.claimed > max(parse_trajectory_id(t)[0] for t in reward_host.unique()) + 1,
              timeout_s=30)
     sent_while_full = set(reward_host.unique())
-    # Read, not opened: a second Journal on the live file would compact it under the first.
+    # Read, not opened: a second TrajectoryJournal on the live file would compact it under the first.
     lines = [json.loads(raw) for raw in path.read_bytes().splitlines()]
     on_disk = {r["id"] for r in lines if r["t"] in ("done", "spare")}
     held = {tid for tid, *_ in host.runner._held}

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from rlfleet.relay.admission import Limits, Refused, check_offer
 from rlfleet.relay.manifest import build_manifest
 from rlfleet.relay.node import NodeConfig, RelayNode
-from rlfleet.relay.protocol import Ack, Chunk, Done, Hello, Offer, Reject, State, Want
+from rlfleet.relay.protocol import Chunk, ChunkAck, Done, Hello, Offer, Reject, State, Want
 from rlfleet.relay.shm import MISSING, object_stem
 from rlfleet.relay.status import query_relay
 from tests.integration.helpers import wait_for
@@ -146,7 +146,7 @@ def test_no_chunk_header_allocates_what_it_declares(node, version, layout, index
             peer.send({"type": "Chunk", "version": version, "layout": layout, "index": index, "nbytes": nbytes})
             if valid:  # the one well-formed case: the relay waits for exactly these bytes
                 peer.send_raw(b"".join(bytes(p) for p in SOURCE.pieces(*MANIFEST.chunk_range(index))))
-                assert isinstance(peer.recv(), Ack)
+                assert isinstance(peer.recv(), ChunkAck)
             else:
                 assert peer.closed_by_relay(5), "a bad chunk header did not drop the connection"
                 wait_for("the refusal to be counted",
@@ -169,7 +169,7 @@ def test_duplicate_chunks_are_read_past_and_acknowledged_once(node):
     before = node.store.chunks_received
     for _ in range(3):
         peer.send(Chunk(8, 1, 0, len(payload)), payload)
-        assert peer.recv() == Ack(8, 1, 0)
+        assert peer.recv() == ChunkAck(8, 1, 0)
     assert node.store.chunks_received == before + 1
     assert node.stats()["progress"]["8/tp1"] == [1, 4]
     peer.close()
@@ -202,7 +202,7 @@ def test_a_truncated_stream_leaves_the_chunk_missing_and_a_later_sender_complete
     assert not (node.store.dir / f"{object_stem(9, 1)}.json").exists()
     for i in range(4):
         again.send(Chunk(9, 1, i, len(chunk(i))), chunk(i))
-        assert again.recv() == Ack(9, 1, i)
+        assert again.recv() == ChunkAck(9, 1, i)
     assert isinstance(again.recv(), Done)
     assert (node.store.dir / f"{object_stem(9, 1)}.json").exists()
     again.close()

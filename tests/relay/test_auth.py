@@ -15,7 +15,7 @@ from rlfleet.relay.auth import MAGIC, NONCE_BYTES, TAG_BYTES, AuthError
 from rlfleet.relay.link import Link
 from rlfleet.relay.manifest import build_manifest
 from rlfleet.relay.node import NodeConfig, RelayNode
-from rlfleet.relay.protocol import Ack, Chunk, Hello, Offer, ProtocolError, State, Want
+from rlfleet.relay.protocol import Chunk, ChunkAck, Hello, Offer, ProtocolError, State, Want
 from rlfleet.relay.publisher import PublishTimeout, WeightPublisher, _FullSource
 from rlfleet.relay.reader import WeightReader
 from rlfleet.relay.shm import MISSING, object_stem
@@ -114,7 +114,7 @@ def test_a_tampered_chunk_drops_the_connection_and_is_never_published(node, capl
     assert isinstance(peer.recv(), Want)
     for i in range(manifest.n_chunks - 1):
         peer.send(Chunk(2, 1, i, len(good[i])), good[i])
-        assert peer.recv() == Ack(2, 1, i)
+        assert peer.recv() == ChunkAck(2, 1, i)
     # The last chunk changed on its way (one bit), its tag computed over the original.
     last = manifest.n_chunks - 1
     bad = bytearray(good[last])

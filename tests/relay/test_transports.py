@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlfleet.relay.protocol import Ack, Chunk, Hello
+from rlfleet.relay.protocol import Chunk, ChunkAck, Hello
 from rlfleet.relay.publisher import WeightPublisher
 from rlfleet.relay.reader import WeightReader
 from rlfleet.relay.transport import get_transport, ucx_available
@@ -33,8 +33,8 @@ def test_headers_and_payloads_round_trip(name):
         buf = bytearray(head.nbytes)
         server.recv_payload_into(memoryview(buf), 5)
         assert bytes(buf) == a.tobytes() + b.tobytes()
-        server.send(Ack(1, 1, 0))
-        assert client.recv(5) == Ack(1, 1, 0)
+        server.send(ChunkAck(1, 1, 0))
+        assert client.recv(5) == ChunkAck(1, 1, 0)
         with pytest.raises(TimeoutError):
             client.recv(0.2)
         server.close()

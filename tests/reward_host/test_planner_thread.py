@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 from rlfleet.common.wire.messages import Trajectory
 from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
 from rlfleet.daemons.reward_host.pipeline.planner_thread import PlannerThread, PlanRequest
-from rlfleet.daemons.reward_host.pipeline.scaling import History, Plan, ScalingPlanner
+from rlfleet.daemons.reward_host.pipeline.scaling import History, ScalingPlan, ScalingPlanner
 from rlfleet.daemons.reward_host.service import RewardService
 from tests.integration.helpers import wait_for
 
@@ -101,7 +101,7 @@ def test_a_planner_that_raises_keeps_the_last_plan_and_scoring_goes_on(monkeypat
     def plan(self, now, active, history=None):
         if failing.is_set():
             raise RuntimeError("planner bug")
-        return Plan({"judge": 3}, "fixed for the test")
+        return ScalingPlan({"judge": 3}, "fixed for the test")
 
     monkeypatch.setattr(ScalingPlanner, "plan", plan)
     failures_before = REGISTRY.get_sample_value("rlfleet_reward_plan_failures_total") or 0.0
@@ -148,7 +148,7 @@ def test_requests_asked_while_planning_collapse_into_the_newest():
         if now == 1.0:
             started.set()
             release.wait(BLOCK_S)
-        return Plan({"judge": int(now)}, f"at {now}")
+        return ScalingPlan({"judge": int(now)}, f"at {now}")
 
     planning = PlannerThread(plan, name="test-planner")
     try:

@@ -32,7 +32,7 @@ from rlfleet.common.wire import curve
 from rlfleet.common.wire.edges import EDGES
 from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.common.wire.sockets import CurveKeys
-from rlfleet.daemons.trainer.journal import Journal
+from rlfleet.daemons.trainer.journal import ExperienceJournal
 from rlfleet.tools.exit_codes import Exit
 
 from ..integration.helpers import REPO, TINY_MODEL, wait_for, write_spec
@@ -127,7 +127,7 @@ def test_a_secure_run_trains_and_refuses_injected_trajectories(tmp_path):
             proc.terminate()
         code = proc.wait(60)
     assert code == Exit.STOPPED, "".join(out.lines[-40:])
-    with Journal(run_dir / "checkpoints" / "journal.bin", fsync=False) as journal:
+    with ExperienceJournal(run_dir / "checkpoints" / "journal.bin", fsync=False) as journal:
         state = journal.state
         groups = {*state.pending, *state.trained, *state.dropped}
     assert f"p{INJECTED}" not in groups and state.trained, sorted(groups)[:10]

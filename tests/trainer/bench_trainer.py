@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tests.trainer.bench_trainer
 
-Journal append rate (one fsync per call) and replay rate; one GRPO step of
+ExperienceJournal append rate (one fsync per call) and replay rate; one GRPO step of
 B=32 (4 groups of 8) on the tiny random Qwen2; one step as the arithmetic job makes
 them (models/tiny-qwen2, 7 prompt + 1..5 generated tokens), wall and CPU; the weight
 snapshot; a checkpoint.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rlfleet.daemons.trainer.journal import Journal
+from rlfleet.daemons.trainer.journal import ExperienceJournal
 from rlfleet.daemons.trainer.learner import Learner
 
 from .conftest import build_tiny_model, scored
@@ -31,14 +31,14 @@ def main() -> None:
              for p in range(125) for k in range(8)]  # 16 generated tokens each
     for batch in (1, 64):
         path = d / f"journal-{batch}.bin"
-        with Journal(path) as j:
+        with ExperienceJournal(path) as j:
             t = time.perf_counter()
             for i in range(0, len(trajs), batch):
                 j.append_trajectories(trajs[i:i + batch])
             dt = time.perf_counter() - t
             size = j.size_bytes()
         t = time.perf_counter()
-        Journal(path).close()
+        ExperienceJournal(path).close()
         rt = time.perf_counter() - t
         print(f"journal, batches of {batch:2d}: {len(trajs) / dt:7.0f} appends/s, "
               f"{size / len(trajs):.0f} B/trajectory, replay {len(trajs) / rt:.0f}/s")

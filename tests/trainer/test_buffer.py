@@ -15,7 +15,7 @@ from rlfleet.common.failpoints import trainer_step_delay_s as step_delay_s
 from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import load_spec, parse_spec
 from rlfleet.daemons.trainer import buffer
-from rlfleet.daemons.trainer.journal import Journal
+from rlfleet.daemons.trainer.journal import ExperienceJournal
 from rlfleet.daemons.trainer.metrics_log import MetricsLog
 from rlfleet.daemons.trainer.training import TrainerState, TrainingLoop
 from tests.integration.helpers import TINY_MODEL
@@ -107,7 +107,7 @@ ST, BF = "staleness", "buffer_full"
 ])
 def test_the_loop_evicts_before_each_batch_and_accounts_for_every_group(tmp_path, order, first_batch,
                                                                         dropped, left):
-    with Journal(tmp_path / "j.bin", fsync=False) as journal:
+    with ExperienceJournal(tmp_path / "j.bin", fsync=False) as journal:
         journal.append_trajectories(
             [st for p, versions in [(0, [1, 1]), (1, [0]), (2, [3, 3]), (3, [3, 3]), (4, [2, 3]),
                                     (5, [3, 3]), (6, [3, 3]), (7, [3, 3])]
@@ -129,7 +129,7 @@ def test_the_loop_evicts_before_each_batch_and_accounts_for_every_group(tmp_path
 
 
 def test_without_a_bound_nothing_is_evicted(tmp_path):
-    with Journal(tmp_path / "j.bin", fsync=False) as journal:
+    with ExperienceJournal(tmp_path / "j.bin", fsync=False) as journal:
         journal.append_trajectories([st for p in range(6) for st in group(p, [0, 0])[1]])
         learner = FakeLearner()
         learner.version = 50
@@ -146,7 +146,7 @@ def test_step_delay_slows_the_trainer(tmp_path, monkeypatch):
         step_delay_s()
     monkeypatch.setenv(STEP_DELAY_ENV, "0.4")
     assert step_delay_s() == 0.4
-    with Journal(tmp_path / "j.bin", fsync=False) as journal:
+    with ExperienceJournal(tmp_path / "j.bin", fsync=False) as journal:
         journal.append_trajectories([st for p in range(6) for st in group(p, [0, 0])[1]])
         started = time.monotonic()
         run_loop(tmp_path, journal, FakeLearner(), {"max_steps": 3}, until=lambda loop: loop.state.status == "done")

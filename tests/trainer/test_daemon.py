@@ -21,7 +21,7 @@ from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.failpoints import TRAINER as FAILPOINT_ENV
 from rlfleet.common.wire.reliable import ReliableSender
-from rlfleet.daemons.trainer.journal import Journal
+from rlfleet.daemons.trainer.journal import ExperienceJournal
 
 from ..integration.helpers import stop, wait_for, write_spec
 from .conftest import claim_prompts, scored
@@ -110,7 +110,7 @@ def test_journal_before_ack_training_and_resume_after_kill_9(setup):
     wait_for("the failpoint exit", lambda: sender.poll(0.1) is not None and x.poll() is not None)
     assert x.returncode == 17  # died between the journal's fsync and the ack ...
     assert sender.pending() == 1  # ... so no ack left
-    with Journal(journal_path) as j:
+    with ExperienceJournal(journal_path) as j:
         assert {g: list(ts) for g, ts in j.state.pending.items()} == {"p0": ["p0-g0"]}  # on disk
     sender.close()
 
@@ -164,7 +164,7 @@ def test_journal_before_ack_training_and_resume_after_kill_9(setup):
 
     # Accounting: every acked group is trained or dropped with a reason, none lost,
     # and the resent p0-g0 was journaled once.
-    with Journal(journal_path) as j:
+    with ExperienceJournal(journal_path) as j:
         assert set(j.state.trained) == {f"p{p}" for p in range(8)}
         assert j.state.dropped["p8"][0] == "env_error"
         assert j.state.pending == {}

@@ -23,7 +23,7 @@ from rlfleet.daemons.trainer.checkpointing import (
     failure_reason,
     write_checkpoint,
 )
-from rlfleet.daemons.trainer.journal import Journal, JournalUnwritable, until_written
+from rlfleet.daemons.trainer.journal import ExperienceJournal, JournalUnwritable, until_written
 from rlfleet.daemons.trainer.metrics_log import MetricsLog, io_reason
 from rlfleet.daemons.trainer.sim_learner import SimLearner
 
@@ -147,7 +147,7 @@ def test_the_checkpointer_counts_a_failure_says_why_and_clears_it_after_a_succes
     folder.mkdir()
     (folder / ".tmp-step-00000009-4242").mkdir()  # a trainer killed while writing one
     learner = SimLearner(tiny_model, time_scale=1.0, tokens_per_s=1.0, fixed_s=0.0, weight_mib=1)
-    with Journal(small_fs.path / "journal.bin", fsync=False) as journal:
+    with ExperienceJournal(small_fs.path / "journal.bin", fsync=False) as journal:
         store = _Store()
         c = Checkpointer(learner, journal, folder, store=store, key="k", is_leader=lambda: True)
         assert not (folder / ".tmp-step-00000009-4242").exists()  # swept by the lock holder
@@ -166,7 +166,7 @@ def test_the_checkpointer_counts_a_failure_says_why_and_clears_it_after_a_succes
 @needs_root
 def test_the_journal_on_a_full_disk_refuses_whole_records_and_recovers(small_fs):
     path = small_fs.path / "journal.bin"
-    with Journal(path) as j:
+    with ExperienceJournal(path) as j:
         j.append_trajectories([scored(0, 0, 1.0)])
         size = path.stat().st_size
         small_fs.fill()
@@ -186,7 +186,7 @@ def test_the_journal_on_a_full_disk_refuses_whole_records_and_recovers(small_fs)
         small_fs.free()
         j.append_trajectories([scored(500, 0, 1.0)])
         assert j.write_error == "" and metric("rlfleet_trainer_journal_blocked", id="") == 0
-    with Journal(path) as j:  # nothing torn: every record written replays
+    with ExperienceJournal(path) as j:  # nothing torn: every record written replays
         assert set(j.state.pending) == ids | {"p500"}
 
 
@@ -210,7 +210,7 @@ def test_metrics_lines_on_a_full_disk_are_skipped_whole_not_torn(small_fs):
 # -- the training step ---------------------------------------------------------------------
 def test_a_step_the_journal_cannot_record_is_neither_published_nor_checkpointed(tmp_path, tiny_model, monkeypatch):
     monkeypatch.setattr("rlfleet.daemons.trainer.journal.RETRY_S", (0.01, 0.02))
-    with Journal(tmp_path / "j.bin", fsync=False) as journal:
+    with ExperienceJournal(tmp_path / "j.bin", fsync=False) as journal:
         journal.append_trajectories([scored(p, k, 1.0) for p in (0, 1) for k in (0, 1)])
         learner, recorder = FakeLearner(), Recorder()
         loop = make_loop(tmp_path, tiny_model, journal, learner, recorder)

@@ -14,7 +14,7 @@ import msgspec
 from rlfleet.common.spec.job import parse_spec
 from rlfleet.common.wire.messages import ScoredTrajectory
 from rlfleet.daemons.trainer.intake import Intake, triage
-from rlfleet.daemons.trainer.journal import Journal
+from rlfleet.daemons.trainer.journal import ExperienceJournal
 from rlfleet.daemons.trainer.metrics_log import MetricsLog
 from rlfleet.daemons.trainer.progress import progress_record
 from rlfleet.daemons.trainer.training import TrainerState, TrainingLoop
@@ -59,7 +59,7 @@ def test_triage_takes_drops_and_refuses_as_the_contract_says():
 class Receiver:
     """Records acks, and what the journal held at the moment of each ack."""
 
-    def __init__(self, journal: Journal) -> None:
+    def __init__(self, journal: ExperienceJournal) -> None:
         self.journal, self.acks = journal, []
 
     def ack(self, ids, ok=True, error=""):
@@ -68,7 +68,7 @@ class Receiver:
 
 def test_intake_journals_before_it_acks_and_wakes_the_loop(tmp_path):
     woke = threading.Event()
-    with Journal(tmp_path / "j.bin", fsync=False) as journal:
+    with ExperienceJournal(tmp_path / "j.bin", fsync=False) as journal:
         intake = Intake(journal, bind_host="127.0.0.1", group_size=lambda: 2, vocab_size=38,
                         counts=Counter(), on_data=woke.set)
         receiver = Receiver(journal)
@@ -133,7 +133,7 @@ def make_loop(tmp_path, model, journal, learner, recorder):
 
 
 def test_a_step_reads_like_the_algorithm(tmp_path, tiny_model):
-    with Journal(tmp_path / "j.bin", fsync=False) as journal:
+    with ExperienceJournal(tmp_path / "j.bin", fsync=False) as journal:
         journal.append_trajectories([scored(p, k, 1.0) for p in (0, 1) for k in (0, 1)])
         learner, recorder = FakeLearner(), Recorder()
         loop = make_loop(tmp_path, tiny_model, journal, learner, recorder)
@@ -150,7 +150,7 @@ def test_a_step_reads_like_the_algorithm(tmp_path, tiny_model):
 
 
 def test_a_refused_batch_is_dropped_whole_and_nothing_is_published(tmp_path, tiny_model):
-    with Journal(tmp_path / "j.bin", fsync=False) as journal:
+    with ExperienceJournal(tmp_path / "j.bin", fsync=False) as journal:
         journal.append_trajectories([scored(p, k, 1.0) for p in (0, 1) for k in (0, 1)])
         recorder = Recorder()
         loop = make_loop(tmp_path, tiny_model, journal, FakeLearner(refuse=True), recorder)
@@ -163,7 +163,7 @@ def test_a_refused_batch_is_dropped_whole_and_nothing_is_published(tmp_path, tin
 def test_a_flood_of_refusals_is_answered_each_and_logged_once(tmp_path, caplog):
     """Every refused arrival gets its negative ack with the reason; the log gets one line
     per kind of refusal and interval (an insider sending a flood cannot flood the log)."""
-    with Journal(tmp_path / "j.bin", fsync=False) as journal:
+    with ExperienceJournal(tmp_path / "j.bin", fsync=False) as journal:
         intake = Intake(journal, bind_host="127.0.0.1", group_size=lambda: 2, vocab_size=38,
                         counts=Counter(), on_data=lambda: None)
         receiver = Receiver(journal)

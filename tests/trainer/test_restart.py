@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.failpoints import TRAINER as FAILPOINT_ENV
 from rlfleet.common.wire.reliable import ReliableSender
-from rlfleet.daemons.trainer.journal import Journal
+from rlfleet.daemons.trainer.journal import ExperienceJournal
 from rlfleet.tools.run.report import read_metrics, summary
 
 from ..integration.helpers import stop, wait_for, write_spec
@@ -98,7 +98,7 @@ def test_kill_9_mid_step_mid_checkpoint_mid_publish_loses_no_step(trainers):
     assert [(x["version"], bool(x.get("replayed"))) for x in m] == [
         (1, False), (2, False), (3, False), (3, True), (4, True), (5, True), (6, False)]
     assert all(x["staleness"] in ({"0": 4}, {"1": 4}, {"2": 4}) for x in m)  # none judged staler than it was
-    with Journal(killed / "checkpoints" / "journal.bin") as j:
+    with ExperienceJournal(killed / "checkpoints" / "journal.bin") as j:
         consumed = set(j.state.trained) | set(j.state.dropped)
         assert j.state.dropped == {} and j.state.pending == {}
         assert set(j.state.trained) == {f"p{p}" for p in range(2 * STEPS)} == consumed

@@ -25,7 +25,7 @@ def test_plan_waits_for_the_backoff_and_never_starts_what_is_draining():
     assert policy.plan([ROLLOUT], {"rollout-0": t}, now=9.9).start == ()
     assert policy.plan([ROLLOUT], {"rollout-0": t}, now=10.0).start == (ROLLOUT,)
     t.stopping = True
-    assert policy.plan([ROLLOUT], {"rollout-0": t}, now=99.0) == policy.Plan()
+    assert policy.plan([ROLLOUT], {"rollout-0": t}, now=99.0) == policy.ReconcilePlan()
 
 
 def test_an_id_placed_under_another_host_is_stopped_then_started_anew():
@@ -103,11 +103,11 @@ def test_paused_plans_nothing_and_reports_what_is_down_as_held():
     down = Tracked(ROLLOUT, next_start_at=0.0, restarts=1, last_exit="signal 9")
     unplaced = Tracked(RELAY, active=True)
     tracked = {"rollout-0": down, "relay-0": unplaced}
-    assert policy.plan([ROLLOUT], tracked, now=99.0, paused=True) == policy.Plan()
+    assert policy.plan([ROLLOUT], tracked, now=99.0, paused=True) == policy.ReconcilePlan()
     assert policy.daemon_report(down, CrashLoop(), now=99.0, paused=True)["state"] == "held"
     assert policy.daemon_report(unplaced, CrashLoop(), now=99.0, paused=True)["state"] == "running"
     # Resumed: both acted on at once.
-    assert policy.plan([ROLLOUT], tracked, now=99.0) == policy.Plan(start=(ROLLOUT,), stop=(RELAY,))
+    assert policy.plan([ROLLOUT], tracked, now=99.0) == policy.ReconcilePlan(start=(ROLLOUT,), stop=(RELAY,))
     assert policy.daemon_report(down, CrashLoop(), now=99.0)["state"] == "waiting"
 
 

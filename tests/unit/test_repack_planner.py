@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 
 from rlfleet.common.spec.seams import REPACK_PLANNERS
 from rlfleet.common.wire.messages import RolloutStats
-from rlfleet.daemons.repack_manager.planners import LaminarConfig, LaminarKind, LaminarPlanner, Move, NoPlanner, Plan
+from rlfleet.daemons.repack_manager.planners import (
+    LaminarConfig,
+    LaminarKind,
+    LaminarPlanner,
+    Move,
+    NoPlanner,
+    RepackDecision,
+)
 from rlfleet.daemons.repack_manager.rollout_view import (
     REJECTION_CODES,
     Rejection,
@@ -148,7 +155,7 @@ def test_the_none_kind_still_plans_nothing_and_stays_the_default():
     planner = REPACK_PLANNERS.build(REPACK_PLANNERS.default_config())
     assert isinstance(planner, NoPlanner)
     loads, prev = falling(load("a", 0.1, 1), load("b", 0.5, 1))
-    assert planner.plan(loads, prev) == Plan("none") and not planner.plan(loads, prev)
+    assert planner.plan(loads, prev) == RepackDecision("none") and not planner.plan(loads, prev)
 
 
 def test_the_laminar_kind_builds_from_its_table():

@@ -50,8 +50,8 @@ class Accounting:
 
 def check(store: Store, job: str, run_dir: Path, group_size: int) -> Accounting:
     """``group_size``: trajectories a prompt launches (journal.launched_per_prompt)."""
-    from rlfleet.daemons.env_host.journal import Journal as EnvJournal
-    from rlfleet.daemons.trainer.journal import Journal as TrainerJournal
+    from rlfleet.daemons.env_host.journal import TrajectoryJournal as EnvJournal
+    from rlfleet.daemons.trainer.journal import ExperienceJournal as TrainerJournal
 
     cursor = PromptCursor.read(store, JobKeys(job))
     if cursor is not None and cursor.problem:

@@ -39,7 +39,7 @@ from rlfleet.common.spec.placement import ROLES, SINGLETON_ROLES
 
 
 @dataclass(frozen=True)
-class Member:
+class MemberRow:
     role: str
     member_id: str
     host: str
@@ -62,15 +62,15 @@ class Member:
 class FleetSnapshot:
     job: str
     taken_at: float
-    members: list[Member]
+    members: list[MemberRow]
     leaders: dict[str, str]                 # role -> member id
     nodes: dict[str, dict[str, Any]]        # host -> inventory
     placed: list[tuple[str, str, str]]      # (host, role, id)
     problems: list[str] = field(default_factory=list)
     cluster: Cluster | None = field(default=None, compare=False)  # everything else etcd said (progress, weights...)
 
-    def by_role(self) -> dict[str, list[Member]]:
-        out: dict[str, list[Member]] = {r: [] for r in ROLES}
+    def by_role(self) -> dict[str, list[MemberRow]]:
+        out: dict[str, list[MemberRow]] = {r: [] for r in ROLES}
         for m in self.members:
             out.setdefault(m.role, []).append(m)
         return out
@@ -93,7 +93,7 @@ def take_snapshot(store: Store, job: str, check_leases: bool = False) -> FleetSn
     values etcd holds in a malformed shape are listed among the problems. Local pids
     are checked always (no etcd request), leases only with `check_leases`."""
     cluster = Cluster.read(store, job)
-    members = [Member(m.role, m.id, m.host or "?", m.pid, m.state or "?", m.leader, dict(m.addresses),
+    members = [MemberRow(m.role, m.id, m.host or "?", m.pid, m.state or "?", m.leader, dict(m.addresses),
                       m.metrics, m.started, _process_health(m), m.lease_id, m.incarnation)
                for m in cluster.members()]
     members = _lease_health(store, members, check_leases)
@@ -148,7 +148,7 @@ def _process_health(m: registrations.Member) -> str:
     return "running"
 
 
-def _lease_health(store: Store, members: list[Member], check_leases: bool) -> list[Member]:
+def _lease_health(store: Store, members: list[MemberRow], check_leases: bool) -> list[MemberRow]:
     dead_leases = {m.lease_id for m in members if m.health.startswith("dead") and m.lease_id}
     stalled: dict[int, str] = {}
     if check_leases:
@@ -169,7 +169,7 @@ def _lease_health(store: Store, members: list[Member], check_leases: bool) -> li
     return out
 
 
-def _problems(members: list[Member], leaders: dict[str, str], placed: list[tuple[str, str, str]]) -> list[str]:
+def _problems(members: list[MemberRow], leaders: dict[str, str], placed: list[tuple[str, str, str]]) -> list[str]:
     """What an operator should look at: missing daemons, missing leaders, odd states."""
     live = {(m.role, m.member_id) for m in members}
     problems = [f"{role}/{mid} placed on {host} but not registered"

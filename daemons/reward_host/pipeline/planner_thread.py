@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from prometheus_client import Counter, Histogram
 
 from rlfleet.common.log_throttle import LogThrottle
-from rlfleet.daemons.reward_host.pipeline.scaling import History, Plan
+from rlfleet.daemons.reward_host.pipeline.scaling import History, ScalingPlan
 from rlfleet.daemons.reward_host.pipeline.stages import ActiveBatch
 
 log = logging.getLogger("rlfleet.reward_host")
@@ -53,7 +53,7 @@ PLAN_SUPERSEDED = Counter("rlfleet_reward_plan_requests_superseded_total",
 
 PLAN_FAILURE_LOG_EVERY_S = 60.0  # a planner that fails, fails on every request: one line per this
 
-PlanFn = Callable[[float, Sequence[ActiveBatch], History], Plan]
+PlanFn = Callable[[float, Sequence[ActiveBatch], History], ScalingPlan]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +72,7 @@ class PlanResult:
     """The last plan computed, for the data path to apply."""
 
     seq: int  # the request it answers
-    plan: Plan
+    plan: ScalingPlan
     why: str  # the request's
     tenants: frozenset[str]  # whose open batches it planned for
     seconds: float  # to compute it

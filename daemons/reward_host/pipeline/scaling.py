@@ -29,7 +29,7 @@ The ``history``-only variant drops that check (the paper's "History-Based", Fig.
 
 The service calls ``on_batch_arrival`` when a batch's first request arrives and
 ``on_batch_done`` when its last one finishes (with the batch's record, which becomes that
-tenant's history); each returns a ``Plan``. It also calls ``on_long_running`` when a
+tenant's history); each returns a ``ScalingPlan``. It also calls ``on_long_running`` when a
 request has run at a stage for ``long_running_after_s`` (the longest its tenant's history
 shows a request finishing there within the timeout): from that moment Algorithm 2 can
 only take it for a long runner (a sample that ran longer, or its timeout), so a plan
@@ -62,7 +62,7 @@ PlanBatch = tuple[BatchKey, list[SimRequest], float, float]  # key, requests, pr
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class ScalingPlan:
     workers: dict[str, int]  # stage name -> worker count
     why: str
     simulations: int = 0
@@ -197,31 +197,31 @@ class ScalingPlanner:
         tenant with no history yet: AT + Σ T_j (one request running into every timeout)."""
         return self.history.expected_done_s(self.pipeline, batch, arrived_at_s)
 
-    def on_batch_arrival(self, now: float, active: Sequence[ActiveBatch]) -> Plan:
+    def on_batch_arrival(self, now: float, active: Sequence[ActiveBatch]) -> ScalingPlan:
         return self.plan(now, active)
 
-    def on_batch_done(self, now: float, record: BatchRecord, active: Sequence[ActiveBatch]) -> Plan:
+    def on_batch_done(self, now: float, record: BatchRecord, active: Sequence[ActiveBatch]) -> ScalingPlan:
         self.add_history(record)
         return self.plan(now, [a for a in active if a.key != record.key])
 
-    def on_long_running(self, now: float, active: Sequence[ActiveBatch]) -> Plan:
+    def on_long_running(self, now: float, active: Sequence[ActiveBatch]) -> ScalingPlan:
         """A request outlived ``long_running_after_s`` at its stage: re-plan with it
         estimated as a long runner (Algorithm 2, Running_k)."""
         return self.plan(now, active)
 
     # -- Algorithm 2 then 1 -------------------------------------------------------------------------
-    def plan(self, now: float, active: Sequence[ActiveBatch], history: History | None = None) -> Plan:
+    def plan(self, now: float, active: Sequence[ActiveBatch], history: History | None = None) -> ScalingPlan:
         """A plan for ``active`` at ``now`` from ``history`` (default: the planner's own)."""
         self.plans += 1
         history = self.history if history is None else history
         batches = [self._estimate(now, a, history) for a in active]
         batches = [b for b in batches if b[1]]
         if not batches:
-            return Plan({name: 0 for name in self.pipeline.names}, "no active batch", 0)
+            return ScalingPlan({name: 0 for name in self.pipeline.names}, "no active batch", 0)
         counts, runs = search_workers(self.pipeline, batches, max_delay_s=self.max_delay_s,
                                       policy=self.policy, timeout_aware=self.timeout_aware)
         n = sum(len(b[1]) for b in batches)
-        return Plan(dict(zip(self.pipeline.names, counts)),
+        return ScalingPlan(dict(zip(self.pipeline.names, counts)),
                     f"{len(batches)} active batches, {n} requests estimated, {runs} simulations", runs)
 
     def _estimate(self, now: float, a: ActiveBatch, snapshot: History | None = None) -> PlanBatch:
