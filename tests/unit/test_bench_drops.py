@@ -74,3 +74,32 @@ def test_set_puts_toml_values_into_every_runs_spec(tmp_path):
     for bad in ("no-equals", "=1", "x.y=not toml"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_override(bad)
+
+
+def test_append_adds_runs_to_the_record_of_the_same_setting(tmp_path, monkeypatch):
+    made = []
+
+    def fake_run(examples, task, run, minutes, window_min, settings):
+        made.append(run)
+        return {"task": task, "run": run, "drop_share": 0.01, "drop_share_by_window": [0.01], "claimed": 100,
+                "steps": 10, "pacing_stalls": 0, "load_1m_before": 1.0, "load_1m_after": 1.0,
+                "windows": [{"window": 0, "at_bound": 0.2, "full": True, "drop_share": 0.01}]}
+    monkeypatch.setattr(drops, "run_once", fake_run)
+    monkeypatch.setattr(drops, "code_version", lambda: ("a" * 40, []))
+    args = ["--minutes", "30", "--tasks", "arithmetic", "--tag", "lag", "--set", "env_host.pace_for_lag=true",
+            "--out", str(tmp_path)]
+    assert drops.main([*args, "--runs", "2"]) == 0
+    monkeypatch.setattr(drops, "code_version", lambda: ("b" * 40, []))
+    assert drops.main([*args, "--runs", "1", "--append"]) == 0
+    rec = json.loads((tmp_path / "drops-arithmetic-lag.json").read_text())
+    assert made == [0, 1, 2] and [r["run"] for r in rec["runs"]] == [0, 1, 2]
+    assert [r["commit"][0] for r in rec["runs"]] == ["a", "a", "b"] and rec["commit"] == "a" * 40
+    assert rec["complete"] and rec["summary"]["runs"] == 3 and rec["later_commands"][0]["commit"] == "b" * 40
+    assert "at `bbbbbbbbbb`" in drops.render([rec])
+    # Another setting, another length or no record at all is refused, precisely.
+    with pytest.raises(SystemExit, match="was made with settings"):
+        drops.main(["--minutes", "30", "--tasks", "arithmetic", "--tag", "lag", "--out", str(tmp_path), "--append"])
+    with pytest.raises(SystemExit, match="was made with minutes = 30.0"):
+        drops.main([*args[2:], "--minutes", "5", "--append"])
+    with pytest.raises(SystemExit, match="no record"):
+        drops.main(["--tasks", "frozenlake", "--out", str(tmp_path), "--append"])

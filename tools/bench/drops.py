@@ -115,7 +115,9 @@ def run_once(examples: Path, task: str, run: int, minutes: float, window_min: fl
         spec.unlink(missing_ok=True)
     run_dir = next((Path(line.split("run dir:", 1)[1].strip()) for line in proc.stdout.splitlines()
                     if line.startswith("run dir:")), None)
-    record: dict[str, Any] = {"task": task, "run": run, "exit": proc.returncode, "run_dir": str(run_dir),
+    record: dict[str, Any] = {"task": task, "run": run, "started": time.strftime("%Y-%m-%d %H:%M:%S",
+                                                                                time.localtime(started)),
+                              "exit": proc.returncode, "run_dir": str(run_dir),
                               "load_1m_before": round(load_before, 2), "load_1m_after": round(os.getloadavg()[0], 2)}
     accounting = run_dir / "accounting.json" if run_dir else None
     if proc.returncode not in RUN_ENDED or accounting is None or not accounting.exists():
@@ -196,6 +198,8 @@ def render(records: list[dict[str, Any]]) -> str:
                 + (f" Spec settings: {', '.join(f'`{k} = {v}`' for k, v in rec['settings'].items())}."
                    if rec.get("settings") else "")
                 + (f" Note: {rec['note']}" if rec.get("note") else "")
+                + "".join(f" Runs added by `{c['command']}` at `{c['commit'][:10]}`, {c['date']}."
+                          for c in rec.get("later_commands", []))
                 + (f" Incomplete: the bench stopped after {len(rec['runs'])} run(s) of those its command asked for."
                    if rec.get("complete") is False else ""), "",
                 "| run | steps | claimed | drop share | by window | at the bound (median of full windows) | "
@@ -209,10 +213,12 @@ def render(records: list[dict[str, Any]]) -> str:
             windows = ", ".join(("–" if w["drop_share"] is None else f"{w['drop_share']:.1%}")
                                 if w["window"] in full else f"[{w['drop_share'] or 0:.1%}]" for w in r["windows"])
             median, pin = at_bound_median(r), pinned(r)
+            at = r.get("commit", rec["commit"])
             out.append(f"| {r['run']} | {r['steps']:,} | {r['claimed']:,} | **{r['drop_share']:.2%}** | "
                        f"{windows} | {'–' if median is None else f'{median:.1%}'} | "
                        f"{'–' if pin is None else 'yes' if pin else 'no'} | {r['pacing_stalls']} | "
-                       f"{r['load_1m_before']} / {r['load_1m_after']} | |")
+                       f"{r['load_1m_before']} / {r['load_1m_after']} |"
+                       f"{' ' if at == rec['commit'] else f' at `{at[:10]}` '}|")
         s = summarise(rec["runs"])[rec["task"]]  # judged by today's rule, whatever the record kept
         if s["runs"]:
             verdict = "meets" if s["target_met"] else "misses"
@@ -253,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--examples", type=Path, default=Path(__file__).resolve().parents[2] / "examples")
     ap.add_argument("--out", type=Path, default=Path("runs/bench/drops"), help="folder for drops-<task>.json")
     ap.add_argument("--tag", default="", help="drops-<task>-<tag>.json instead of drops-<task>.json")
+    ap.add_argument("--append", action="store_true",
+                    help="add the runs to OUT's record of the same task and tag (made with the same minutes, "
+                         "window and settings), e.g. the third run of a setting in a later session; each run "
+                         "keeps the commit it ran at")
     ap.add_argument("--set", dest="settings", action="append", type=parse_override, default=[],
                     metavar="SECTION.KEY=VALUE", help="a spec setting for every run (repeatable), e.g. "
                     "env_host.pace_for_lag=true; recorded as `settings`")
@@ -264,18 +274,49 @@ def main(argv: list[str] | None = None) -> int:
             "settings": dict(args.settings)}
     args.out.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = []
-    for run in range(args.runs):
+    if args.append:
+        records, head = earlier_runs(args.out, args.tasks.split(","), args.tag, head)
+    first = 1 + max((r["run"] for r in records), default=-1)
+    for run in range(first, first + args.runs):
         for task in args.tasks.split(","):  # tasks alternate: a noisy hour hurts both alike
             r = run_once(args.examples, task, run, args.minutes, args.window_min, dict(args.settings))
+            r["commit"], r["uncommitted_changes"] = commit, dirty
             records.append(r)
             print(f"{task} run {run}: " + (f"VOID ({r['void']})" if "void" in r else
                   f"{r['steps']} steps, drop share {r['drop_share']:.2%} of {r['claimed']} claimed, by window "
                   f"{[f'{s:.1%}' if s is not None else '-' for s in r['drop_share_by_window']]}, "
                   f"{r['pacing_stalls']} pacing stalls"), flush=True)
             # After every run, so a stopped bench keeps what it measured.
-            for path in write_records(args.out, args.tag, head, records, complete=run == args.runs - 1):
+            for path in write_records(args.out, args.tag, head, records, complete=run == first + args.runs - 1):
                 print(f"wrote {path}", flush=True)
     return 0
+
+
+def earlier_runs(out: Path, tasks: list[str], tag: str,
+                 head: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The runs already in OUT's records of these tasks (--append), and the head to keep: the
+    first invocation's, with every later command listed. Refused unless the runs measure the
+    same thing (minutes, window, settings)."""
+    if len(tasks) != 1:
+        raise SystemExit("--append: one task at a time (each task has its own record)")
+    runs: list[dict[str, Any]] = []
+    kept = dict(head)
+    for task in tasks:
+        path = out / f"drops-{task}{'-' + tag if tag else ''}.json"
+        if not path.exists():
+            raise SystemExit(f"--append: no record {path} to add to")
+        old = json.loads(path.read_text())
+        for key in ("minutes", "window_min", "settings"):
+            if old.get(key, {} if key == "settings" else None) != head[key]:
+                raise SystemExit(f"--append: {path} was made with {key} = {old.get(key)!r}, "
+                                 f"this command has {head[key]!r}")
+        for r in old["runs"]:
+            r.setdefault("commit", old["commit"])  # runs from before each kept its own
+            runs.append(r)
+        kept = {k: old[k] for k in head if k in old}
+        kept["later_commands"] = [*old.get("later_commands", []), {"command": head["command"],
+                                                                   "commit": head["commit"], "date": head["date"]}]
+    return runs, kept
 
 
 def write_records(out: Path, tag: str, head: dict[str, Any], records: list[dict[str, Any]],
