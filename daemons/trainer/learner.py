@@ -19,19 +19,17 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from rlfleet.common.wire.messages import ScoredTrajectory
-
 from . import grpo, packing
 from .checkpointing import STATE_FILE, CheckpointError, write_checkpoint
-from .guard import apply_update
 from .losses import PolicyLoss, PPOClipLoss
+from .step import GroupStep, MicroBatch, micro_batches, scheduled_lr
 
 log = logging.getLogger("rlfleet.trainer")
 
@@ -39,27 +37,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "vocab.json", "merges.txt", "chat_template.jinja", "warmstart.json")
 
 
-def scheduled_lr(base: float, step: int, schedule: str = "constant", warmup_steps: int = 0,
-                 total_steps: int | None = None) -> float:
-    """The learning rate of optimizer step `step` (1-based).
-
-    A function of the step alone, so a resumed trainer continues the schedule from its
-    checkpoint's version with no scheduler state to save.
-    """
-    if schedule not in ("constant", "linear"):
-        raise ValueError(f"lr schedule: must be 'constant' or 'linear', got {schedule!r}")
-    factor = 1.0
-    if warmup_steps and step <= warmup_steps:
-        factor = step / warmup_steps
-    elif schedule == "linear":
-        if not total_steps:
-            raise ValueError("a linear lr schedule needs total_steps")
-        span = max(total_steps - warmup_steps, 1)
-        factor = max(0.0, (total_steps - step) / span)
-    return base * factor
-
-
-class Learner:
+class Learner(GroupStep):
     def __init__(self, model_dir: str | os.PathLike[str], lr: float = 1e-4,
                  loss: PolicyLoss | None = None, seed: int = 0, threads: int = 1, *, temperature: float = 1.0,
                  aggregate: grpo.Aggregate = "token", max_grad_norm: float = 1.0,
@@ -102,19 +80,12 @@ class Learner:
                                       fused=True)
         return model, optimizer
 
-    # -- training -------------------------------------------------------------------
-    def train_step(self, groups: Sequence[Sequence[ScoredTrajectory]]) -> dict[str, float]:
-        """One optimizer step on whole GRPO groups; returns stats, version advanced by one."""
-        started = time.perf_counter()
-        batch = grpo.batch_of_groups(groups, self.pad_id, self.vocab_size)
-
-        self.optimizer.zero_grad(set_to_none=True)
-        denominator = batch.n_tokens if self.aggregate == "token" else float(len(batch.row_trajectory))
-        packed = packing.pack(batch, batch.prompt_lengths, pad_id=self.pad_id,
-                              hidden_size=self.hidden_size)
-        parts = []
-        losses = []
-        for prows in self._micro_batches(packed):
+    # -- training (the step itself: step.py) -----------------------------------------
+    def forward_micro_batches(self, batch: grpo.TokenBatch) -> Iterator[MicroBatch]:
+        """The batch's rows packed (prompts shared by a group's rows, packing.py), in
+        micro-batches of packed rows; per micro-batch the rows' log-probs."""
+        packed = packing.pack(batch, batch.prompt_lengths, pad_id=self.pad_id, hidden_size=self.hidden_size)
+        for prows in micro_batches(packed.widths, self.micro_batch_tokens):
             rows = [n for p in prows for n in packed.source[p]]
             pw = max(packed.widths[p] for p in prows)
             width = max(packed.lengths[n] for n in rows)
@@ -124,47 +95,7 @@ class Learner:
             logp, entropy = packing.token_logprobs(logits, packed, prows, rows,
                                                    batch.input_ids[rows, 1:width], self.temperature,
                                                    entropy_grad=self.loss.needs_entropy_grad)
-            # A decoupled loss compares against the parameters before this step's first
-            # update: the step accumulates every micro-batch into ONE optimizer update, so
-            # they are the parameters of this very forward pass, detached (no second pass).
-            # Passed only when asked for: a loss written before the keyword existed still works.
-            proximal = {"proximal_logp": logp.detach()} if self.loss.needs_proximal_logp else {}
-            loss, stats = self.loss(
-                logp, batch.behaviour_logprobs[rows, :width - 1], batch.advantages[rows],
-                batch.loss_mask[rows, :width - 1], aggregate=self.aggregate,
-                denominator=denominator, entropy=entropy, **proximal)
-            loss.backward()
-            losses.append(loss.detach())
-            parts.append(stats)
-        lr = scheduled_lr(self.lr, self.version + 1, self.lr_schedule, self.warmup_steps,
-                          self.total_steps)
-        # Refuses a non-finite loss or gradient before the update, and non-finite weights
-        # after it (guard.py): a NaN never reaches a published version.
-        loss_total, grad_norm = apply_update(self.optimizer, losses, self.max_grad_norm, lr)
-        self.version += 1
-        return {
-            **grpo.merge_stats(parts),
-            "loss": loss_total,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            **grpo.group_stats(groups),
-            "rows": len(batch.row_trajectory),
-            "step_s": time.perf_counter() - started,
-            "version": self.version,
-        }
-
-    def _micro_batches(self, packed: packing.PackedRows) -> list[list[int]]:
-        """Consecutive packed-row slices whose padded size stays under micro_batch_tokens."""
-        out: list[list[int]] = [[]]
-        width = 0
-        for r, n in enumerate(packed.widths):
-            w = max(width, n)
-            if out[-1] and w * (len(out[-1]) + 1) > self.micro_batch_tokens:
-                out.append([])
-                w = n
-            out[-1].append(r)
-            width = w
-        return out
+            yield rows, width, logp, entropy
 
     @torch.no_grad()
     def sequence_logprob(self, prompt: Sequence[int], completion: Sequence[int]) -> float:

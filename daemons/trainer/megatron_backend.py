@@ -37,21 +37,19 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from rlfleet.common.wire.messages import ScoredTrajectory
-
 from . import grpo
 from . import megatron_weights as mw
 from .checkpointing import STATE_FILE, CheckpointError, write_checkpoint
-from .guard import apply_update
-from .learner import _TOKENIZER_FILES, scheduled_lr
+from .learner import _TOKENIZER_FILES
 from .losses import PolicyLoss, PPOClipLoss
+from .step import GroupStep, MicroBatch, micro_batches, scheduled_lr
 
 BACKEND_NAME = "megatron"
 OPTIMIZER_FILE = "optimizer-megatron.pt"  # megatron parameter order: no other backend's file
@@ -186,7 +184,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return logp, entropy
 
 
-class MegatronLearner:
+class MegatronLearner(GroupStep):
     """learner.Learner's interface over a megatron-core GPTModel (module docstring)."""
 
     def __init__(self, model_dir: str | os.PathLike[str], lr: float = 1e-4,
@@ -271,58 +269,19 @@ class MegatronLearner:
                           attention_mask=causal_mask(width, self.device))
         return token_logprobs(logits, ids[:, 1:], self.temperature, entropy_grad)
 
-    def train_step(self, groups: Sequence[Sequence[ScoredTrajectory]]) -> dict[str, float]:
-        """One optimizer step on whole GRPO groups; returns stats, version advanced by one."""
-        started = time.perf_counter()
-        batch = grpo.batch_of_groups(groups, self.pad_id, self.vocab_size)
-
-        self.optimizer.zero_grad(set_to_none=True)
-        denominator = batch.n_tokens if self.aggregate == "token" else float(len(batch.row_trajectory))
+    # -- training (the step itself: step.py) -----------------------------------------
+    def forward_micro_batches(self, batch: grpo.TokenBatch) -> Iterator[MicroBatch]:
+        """Unpacked rows in micro-batches; per micro-batch the rows' log-probs on the device."""
         lengths = batch.attention_mask.sum(dim=1).tolist()
-        dev = self.device
-        parts, losses = [], []
-        for rows in self._micro_batches(lengths):
+        for rows in micro_batches(lengths, self.micro_batch_tokens):
             width = max(lengths[n] for n in rows)
             logp, entropy = self.forward_logprobs(batch.input_ids[rows, :width],
                                                   entropy_grad=self.loss.needs_entropy_grad)
-            loss, stats = self.loss(
-                logp, batch.behaviour_logprobs[rows, :width - 1].to(dev),
-                batch.advantages[rows].to(dev), batch.loss_mask[rows, :width - 1].to(dev),
-                aggregate=self.aggregate, denominator=denominator, entropy=entropy)
-            loss.backward()
-            losses.append(loss.detach())
-            parts.append(stats)
-        lr = scheduled_lr(self.lr, self.version + 1, self.lr_schedule, self.warmup_steps,
-                          self.total_steps)
-        # Refuses a non-finite loss or gradient before the update, and non-finite weights
-        # after it (guard.py): a NaN never reaches a published version.
-        loss_total, grad_norm = apply_update(self.optimizer, losses, self.max_grad_norm, lr)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)  # step_s is the step's time, not its launch's
-        self.version += 1
-        return {
-            **grpo.merge_stats(parts),
-            "loss": loss_total,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            **grpo.group_stats(groups),
-            "rows": len(batch.row_trajectory),
-            "step_s": time.perf_counter() - started,
-            "version": self.version,
-        }
+            yield rows, width, logp, entropy
 
-    def _micro_batches(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Consecutive rows whose padded size stays under micro_batch_tokens."""
-        out: list[list[int]] = [[]]
-        width = 0
-        for r, n in enumerate(lengths):
-            w = max(width, n)
-            if out[-1] and w * (len(out[-1]) + 1) > self.micro_batch_tokens:
-                out.append([])
-                w = n
-            out[-1].append(r)
-            width = w
-        return out
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- publishing -------------------------------------------------------------------
     def hf_state(self) -> dict[str, torch.Tensor]:

@@ -8,8 +8,9 @@ import torch
 
 from rlfleet.daemons.trainer import grpo
 from rlfleet.daemons.trainer.checkpointing import STATE_FILE, CheckpointError, checkpoints
-from rlfleet.daemons.trainer.learner import Learner, scheduled_lr
+from rlfleet.daemons.trainer.learner import Learner
 from rlfleet.daemons.trainer.losses import PPOClipLoss
+from rlfleet.daemons.trainer.step import scheduled_lr
 
 from .conftest import scored
 
