@@ -73,6 +73,18 @@ def rlfleet(*args: str, log: Path | None = None) -> subprocess.Popen:
                             stdin=subprocess.DEVNULL, start_new_session=True)
 
 
+def start_daemon(role: str, member_id: str, *, job: str, etcd: str, log_dir: Path, run_dir: Path,
+                 args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`rlfleet daemon ROLE` of `job` as its own process (session), logging to
+    log_dir/<member_id>.log, writing its run files under run_dir."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlfleet.tools.cli", "daemon", role, "--job", job, "--etcd", etcd,
+         "--id", member_id, *args],
+        stdout=open(log_dir / f"{member_id}.log", "ab"), stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO,
+        env={**os.environ, "RLFLEET_RUN_DIR": str(run_dir), **(env or {})})
+
+
 def stop(proc: subprocess.Popen, timeout_s: float = 20.0) -> int:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)

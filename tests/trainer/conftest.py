@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -52,3 +56,35 @@ def claim_prompts(store, job: str, up_to: int = 1_000_000) -> None:
     (daemons/trainer/claimed.py) takes trajectories of any of them."""
     from rlfleet.common.control.keys import JobKeys
     store.put(JobKeys(job).prompts_cursor, {"next": up_to, "claims": {"test-feeder": [[0, up_to]]}})
+
+
+@contextmanager
+def sim_fleet(tmp_path: Path, etcd, job: str, spec_text: str, *, store_timeout_s: float | None = None):
+    """A trainer and relays of `job` as real daemons (start(role, member_id)), the spec in
+    etcd (the relay reads it there), a shared-memory root of their own; all stopped after."""
+    from rlfleet.common.control.etcd_store import EtcdStore
+    from rlfleet.common.control.keys import JobKeys
+    from rlfleet.common.spec.job import load_spec
+
+    from ..integration.helpers import TINY_MODEL, start_daemon, stop, write_spec
+
+    spec = write_spec(tmp_path, job, spec_text, model=TINY_MODEL)
+    store = EtcdStore(etcd.endpoints, **({} if store_timeout_s is None else {"timeout_s": store_timeout_s}))
+    store.put(JobKeys(job).spec, load_spec(spec).to_dict())
+    shm_root = f"/dev/shm/rlfleet-test-{uuid.uuid4().hex[:8]}"
+    procs: list[subprocess.Popen] = []
+
+    def start(role: str, member_id: str) -> subprocess.Popen:
+        args = ("--spec", str(spec)) if role == "trainer" else ("--host", "host-a")
+        proc = start_daemon(role, member_id, job=job, etcd=etcd.endpoints_arg, log_dir=tmp_path,
+                            run_dir=tmp_path / "run", args=args, env={"RLFLEET_RELAY_SHM_ROOT": shm_root})
+        procs.append(proc)
+        return proc
+
+    try:
+        yield start, store
+    finally:
+        for proc in procs:
+            stop(proc)
+        store.close()
+        shutil.rmtree(shm_root, ignore_errors=True)

@@ -23,7 +23,7 @@ from rlfleet.common.failpoints import TRAINER as FAILPOINT_ENV
 from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.daemons.trainer.journal import ExperienceJournal
 
-from ..integration.helpers import stop, wait_for, write_spec
+from ..integration.helpers import start_daemon, stop, wait_for, write_spec
 from .conftest import claim_prompts, scored
 
 JOB = "tt"
@@ -47,12 +47,8 @@ def setup(tmp_path, etcd, tiny_model):
     procs: list[subprocess.Popen] = []
 
     def start(member_id: str, **env: str) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlfleet.tools.cli", "daemon", "trainer", "--job", JOB,
-             "--etcd", etcd.endpoints_arg, "--spec", str(spec), "--id", member_id],
-            stdout=open(tmp_path / f"{member_id}.log", "ab"), stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO,
-            env={**os.environ, "RLFLEET_RUN_DIR": str(tmp_path / "run"), **env})
+        proc = start_daemon("trainer", member_id, job=JOB, etcd=etcd.endpoints_arg, log_dir=tmp_path,
+                            run_dir=tmp_path / "run", args=("--spec", str(spec)), env=env)
         procs.append(proc)
         return proc
 

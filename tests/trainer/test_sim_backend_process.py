@@ -6,12 +6,7 @@ and a trainer killed with -9 resumes exactly as the torch trainer does."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
-import subprocess
-import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -19,11 +14,10 @@ import pytest
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.records import RelayMaster, WeightsLatest
-from rlfleet.common.spec.job import load_spec
 from rlfleet.common.wire.reliable import ReliableSender
 
-from ..integration.helpers import TINY_MODEL, stop, wait_for, write_spec
-from .conftest import claim_prompts, scored
+from ..integration.helpers import wait_for
+from .conftest import claim_prompts, scored, sim_fleet
 
 JOB = "simt"
 WEIGHT_MIB = 4
@@ -45,34 +39,12 @@ weight_mib = {WEIGHT_MIB}
 [relay]
 chunk_mib = 1
 """
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def fleet(tmp_path, etcd):
-    spec = write_spec(tmp_path, JOB, SPEC, model=TINY_MODEL)
-    store = EtcdStore(etcd.endpoints)
-    store.put(JobKeys(JOB).spec, load_spec(spec).to_dict())  # the relay reads its spec from etcd
-    shm_root = f"/dev/shm/rlfleet-test-{uuid.uuid4().hex[:8]}"
-    procs: list[subprocess.Popen] = []
-
-    def start(role: str, member_id: str) -> subprocess.Popen:
-        args = ["--spec", str(spec)] if role == "trainer" else ["--host", "host-a"]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlfleet.tools.cli", "daemon", role, "--job", JOB,
-             "--etcd", etcd.endpoints_arg, "--id", member_id, *args],
-            stdout=open(tmp_path / f"{member_id}.log", "ab"), stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO,
-            env={**os.environ, "RLFLEET_RUN_DIR": str(tmp_path / "run"),
-                 "RLFLEET_RELAY_SHM_ROOT": shm_root})
-        procs.append(proc)
-        return proc
-
-    yield start, store, tmp_path
-    for proc in procs:
-        stop(proc)
-    store.close()
-    shutil.rmtree(shm_root, ignore_errors=True)
+    with sim_fleet(tmp_path, etcd, JOB, SPEC) as (start, store):
+        yield start, store, tmp_path
 
 
 def metrics(tmp_path: Path) -> list[dict]:
