@@ -34,6 +34,22 @@ kind = "arithmetic"
 """
 
 
+# The head of the simulated-fleet specs (sim tasks and engines: tests/integration/test_*_sim.py):
+# a 3 s lease, the job's runs under the test's folder; each test goes on with its [task].
+SIM_HEAD = """\
+[job]
+name = "{job}"
+runs_dir = "{runs}"
+
+[etcd]
+lease_ttl_s = 3.0
+retry_timeout_s = 1.0
+
+[model]
+path = "{model}"
+
+"""
+
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-qwen2"
 

@@ -14,21 +14,10 @@ from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import members_from
 
-from .helpers import wait_for
+from .helpers import SIM_HEAD, wait_for
 from .test_longtail_sim import TINY_MODEL, finish, needs_model, run_dir_of, steps
 
-AFFINITY_JOB = """\
-[job]
-name = "{job}"
-runs_dir = "{runs}"
-
-[etcd]
-lease_ttl_s = 3.0
-retry_timeout_s = 1.0
-
-[model]
-path = "{model}"
-
+AFFINITY_JOB = SIM_HEAD + """\
 [task]
 group_size = 4
 max_turns = 3

@@ -18,23 +18,12 @@ from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import members_from
 
-from .helpers import TINY_MODEL, wait_for
+from .helpers import SIM_HEAD, TINY_MODEL, wait_for
 from .test_longtail_sim import finish, run_dir_of, steps
 
 needs_model = pytest.mark.skipif(not (TINY_MODEL / "config.json").exists(), reason="models/tiny-qwen2 not built")
 
-JOB = """\
-[job]
-name = "{job}"
-runs_dir = "{runs}"
-
-[etcd]
-lease_ttl_s = 3.0
-retry_timeout_s = 1.0
-
-[model]
-path = "{model}"
-
+JOB = SIM_HEAD + """\
 [task]
 group_size = 4
 max_turns = 2

@@ -20,22 +20,11 @@ from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import members_from
 from rlfleet.tools.exit_codes import Exit
 
-from .helpers import TINY_MODEL, wait_for
+from .helpers import SIM_HEAD, TINY_MODEL, wait_for
 
 needs_model = pytest.mark.skipif(not (TINY_MODEL / "config.json").exists(), reason="models/tiny-qwen2 not built")
 
-SIM_JOB = """\
-[job]
-name = "{job}"
-runs_dir = "{runs}"
-
-[etcd]
-lease_ttl_s = 3.0
-retry_timeout_s = 1.0
-
-[model]
-path = "{model}"
-
+SIM_JOB = SIM_HEAD + """\
 [task]
 group_size = 4
 
