@@ -19,27 +19,14 @@ from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.spec.placement import ROLES, SINGLETON_ROLES
 from rlfleet.tools.exit_codes import Exit
 
-from ..integration.helpers import TINY_MODEL, rlfleet, stop, wait_for, write_spec
+from ..integration.helpers import TINY_MODEL, rlfleet, small_job, stop, wait_for, write_spec
 
 pytestmark = pytest.mark.skipif(not (TINY_MODEL / "tokenizer.json").exists(), reason="models/tiny-qwen2 not built")
 
-SPEC = """\
-group_size = 4
-eval_size = 16
-eval_every_steps = 1000
-
-[trainer]
-batch_size = 8
-learning_rate = 1e-3
-max_steps = 100000
-checkpoint_every = 2
-max_staleness = 2          # and so env-hosts pace their claims by trainer/progress
-
-[env_host]
-max_concurrent = 16
-turn_timeout_s = 10
-trajectory_timeout_s = 30
-"""
+# max_staleness: and so env-hosts pace their claims by trainer/progress
+SPEC = small_job(eval_size=16, eval_every_steps=1000, max_steps=100000, checkpoint_every=2,
+                 trainer="learning_rate = 1e-3\nmax_staleness = 2\n",
+                 env_host="turn_timeout_s = 10\ntrajectory_timeout_s = 30\n")
 
 
 def train_lines(run_dir: Path) -> list[dict]:

@@ -69,6 +69,16 @@ roles = {{ repack-manager = 1, trainer = 1, relay = 1, rollout = 1, env-host = 1
 """
 
 
+def small_job(*, eval_every_steps: int, max_steps: int, checkpoint_every: int = 100, eval_size: int = 8,
+              trainer: str = "", env_host: str = "", extra: str = "") -> str:
+    """What a whole-fleet test of the tiny model trains, after FAST_SPEC's [task]: groups
+    of 4, batches of 8, 16 trajectories at once; ``trainer``, ``env_host``: more keys of
+    those tables; ``extra``: the test's own tables."""
+    return (f"group_size = 4\neval_size = {eval_size}\neval_every_steps = {eval_every_steps}\n\n"
+            f"[trainer]\nbatch_size = 8\nmax_steps = {max_steps}\ncheckpoint_every = {checkpoint_every}\n{trainer}\n"
+            f"[env_host]\nmax_concurrent = 16\n{env_host}{extra}")
+
+
 def write_spec(tmp_path: Path, job: str = "itest", extra: str = "", *,
                model: Path | str = TINY_MODEL) -> Path:
     """tmp_path/<job>.toml: FAST_SPEC (short lease TTL, runs under tmp_path) on `model`,

@@ -22,29 +22,18 @@ from rlfleet.common.control.cluster import Cluster
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.tools.exit_codes import Exit
 
-from .helpers import TINY_MODEL, rlfleet, stop, wait_for, write_spec
+from .helpers import TINY_MODEL, rlfleet, small_job, stop, wait_for, write_spec
 
 needs_model = pytest.mark.skipif(not (TINY_MODEL / "tokenizer.json").exists(), reason="models/tiny-qwen2 not built")
 
-JOB = """\
-group_size = 4
-eval_size = 8
-eval_every_steps = 1000
-
-[trainer]
-batch_size = 8
-max_steps = 100000   # stopped by the test (SIGTERM): a step takes well under a second
-checkpoint_every = 1000
-
-[env_host]
-max_concurrent = 16
-
+# max_steps: stopped by the test (SIGTERM); a step takes well under a second
+JOB = small_job(eval_every_steps=1000, max_steps=100000, checkpoint_every=1000, extra="""
 [[placement.pools]]
 name = "cpu-workers"
 labels = { kind = "cpu" }
 roles = { relay = 1, rollout = 1 }
 capacity = 1
-"""
+""")
 
 
 def cli(*args: str, etcd, timeout_s: float = 200) -> subprocess.CompletedProcess:

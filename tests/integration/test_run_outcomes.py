@@ -21,25 +21,13 @@ import pytest
 from rlfleet.common.failpoints import DAEMON as DAEMON_FAILPOINT_ENV
 from rlfleet.tools.exit_codes import Exit
 
-from .helpers import TINY_MODEL, write_spec
+from .helpers import TINY_MODEL, small_job, write_spec
 
 needs_model = pytest.mark.skipif(not (TINY_MODEL / "tokenizer.json").exists(), reason="models/tiny-qwen2 not built")
 
 # A job that finishes in a few steps: small batches, short answers, an evaluation at
 # step 0 and every 2 steps (so the plain lines show evaluations).
-SHORT_JOB = """\
-group_size = 4
-eval_size = 8
-eval_every_steps = 2
-
-[trainer]
-batch_size = 8
-max_steps = 6
-checkpoint_every = 100
-
-[env_host]
-max_concurrent = 16
-"""
+SHORT_JOB = small_job(eval_every_steps=2, max_steps=6)
 
 
 def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = 240) -> subprocess.CompletedProcess:

@@ -35,24 +35,12 @@ from rlfleet.common.wire.sockets import CurveKeys
 from rlfleet.daemons.trainer.journal import ExperienceJournal
 from rlfleet.tools.exit_codes import Exit
 
-from ..integration.helpers import REPO, TINY_MODEL, wait_for, write_spec
+from ..integration.helpers import REPO, TINY_MODEL, small_job, wait_for, write_spec
 from ..trainer.conftest import scored
 
 needs_model = pytest.mark.skipif(not (TINY_MODEL / "tokenizer.json").exists(), reason="models/tiny-qwen2 not built")
 
-JOB = """\
-group_size = 4
-eval_size = 8
-eval_every_steps = 100
-
-[trainer]
-batch_size = 8
-max_steps = 6
-checkpoint_every = 100
-
-[env_host]
-max_concurrent = 16
-"""
+JOB = small_job(eval_every_steps=100, max_steps=6)
 
 # The injection test's run trains until the test stops it: its 6 steps take well under a
 # second on an idle machine, and the refusals must land while the trainer still serves.
