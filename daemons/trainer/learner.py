@@ -28,8 +28,8 @@ import torch
 
 from . import grpo, packing
 from .checkpointing import STATE_FILE, CheckpointError, write_checkpoint
-from .losses import PolicyLoss, PPOClipLoss
-from .step import GroupStep, MicroBatch, micro_batches, scheduled_lr
+from .losses import PolicyLoss
+from .step import GroupStep, MicroBatch, micro_batches
 
 log = logging.getLogger("rlfleet.trainer")
 
@@ -45,14 +45,10 @@ class Learner(GroupStep):
                  lr_schedule: str = "constant", warmup_steps: int = 0,
                  total_steps: int | None = None) -> None:
         self.model_dir = Path(model_dir)
-        scheduled_lr(lr, 1, lr_schedule, warmup_steps, total_steps)  # refuse a bad schedule now
-        self.lr_schedule, self.warmup_steps, self.total_steps = lr_schedule, warmup_steps, total_steps
-        self.lr, self.seed = lr, seed
-        # [trainer.loss], built by the registry (losses.py); PPO-clip at 0.2 when not given.
-        self.loss = loss if loss is not None else PPOClipLoss()
-        self.temperature, self.aggregate = temperature, aggregate
-        self.max_grad_norm, self.weight_decay = max_grad_norm, weight_decay
-        self.micro_batch_tokens = micro_batch_tokens  # padded tokens per forward pass
+        self.set_step_options(lr=lr, loss=loss, seed=seed, temperature=temperature, aggregate=aggregate,
+                              max_grad_norm=max_grad_norm, weight_decay=weight_decay,
+                              micro_batch_tokens=micro_batch_tokens, lr_schedule=lr_schedule,
+                              warmup_steps=warmup_steps, total_steps=total_steps)
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.version = 0

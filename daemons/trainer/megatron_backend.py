@@ -48,8 +48,8 @@ from . import grpo
 from . import megatron_weights as mw
 from .checkpointing import STATE_FILE, CheckpointError, write_checkpoint
 from .learner import _TOKENIZER_FILES
-from .losses import PolicyLoss, PPOClipLoss
-from .step import GroupStep, MicroBatch, micro_batches, scheduled_lr
+from .losses import PolicyLoss
+from .step import GroupStep, MicroBatch, micro_batches
 
 BACKEND_NAME = "megatron"
 OPTIMIZER_FILE = "optimizer-megatron.pt"  # megatron parameter order: no other backend's file
@@ -197,13 +197,10 @@ class MegatronLearner(GroupStep):
         check_device(device, tensor_parallel, pipeline_parallel)
         self.megatron_version = megatron_version()
         self.model_dir = Path(model_dir)
-        scheduled_lr(lr, 1, lr_schedule, warmup_steps, total_steps)  # refuse a bad schedule now
-        self.lr_schedule, self.warmup_steps, self.total_steps = lr_schedule, warmup_steps, total_steps
-        self.lr, self.seed = lr, seed
-        self.loss = loss if loss is not None else PPOClipLoss()
-        self.temperature, self.aggregate = temperature, aggregate
-        self.max_grad_norm, self.weight_decay = max_grad_norm, weight_decay
-        self.micro_batch_tokens = micro_batch_tokens
+        self.set_step_options(lr=lr, loss=loss, seed=seed, temperature=temperature, aggregate=aggregate,
+                              max_grad_norm=max_grad_norm, weight_decay=weight_decay,
+                              micro_batch_tokens=micro_batch_tokens, lr_schedule=lr_schedule,
+                              warmup_steps=warmup_steps, total_steps=total_steps)
         self.device = torch.device(device)
         self.tensor_parallel, self.pipeline_parallel = tensor_parallel, pipeline_parallel
         hf_config = json.loads((self.model_dir / "config.json").read_text())

@@ -77,6 +77,21 @@ class GroupStep:
     pad_id: int
     vocab_size: int | None
 
+    def set_step_options(self, *, lr: float, loss: Any, seed: int, temperature: float, aggregate: grpo.Aggregate,
+                         max_grad_norm: float, weight_decay: float, micro_batch_tokens: int, lr_schedule: str,
+                         warmup_steps: int, total_steps: int | None) -> None:
+        """What every torch learner is configured with; a bad lr schedule is refused now."""
+        from .losses import PPOClipLoss
+
+        scheduled_lr(lr, 1, lr_schedule, warmup_steps, total_steps)
+        self.lr_schedule, self.warmup_steps, self.total_steps = lr_schedule, warmup_steps, total_steps
+        self.lr, self.seed = lr, seed
+        # [trainer.loss], built by the registry (losses.py); PPO-clip at 0.2 when not given.
+        self.loss = loss if loss is not None else PPOClipLoss()
+        self.temperature, self.aggregate = temperature, aggregate
+        self.max_grad_norm, self.weight_decay = max_grad_norm, weight_decay
+        self.micro_batch_tokens = micro_batch_tokens  # padded tokens per forward pass
+
     def forward_micro_batches(self, batch: grpo.TokenBatch) -> Iterator[MicroBatch]:
         raise NotImplementedError
 
