@@ -134,10 +134,11 @@ class ClaimPacer:
     def __init__(self, store: Store, keys: JobKeys, limit: int,
                  on_progress: Callable[[], None] = lambda: None, *, mode: str = "trajectory",
                  prompts_per_batch: int = 1, rounds: bool = False,
-                 weights_seen: Callable[[], int] | None = None) -> None:
+                 weights_seen: Callable[[], int] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``rounds``: claim in after_batch rounds (``round_limit``); ``weights_seen``: the
         newest weight version turns were generated with, to pace for the rollouts' lag
-        (``lag_limit``)."""
+        (``lag_limit``); ``clock``: seconds, for the stall (tests pass their own)."""
         if limit < 1:
             raise ValueError(f"limit: must be >= 1, got {limit}")
         self.store, self.keys, self.limit = store, keys, limit
@@ -151,7 +152,8 @@ class ClaimPacer:
         self.received = 0
         self.consumed = 0
         self.written_off = 0  # prompts no longer counted as outstanding (STALL_S)
-        self._progress_at = time.monotonic()
+        self._clock = clock
+        self._progress_at = clock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="claim-pacer", daemon=True)
 
@@ -177,12 +179,12 @@ class ClaimPacer:
         limit = self.limit if self.weights_seen is None else lag_limit(
             self.limit, self.prompts_per_batch, self.version, self.weights_seen())
         outstanding = next_prompt - self.consumed - self.written_off
-        if outstanding >= limit and time.monotonic() - self._progress_at > STALL_S:
+        if outstanding >= limit and self._clock() - self._progress_at > STALL_S:
             log.warning("no trainer progress for %.0f s with %d prompts outstanding (limit %d): "
                         "claiming past them", STALL_S, outstanding, self.limit,
                         extra={"event": "pacing_stall"})
             self.written_off += outstanding
-            self._progress_at = time.monotonic()
+            self._progress_at = self._clock()
             outstanding = 0
         return min(limit, limit - outstanding)
 
@@ -194,7 +196,7 @@ class ClaimPacer:
             # consumption pays back the write-off first (module docstring)
             self.written_off = max(0, self.written_off - (progress.consumed_groups - self.consumed))
             self.consumed = progress.consumed_groups
-            self._progress_at = time.monotonic()
+            self._progress_at = self._clock()
         self.version = max(self.version, progress.version)
         self.received = max(self.received, progress.received_groups)
         if moved:

@@ -105,6 +105,7 @@ class EnvRunner:
         self.running = 0
         self.claimed = 0
         self.paced = 0  # claims the pacer refused (pacing.py), for tests and logs
+        self.held_back = 0  # passes of the claim loop that found no room (back-pressure)
         self.newest_weights = 0  # the newest weight version a turn was generated with
         self.acked = 0
         self.dropped: dict[str, int] = {}
@@ -292,6 +293,7 @@ class EnvRunner:
                     # would otherwise all run in one pass and hold every other one up.
                     await asyncio.sleep(0)
                 continue
+            self.held_back += 1
             await self._sleep(1.0)
         # Cancelled managers unwind in _shutdown (their journaled turns stay for the next start).
 

@@ -4,7 +4,6 @@ within the limit, and more are claimed as soon as trainer/progress moves."""
 from __future__ import annotations
 
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -75,15 +74,17 @@ def test_a_pacer_started_late_reads_the_current_progress(etcd):
         store.close()
 
 
-def test_prompts_that_never_finish_are_written_off_after_a_stall(etcd, monkeypatch):
+def test_prompts_that_never_finish_are_written_off_after_a_stall(etcd):
     # An env-host gone for good keeps its prompts outstanding forever; pacing must not
     # stop the job for that.
-    monkeypatch.setattr(pacing, "STALL_S", 0.5)
+    now = [1000.0]
     store = EtcdStore(etcd.endpoints)
-    pacer = ClaimPacer(store, KEYS, limit=4)
+    pacer = ClaimPacer(store, KEYS, limit=4, clock=lambda: now[0])
     try:
         assert pacer.budget(4) == 0                 # 4 outstanding: none now
-        time.sleep(0.6)
+        now[0] += pacing.STALL_S - 0.1
+        assert pacer.budget(4) == 0 and pacer.written_off == 0   # not yet a stall
+        now[0] += 0.2
         assert pacer.budget(4) == 4 and pacer.written_off == 4
         assert pacer.budget(6) == 2                 # counted afresh from the write-off
         pacer._set(TrainerProgress(consumed_groups=3))  # consumption pays the write-off back

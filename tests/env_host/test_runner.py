@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 
@@ -128,9 +127,10 @@ def test_claims_runs_and_resumes_the_journal_after_a_restart(world):
              timeout_s=10)
     # The reward-host stops acking: finished trajectories pile up unacked, claiming stops.
     reward_host.acking.clear()
-    time.sleep(1.0)
-    claimed_before = host.runner.claimed
-    time.sleep(0.5)
+    passes = host.runner.held_back
+    wait_for("the claim loop held back", lambda: host.runner.held_back > passes, timeout_s=30)
+    claimed_before, passes = host.runner.claimed, host.runner.held_back
+    wait_for("two more passes of the claim loop", lambda: host.runner.held_back >= passes + 2, timeout_s=30)
     assert host.runner.claimed == claimed_before, "claimed more while nothing was acked"
     assert host.runner.live_prompts <= 2 * (8 // G)  # back-pressure: twice the prompts max_concurrent runs
     host.stop()

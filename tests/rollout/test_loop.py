@@ -88,6 +88,14 @@ def stats(client: RequestClient) -> RolloutStats:
     return client.request(empty, timeout_s=5)
 
 
+def wait_seen(loop: EngineLoop, version: int, timeout_s: float = 10.0) -> None:
+    """Until the loop's weight policy has seen ``version`` on its relay."""
+    deadline = time.monotonic() + timeout_s
+    while loop.policy.newest != version:
+        assert time.monotonic() < deadline, f"the loop never saw weight version {version}"
+        time.sleep(0.002)
+
+
 def wait_stats(client: RequestClient, pred, timeout_s: float = 10.0) -> RolloutStats:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -137,10 +145,7 @@ def test_new_version_loads_between_requests_and_new_ones_wait_for_it(served, tin
     a = client.send(req("a", p, max_new=200))
     wait_stats(client, lambda s: s.running == 1)
     reader.versions[1] = scaled_weights(tiny_model, 1.5)
-    deadline = time.monotonic() + 10.0  # the loop must see version 1 before "b" arrives, so "b" waits for it
-    while loop.policy.newest != 1:
-        assert time.monotonic() < deadline, "the loop never saw weight version 1"
-        time.sleep(0.002)
+    wait_seen(loop, 1)  # before "b" arrives, so "b" waits for it
     b = client.send(req("b", p, max_new=5))
     wait_stats(client, lambda s: s.waiting == 1 or s.weight_version == 1)
     got = collect(client, [a, b])
@@ -175,7 +180,7 @@ def test_a_held_request_is_admitted_after_hold_max_s(tiny_model):
         a = client.send(req("a", [1, 4], max_new=250))
         wait_stats(client, lambda s: s.running == 1)
         reader.versions[1] = scaled_weights(model, 2.0)
-        time.sleep(0.03)
+        wait_seen(loop, 1)  # b will be held for it
         t0 = time.monotonic()
         b = client.request(req("b", [1, 4], max_new=2), timeout_s=10)
         waited = time.monotonic() - t0
