@@ -23,6 +23,9 @@ time does not count toward max_idle_s. The run owns the job through
 Ctrl-C stops the daemons (SIGTERM, then SIGKILL after a grace period) and etcd
 last. The run ends with the accounting check, the plots, the end summary and
 an `Outcome`: the exit code (tools/exit_codes.py) and its one-line reason.
+
+What ends the run and with which outcome, and how often each check runs, are
+decisions without I/O: tools/run/run_policy.py. This module does the I/O.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from rlfleet.tools.run.etcd_local import EtcdCluster
 from rlfleet.tools.run.job_owner import JobOwned, JobOwner, RegistrationCheck
 from rlfleet.tools.run.layout import new_run_dir, torch_threads
 from rlfleet.tools.run.report import MetricsTail, RunMetrics, plot, read_metrics, summary
+from rlfleet.tools.run.run_policy import Every, RunPolicy
 from rlfleet.tools.run.summary import end_summary, eval_line, progress_line
 
 log = logging.getLogger("rlfleet.supervisor")
@@ -98,6 +102,7 @@ class Supervisor:
         self.host = host
         self.give_up_deaths, self.give_up_window_s = give_up
         self.max_idle_s = max_idle_s
+        self.policy = RunPolicy(self.give_up_deaths, max_idle_s, spec.trainer.max_steps)
         self.cluster: EtcdCluster | None = None
         self.placed: list[Placed] = []  # what the spec places on this machine's hosts
         self.backend: ProcessBackend | None = None
@@ -284,11 +289,7 @@ class Supervisor:
         log_path = self.backend.log_path(event.name)
         self.note(f"{event.name} keeps dying: {event.deaths} deaths in {event.span_s:.0f}s; "
                   f"log {log_path}, last lines:\n{self.backend.log_tail(event.name)}")
-        if not self.give_up_deaths:
-            return None
-        return Outcome(Exit.DAEMON_GAVE_UP,
-                       f"gave up: {event.name} died {event.deaths} times in {event.span_s:.0f} s "
-                       f"(last: {event.exit}); see {log_path}")
+        return self.policy.crash_loop(event.name, event.deaths, event.span_s, event.exit, log_path)
 
     @property
     def paused(self) -> bool:
@@ -308,12 +309,8 @@ class Supervisor:
             last_step_at = now
         for index in range(len(m.evals) - new_evals, len(m.evals)):
             self.note(eval_line(m, index))
-        if (self.max_idle_s and now - last_step_at > self.max_idle_s
-                and any(p.role == "trainer" for p in self.placed)):
-            since = f"since step {m.train[-1]['step']}" if m.train else "since the start"
-            return last_step_at, Outcome(Exit.NO_PROGRESS, f"no training step for {self.max_idle_s:.0f} s "
-                                                           f"({since}; --max-idle-s); see {self.run_dir / 'logs'}")
-        return last_step_at, None
+        return last_step_at, self.policy.idle(now, last_step_at, any(p.role == "trainer" for p in self.placed),
+                                              m.train[-1]["step"] if m.train else None, self.run_dir / "logs")
 
     def note_progress(self) -> None:
         """Plain mode: the progress line, when a step was trained since the last one."""
@@ -465,15 +462,11 @@ class Supervisor:
             store.close()
             self._stop_etcd()
         self.finish_report()
-        if failure is None and not finished:
-            failure = Outcome(Exit.STOPPED, self._stopped_reason(duration_s))
-        accounting_failure = self._accounting_failure
-        if failure is None or (failure.code == Exit.STOPPED and accounting_failure is not None):
-            failure = accounting_failure or failure
-        self.print_end_summary("finished" if failure is None else
-                               f"{failure.code.name.lower().replace('_', ' ')} (exit {int(failure.code)})")
-        return failure or Outcome(Exit.OK, f"finished {self.spec.trainer.max_steps} steps; accounting ok; "
-                                           f"results in {self.run_dir}")
+        outcome = self.policy.final(failure, finished, self._stop.is_set(), duration_s, self._accounting_failure,
+                                    self.run_dir)
+        self.print_end_summary("finished" if outcome.code == Exit.OK else
+                               f"{outcome.code.name.lower().replace('_', ' ')} (exit {int(outcome.code)})")
+        return outcome
 
     def _release_job(self) -> None:
         try:
@@ -512,11 +505,6 @@ class Supervisor:
             except ProcessLookupError:
                 pass
 
-    def _stopped_reason(self, duration_s: float | None) -> str:
-        if self._stop.is_set():
-            return "stopped: Ctrl-C or SIGTERM before the trainer finished"
-        return f"stopped: --duration {duration_s:g} s ran out before the trainer finished"
-
     def _loop(self, store: EtcdStore, endpoints: str, duration_s: float | None) -> tuple[Outcome | None, bool]:
         """Supervise until the trainer is done, a failure, a stop request or --duration;
         then stop the daemons and check the accounting. Returns (failure, finished)."""
@@ -529,7 +517,8 @@ class Supervisor:
         failure: Outcome | None = None
         finished = False
         try:
-            last_watch = last_done_check = last_cpu_sample = last_progress = last_liveness = 0.0
+            liveness, cpu, done_check = Every(self.spec.etcd.refresh_interval_s), Every(CPU_SAMPLE_S), Every(2.0)
+            watch, progress = Every(0.5), Every(PROGRESS_EVERY_S)
             last_step_at = started
             while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 failure = self.supervise_once(store)
@@ -539,26 +528,20 @@ class Supervisor:
                 if failure:
                     break
                 now = time.monotonic()
-                if now - last_liveness >= self.spec.etcd.refresh_interval_s:
-                    last_liveness = now
+                if liveness.due(now):
                     self.replace_stalled()
-                if now - last_cpu_sample > CPU_SAMPLE_S:
-                    last_cpu_sample = now
+                if cpu.due(now):
                     self.backend.sample_cpu()
-                if now - last_done_check > 2.0:
-                    last_done_check = now
-                    if self.trainer_done(store):
-                        finished = True
-                        break
-                if now - last_watch > 0.5:
-                    last_watch = now
+                if done_check.due(now) and self.trainer_done(store):
+                    finished = True
+                    break
+                if watch.due(now):
                     last_step_at, failure = self.watch_training(last_step_at)
                     if failure:
                         break
                     if live:
                         live.update(self.render(store, endpoints))
-                    elif now - last_progress > PROGRESS_EVERY_S:
-                        last_progress = now
+                    elif progress.due(now):
                         self.note_progress()
                 self._stop.wait(0.1)
         finally:
