@@ -1,8 +1,10 @@
 """One rollout's request handling over one engine, without a thread or a poll of its own.
 
 ``RolloutCore`` is what a rollout *does* with each message and between engine steps;
-who waits for messages is someone else: ``loop.EngineLoop`` (one engine, one thread:
-the torch rollout) or ``sim_host.SimHost`` (many simulated rollouts in one thread).
+who waits for messages, and sends the replies the core leaves in ``take_replies()``, is
+someone else, the owner of the socket: ``loop.EngineLoop`` (one engine, one thread: the
+torch rollout) or ``sim.host.SimHost`` (many simulated rollouts in one thread), as vLLM's
+EngineCore leaves its I/O to the process around it.
 
     message in -> on_message():  GenerateRequest -> add (or hold, or refuse)
                                  Abort -> abort;  RolloutStats -> reply;  RepackOrder -> hand over
@@ -94,17 +96,15 @@ class _Carried:
 
 
 class RolloutCore:
-    def __init__(self, engine: Engine, server: RequestServer, member_id: str, *,
+    def __init__(self, engine: Engine, member_id: str, *, where: str | None = None,
                  mode: str = "trajectory", hold_max_s: float = 2.0,
                  check_every_s: float = 0.05) -> None:
+        """``where``: the endpoint's name, in metrics and logs (the member id when None)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.engine, self.server, self.member_id, self.mode = engine, server, member_id, mode
-        self._where = getattr(server, "name", member_id)  # the endpoint, in metrics and logs
-        vocab = getattr(engine, "vocab_size", None)
-        if vocab is not None and hasattr(server, "limits"):
-            # token ids past the model's vocabulary are refused at the socket, with an error reply
-            server.limits = dataclasses.replace(server.limits, vocab_size=int(vocab))
+        self.engine, self.member_id, self.mode = engine, member_id, mode
+        self._where = where or member_id
+        self.replies: list[tuple[bytes, str, Any]] = []  # (identity, request id, message): to send
         self.policy = WeightUpdatePolicy(check_every_s=check_every_s, hold_max_s=hold_max_s)
         self.events: deque[str] = deque()  # one sentence per version change, read by the daemon
         self.draining = False
@@ -128,9 +128,9 @@ class RolloutCore:
             elif isinstance(msg, Abort):
                 self._on_abort(client, msg.request_id)
             elif isinstance(msg, RolloutStats):
-                self.server.reply(identity, rid, self.stats())
+                self.replies.append((identity, rid, self.stats()))
             elif isinstance(msg, RepackOrder):
-                self.server.reply(identity, rid, self._on_repack(msg))
+                self.replies.append((identity, rid, self._on_repack(msg)))
 
     def _on_generate(self, client: Client, req: GenerateRequest, now: float) -> None:
         version = self.engine.weight_version
@@ -375,9 +375,14 @@ class RolloutCore:
         return result
 
     def reply(self, client: Client, result: GenerateResult) -> None:
-        self.server.reply(client.identity, client.rid, result)
+        self.replies.append((client.identity, client.rid, result))
         if self.first_result_at is None and len(result.token_ids):
             self.first_result_at = time.time()
+
+    def take_replies(self) -> list[tuple[bytes, str, Any]]:
+        """What to send since the last call, in order; the socket's owner sends it."""
+        out, self.replies = self.replies, []
+        return out
 
     # -- draining ----------------------------------------------------------------------
     def refuse_held(self) -> None:
@@ -402,3 +407,10 @@ def _merged(carried: _Carried, last: GenerateResult) -> GenerateResult:
 def _empty(request_id: str, version: int, reason: str, error: str = "") -> GenerateResult:
     return GenerateResult(request_id=request_id, token_ids=Int32Array(), logprobs=Float32Array(),
                           weight_version=version, finish_reason=reason, error=error)  # type: ignore[arg-type]
+
+
+def limit_vocab(server: RequestServer, engine: Engine) -> None:
+    """Token ids past the engine's vocabulary are refused at the socket, with an error reply."""
+    vocab = getattr(engine, "vocab_size", None)
+    if vocab is not None and hasattr(server, "limits"):
+        server.limits = dataclasses.replace(server.limits, vocab_size=int(vocab))

@@ -101,7 +101,7 @@ class Rollout(Daemon):
         from rlfleet.common.spec.seams import ROLLOUT_ENGINES
         from rlfleet.daemons.rollout.sim.host import SimHost, bind_servers, sim_member_id
 
-        from .core import RolloutCore
+        from .core import RolloutCore, limit_vocab
 
         assert self.spec is not None
         rs, host_id = self.spec.rollout, self.options.member_id
@@ -114,10 +114,11 @@ class Rollout(Daemon):
             engine = ROLLOUT_ENGINES.build(config, model_path=self.spec.model.path,
                                            dtype=self.spec.model.dtype, rollout_index=k,
                                            seed=self.spec.job.seed)
-            cores.append(RolloutCore(engine, server, member_id, mode=rs.mode))
+            limit_vocab(server, engine)
+            cores.append(RolloutCore(engine, member_id, where=server.name, mode=rs.mode))
             self._sim_traits[member_id] = {"hardware": hardware, "slots": config.timing().max_batch}
         self.follower = self._follow_relay()
-        self.sim = SimHost(cores, self.follower,
+        self.sim = SimHost(cores, servers, self.follower,
                            summary_path=job_run_dir(self.spec) / "sim" / f"{host_id}.json")
         self.sim.start()
         log.info("hosting %d simulated rollouts (%s, profile %s, time scale %g)", count, rs.mode,
@@ -129,7 +130,7 @@ class Rollout(Daemon):
         if self.session is None or self.session.lease is None:
             return None
         loaded = 0
-        for core in self.sim.cores:
+        for core, server in zip(self.sim.cores, self.sim.servers):
             version = core.engine.weight_version
             if self._sim_published.get(core.member_id) == version:
                 continue
@@ -137,7 +138,7 @@ class Rollout(Daemon):
             self.session.put_lease_bound(self.keys.member("rollout", core.member_id), {
                 "id": core.member_id, "role": "rollout", "host": self.options.host,
                 "pid": os.getpid(), "state": "running",
-                "addresses": {"requests": core.server.endpoint},
+                "addresses": {"requests": server.endpoint},
                 "started": round(self.started_at, 3), "weight_version": version,
                 "simulated_by": self.options.member_id, **self._sim_traits[core.member_id]})
             self._sim_published[core.member_id] = version
@@ -221,8 +222,8 @@ class Rollout(Daemon):
             self.follower.stop(timeout_s=1.0)  # a daemon thread: a lookup in flight need not end
         if self.sim is not None:
             self.sim.stop()
-            for core in self.sim.cores:
-                core.server.close()
+            for server in self.sim.servers:
+                server.close()
             return f"{len(self.sim.cores)} simulated rollouts stopped"
         if self.loop is None:
             return None

@@ -31,7 +31,7 @@ from rlfleet.common.wire.messages import RolloutStats
 from rlfleet.common.wire.sockets import RequestServer
 from rlfleet.daemons.rollout.engines.api import Engine
 
-from .core import ReaderSource, RolloutCore
+from .core import ReaderSource, RolloutCore, limit_vocab
 
 log = logging.getLogger("rlfleet.rollout")
 
@@ -43,7 +43,8 @@ class EngineLoop:
                  weights: ReaderSource | None = None, *,
                  mode: str = "trajectory", hold_max_s: float = 2.0, check_every_s: float = 0.05,
                  idle_wait_s: float = 0.05, drain_timeout_s: float = 2.0) -> None:
-        self.core = RolloutCore(engine, server, member_id, mode=mode, hold_max_s=hold_max_s,
+        limit_vocab(server, engine)
+        self.core = RolloutCore(engine, member_id, where=getattr(server, "name", None), mode=mode, hold_max_s=hold_max_s,
                                 check_every_s=check_every_s)
         self.engine, self.server, self.member_id = engine, server, member_id
         self.weights = weights  # None: serve the version on disk (0) for good
@@ -99,6 +100,11 @@ class EngineLoop:
         self._receive(0.0 if busy else self.idle_wait_s)
         now = time.monotonic()
         self.core.tick(now, self.weights.get(now) if self.weights is not None else None)
+        self._send()
+
+    def _send(self) -> None:
+        for identity, rid, msg in self.core.take_replies():
+            self.server.reply(identity, rid, msg)
 
     def _receive(self, timeout: float, max_messages: int = 1000) -> None:
         for _ in range(max_messages):  # bounded: a flood must not starve decoding
@@ -108,6 +114,7 @@ class EngineLoop:
             timeout = 0.0
             identity, rid, msg = got
             self.core.on_message(identity, rid, msg, time.monotonic())
+            self._send()
 
     # -- draining ----------------------------------------------------------------------
     def _drain(self) -> None:
@@ -115,8 +122,11 @@ class EngineLoop:
         env-host continues those on a rollout holding the same version)."""
         deadline = time.monotonic() + self.drain_timeout_s
         self.core.refuse_held()
+        self._send()
         while self.engine.has_work() and time.monotonic() < deadline:
             self._receive(0.0)
             self.core.tick(time.monotonic(), None)
+            self._send()
         self._receive(0.0)  # what arrived meanwhile is refused now, not left to time out
         self.core.cut(list(self.core.clients), "rollout is draining")
+        self._send()

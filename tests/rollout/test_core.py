@@ -1,6 +1,6 @@
 """RolloutCore in process, over the sim engine on a hand-driven clock: the coordination
 modes' version rules, partial-mode continuation, repack orders. No sockets: the core's
-replies are recorded (it only ever calls ``server.reply``)."""
+replies are recorded (the core only leaves them in ``take_replies``)."""
 
 from __future__ import annotations
 
@@ -27,12 +27,21 @@ class Clock:
 
 
 class Server:
-    def __init__(self) -> None:
-        self.replies: list[tuple[str, object]] = []
+    """Sends what its core leaves to send (the core's owner does that), and records it."""
 
-    def reply(self, identity: bytes, rid: str, msg: object) -> bool:
-        self.replies.append((rid, msg))
-        return True
+    def __init__(self) -> None:
+        self._sent: list[tuple[str, object]] = []
+        self.core: RolloutCore | None = None
+
+    def attach(self, core: RolloutCore) -> RolloutCore:
+        self.core = core
+        return core
+
+    @property
+    def replies(self) -> list[tuple[str, object]]:
+        assert self.core is not None
+        self._sent += [(rid, msg) for _, rid, msg in self.core.take_replies()]
+        return self._sent
 
     def results(self) -> dict[str, GenerateResult]:
         return {m.request_id: m for _, m in self.replies if isinstance(m, GenerateResult)}
@@ -77,7 +86,7 @@ def run_until_done(core: RolloutCore, server: Server, clock: Clock, ids: list[st
 
 def test_a_continuation_for_a_version_this_rollout_does_not_hold_is_refused_at_once():
     clock, server = Clock(), Server()
-    core = RolloutCore(engine(clock), server, "r0", mode="trajectory")
+    core = server.attach(RolloutCore(engine(clock), "r0", mode="trajectory"))
     core.on_message(b"c", "1", request("a1", required=3), clock.t)
     (_, reply), = server.replies
     assert reply.finish_reason == "version" and "requires weight version 3" in reply.error
@@ -86,7 +95,7 @@ def test_a_continuation_for_a_version_this_rollout_does_not_hold_is_refused_at_o
 
 def test_sync_mode_holds_a_request_for_the_next_version_until_the_batch_drains():
     clock, server = Clock(), Server()
-    core = RolloutCore(engine(clock), server, "r0", mode="sync")
+    core = server.attach(RolloutCore(engine(clock), "r0", mode="sync"))
     reader = Reader(newest=1)
     core.on_message(b"c", "1", request("a1", required=0), clock.t)
     core.tick(clock.t, reader)
@@ -100,7 +109,7 @@ def test_sync_mode_holds_a_request_for_the_next_version_until_the_batch_drains()
 
 def test_barrier_mode_never_loads_the_newest_version_on_its_own():
     clock, server = Clock(), Server()
-    core = RolloutCore(engine(clock), server, "r0", mode="one_step_off")
+    core = server.attach(RolloutCore(engine(clock), "r0", mode="one_step_off"))
     reader = Reader(newest=5)
     core.on_message(b"c", "1", request("a1", required=0), clock.t)
     got = run_until_done(core, server, clock, ["a1"], reader)
@@ -111,11 +120,11 @@ def test_partial_mode_interrupts_and_continues_with_one_segment_per_version():
     clock, server = Clock(), Server()
     # The same request on an engine that never changes version: the tokens to expect.
     ref_clock, ref_server = Clock(), Server()
-    ref_core = RolloutCore(engine(ref_clock), ref_server, "ref", mode="partial")
+    ref_core = ref_server.attach(RolloutCore(engine(ref_clock), "ref", mode="partial"))
     ref_core.on_message(b"c", "1", request("a1"), ref_clock.t)
     expected = run_until_done(ref_core, ref_server, ref_clock, ["a1"])["a1"]
 
-    core = RolloutCore(engine(clock), server, "r0", mode="partial")
+    core = server.attach(RolloutCore(engine(clock), "r0", mode="partial"))
     reader = Reader(newest=0)
     core.on_message(b"c", "1", request("a1"), clock.t)
     core.tick(clock.t, reader)
@@ -133,7 +142,7 @@ def test_partial_mode_interrupts_and_continues_with_one_segment_per_version():
 
 def test_a_repack_order_hands_running_requests_over_once():
     clock, server = Clock(), Server()
-    core = RolloutCore(engine(clock), server, "r0", mode="trajectory")
+    core = server.attach(RolloutCore(engine(clock), "r0", mode="trajectory"))
     for rid in ("a1", "a2"):
         core.on_message(b"c", rid, request(rid), clock.t)
     core.tick(clock.t, Reader(newest=0))
@@ -155,7 +164,7 @@ def test_a_repack_order_hands_running_requests_over_once():
                                        (RepackOrder("q", "r0", "r0", []), "onto itself")])
 def test_a_repack_order_for_someone_else_or_onto_itself_is_refused(order, why):
     clock, server = Clock(), Server()
-    core = RolloutCore(engine(clock), server, "r0")
+    core = server.attach(RolloutCore(engine(clock), "r0"))
     core.on_message(b"m", "o", order, clock.t)
     ack = server.replies[-1][1]
     assert not ack.ok and why in ack.error

@@ -41,10 +41,10 @@ def sim_member_id(host_id: str, index: int, count: int) -> str:
 
 
 class SimHost:
-    def __init__(self, cores: list[RolloutCore], weights: ReaderSource | None,
+    def __init__(self, cores: list[RolloutCore], servers: list[RequestServer], weights: ReaderSource | None,
                  *, check_every_s: float = 0.05, summary_path: Path | None = None,
                  drain_timeout_s: float = 2.0) -> None:
-        self.cores = cores
+        self.cores, self.servers = cores, servers  # core i answers on servers[i]
         self.weights = weights  # None: every engine serves version 0 for good
         self.check_every_s = check_every_s
         self.summary_path = summary_path
@@ -53,7 +53,7 @@ class SimHost:
         self.started = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sim-host", daemon=True)
-        self._by_socket = {core.server.sock: i for i, core in enumerate(cores)}
+        self._by_socket = {server.sock: i for i, server in enumerate(servers)}
         self._heap: list[tuple[float, int]] = []  # (engine's next event, core index)
         self._due: dict[int, float] = {}
 
@@ -76,8 +76,8 @@ class SimHost:
     def _run(self) -> None:
         try:
             poller = zmq.Poller()
-            for core in self.cores:
-                poller.register(core.server.sock, zmq.POLLIN)
+            for server in self.servers:
+                poller.register(server.sock, zmq.POLLIN)
             next_check = next_summary = 0.0
             newest: int | None = None
             while not self._stop.is_set():
@@ -87,7 +87,7 @@ class SimHost:
                 dirty: set[int] = set()
                 for sock, _ in ready:
                     i = self._by_socket[sock]
-                    self._receive(self.cores[i])
+                    self._receive(i)
                     dirty.add(i)
                 now = time.monotonic()
                 reader = self.weights.get(now) if self.weights is not None else None
@@ -102,6 +102,7 @@ class SimHost:
                     dirty.add(i)
                 for i in dirty:
                     self.cores[i].tick(now, reader, newest)
+                    self._send(i)
                     self._schedule(i)
                 if now >= next_summary:
                     next_summary = now + SUMMARY_EVERY_S
@@ -113,13 +114,18 @@ class SimHost:
         finally:
             self.write_summary()
 
-    def _receive(self, core: RolloutCore, max_messages: int = 1000) -> None:
+    def _receive(self, i: int, max_messages: int = 1000) -> None:
         for _ in range(max_messages):  # bounded: a flood must not starve the others
-            got = core.server.recv(0.0)
+            got = self.servers[i].recv(0.0)
             if got is None:
                 return
             identity, rid, msg = got
-            core.on_message(identity, rid, msg, time.monotonic())
+            self.cores[i].on_message(identity, rid, msg, time.monotonic())
+            self._send(i)
+
+    def _send(self, i: int) -> None:
+        for identity, rid, msg in self.cores[i].take_replies():
+            self.servers[i].reply(identity, rid, msg)
 
     def _schedule(self, i: int) -> None:
         at = self.cores[i].engine.next_event_at()  # type: ignore[attr-defined]
@@ -138,16 +144,19 @@ class SimHost:
 
     def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_timeout_s
-        for core in self.cores:
+        for i, core in enumerate(self.cores):
             core.refuse_held()
+            self._send(i)
         while time.monotonic() < deadline and any(c.engine.has_work() for c in self.cores):
-            for core in self.cores:
-                self._receive(core)
+            for i, core in enumerate(self.cores):
+                self._receive(i)
                 core.tick(time.monotonic(), None)
+                self._send(i)
             time.sleep(0.001)
-        for core in self.cores:
-            self._receive(core)
+        for i, core in enumerate(self.cores):
+            self._receive(i)
             core.cut(list(core.clients), "rollout is draining")
+            self._send(i)
 
     # -- what the benchmark reads ------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
