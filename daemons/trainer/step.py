@@ -21,6 +21,7 @@ from rlfleet.common.wire.messages import ScoredTrajectory
 
 from . import grpo
 from .guard import apply_update
+from .losses import PPOClipLoss
 
 # (rows of the batch, their padded width, log-probs [rows, width - 1], entropy or None)
 MicroBatch = tuple[list[int], int, torch.Tensor, "torch.Tensor | None"]
@@ -81,8 +82,6 @@ class GroupStep:
                          max_grad_norm: float, weight_decay: float, micro_batch_tokens: int, lr_schedule: str,
                          warmup_steps: int, total_steps: int | None) -> None:
         """What every torch learner is configured with; a bad lr schedule is refused now."""
-        from .losses import PPOClipLoss
-
         scheduled_lr(lr, 1, lr_schedule, warmup_steps, total_steps)
         self.lr_schedule, self.warmup_steps, self.total_steps = lr_schedule, warmup_steps, total_steps
         self.lr, self.seed = lr, seed

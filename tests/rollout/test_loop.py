@@ -16,6 +16,7 @@ from rlfleet.common.wire.sockets import RequestClient, RequestServer
 from rlfleet.daemons.rollout.engines.torch_engine import TorchEngine
 from rlfleet.daemons.rollout.loop import EngineLoop
 
+from ..integration.helpers import wait_for
 from .test_engine import greedy_reference, req
 
 
@@ -88,12 +89,10 @@ def stats(client: RequestClient) -> RolloutStats:
     return client.request(empty, timeout_s=5)
 
 
-def wait_seen(loop: EngineLoop, version: int, timeout_s: float = 10.0) -> None:
+def wait_seen(loop: EngineLoop, version: int) -> None:
     """Until the loop's weight policy has seen ``version`` on its relay."""
-    deadline = time.monotonic() + timeout_s
-    while loop.policy.newest != version:
-        assert time.monotonic() < deadline, f"the loop never saw weight version {version}"
-        time.sleep(0.002)
+    wait_for(f"the loop seeing weight version {version}", lambda: loop.policy.newest == version,
+             timeout_s=10.0, every_s=0.002)
 
 
 def wait_stats(client: RequestClient, pred, timeout_s: float = 10.0) -> RolloutStats:

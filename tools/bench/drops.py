@@ -292,37 +292,37 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def record_path(out: Path, task: str, tag: str) -> Path:
+    return out / f"drops-{task}{'-' + tag if tag else ''}.json"
+
+
 def earlier_runs(out: Path, tasks: list[str], tag: str,
                  head: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The runs already in OUT's records of these tasks (--append), and the head to keep: the
-    first invocation's, with every later command listed. Refused unless the runs measure the
-    same thing (minutes, window, settings)."""
+    """The runs already in OUT's record of this one task (--append), and the head to keep:
+    the first invocation's, with every later command listed. Refused unless the runs
+    measure the same thing (minutes, window, settings)."""
     if len(tasks) != 1:
         raise SystemExit("--append: one task at a time (each task has its own record)")
-    runs: list[dict[str, Any]] = []
-    kept = dict(head)
-    for task in tasks:
-        path = out / f"drops-{task}{'-' + tag if tag else ''}.json"
-        if not path.exists():
-            raise SystemExit(f"--append: no record {path} to add to")
-        old = json.loads(path.read_text())
-        for key in ("minutes", "window_min", "settings"):
-            if old.get(key, {} if key == "settings" else None) != head[key]:
-                raise SystemExit(f"--append: {path} was made with {key} = {old.get(key)!r}, "
-                                 f"this command has {head[key]!r}")
-        for r in old["runs"]:
-            r.setdefault("commit", old["commit"])  # runs from before each kept its own
-            runs.append(r)
-        kept = {k: old[k] for k in head if k in old}
-        kept["later_commands"] = [*old.get("later_commands", []), {"command": head["command"],
-                                                                   "commit": head["commit"], "date": head["date"]}]
+    path = record_path(out, tasks[0], tag)
+    if not path.exists():
+        raise SystemExit(f"--append: no record {path} to add to")
+    old = json.loads(path.read_text())
+    for key in ("minutes", "window_min", "settings"):
+        if old.get(key, {} if key == "settings" else None) != head[key]:
+            raise SystemExit(f"--append: {path} was made with {key} = {old.get(key)!r}, "
+                             f"this command has {head[key]!r}")
+    runs = [{"commit": old["commit"], **r} for r in old["runs"]]  # runs from before kept no commit of their own
+    kept = {k: old[k] for k in head if k in old}
+    kept["later_commands"] = [*old.get("later_commands", []),
+                              {"command": head["command"], "commit": head["commit"], "date": head["date"]}]
     return runs, kept
 
 
 def write_records(out: Path, tag: str, head: dict[str, Any], records: list[dict[str, Any]],
                   complete: bool) -> list[Path]:
-    """OUT/drops-<task>[-<tag>].json for every task measured so far (``runs_planned`` vs the
-    runs present says whether the bench ended)."""
+    """OUT/drops-<task>[-<tag>].json for every task measured so far (``complete``: whether
+    the bench made every run its command asked for), each replaced whole (a temporary file
+    renamed), so a bench stopped while writing leaves the previous record."""
     written = []
     for task, summary in summarise(records).items():
         runs = [r for r in records if r["task"] == task]
@@ -330,10 +330,12 @@ def write_records(out: Path, tag: str, head: dict[str, Any], records: list[dict[
         by_window = [round(statistics.fmean(v[i] for v in valid if len(v) > i and v[i] is not None), 4)
                      for i in range(max(map(len, valid), default=0))
                      if any(len(v) > i and v[i] is not None for v in valid)]
-        path = out / f"drops-{task}{'-' + tag if tag else ''}.json"
-        path.write_text(json.dumps({**head, "task": task, "drop_share": summary["drop_share_mean"],
-                                    "drop_share_by_window": by_window, "summary": summary,
-                                    "complete": complete, "runs": runs}, indent=1))
+        path = record_path(out, task, tag)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({**head, "task": task, "drop_share": summary["drop_share_mean"],
+                                   "drop_share_by_window": by_window, "summary": summary,
+                                   "complete": complete, "runs": runs}, indent=1))
+        os.replace(tmp, path)
         written.append(path)
     return written
 
