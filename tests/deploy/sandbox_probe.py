@@ -16,7 +16,7 @@ import socket
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import sandbox as sb  # noqa: E402 — the copy of common/sandbox/parent.py beside this file
+import parent as sb  # noqa: E402 — the copy of common/sandbox/parent.py beside this file
 
 # CPU well below the wall clock, so a loop is cpu_limit even on a loaded machine.
 LIMITS = sb.SandboxLimits(wall_s=20.0, cpu_s=1, memory_mib=128, nproc=8, file_mib=1, tmp_mib=1)
