@@ -49,6 +49,7 @@ from rlfleet.daemons.tasks.episodes import evaluate_model
 from rlfleet.daemons.tasks.frozenlake import ACTIONS, optimal_actions, parse_observation
 from rlfleet.daemons.tasks.tool_use import ToolUseTask, observation_after
 from rlfleet.tools.evaluate import WARMSTART_FILE, load
+from rlfleet.tools.options import add_options
 
 SPECIAL_TOKENS = ["<pad>", "<eos>"]  # ids 0, 1
 # Digits and operators, a few spare punctuation marks for later tasks, blank and newline,
@@ -372,29 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", default="arithmetic,frozenlake",
                    help="arithmetic,frozenlake (models/tiny-qwen2) or arithmetic,frozenlake,tool_use "
                         "(models/tiny-qwen2-tools)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--hidden", type=int, default=96)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-steps", type=int, default=3000)
-    p.add_argument("--arith-share", type=float, default=0.5, help="arithmetic batch share")
-    p.add_argument("--arith-examples", type=int, default=20000)
-    p.add_argument("--carry-slip", type=float, default=0.8, help="no-carry label rate")
-    p.add_argument("--tool-share", type=float, default=0.25, help="tool_use batch share")
-    p.add_argument("--tool-examples", type=int, default=10000)
-    p.add_argument("--tool-low", type=float, default=0.25, help="tool-call rate, most problems")
-    p.add_argument("--tool-high", type=float, default=0.9, help="tool-call rate, a*b with a%%10<3")
-    p.add_argument("--lake-maps", type=int, default=2000)
-    p.add_argument("--explore", type=float, default=0.3, help="behaviour random-action rate")
-    p.add_argument("--habit", type=float, default=0.75, help="hole-blind label rate")
-    p.add_argument("--label-noise", type=float, default=0.3, help="random-label rate")
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--dev-n", type=int, default=256)
-    p.add_argument("--final-n", type=int, default=256)
-    p.add_argument("--band-low", type=float, default=0.2)
-    p.add_argument("--band-high", type=float, default=0.4)
+    add_options(p, seed=0, threads=1, hidden=96, layers=3, lr=1e-3, batch_size=64, max_steps=3000,
+                arith_share=(0.5, "arithmetic batch share"), arith_examples=20000,
+                carry_slip=(0.8, "no-carry label rate"), tool_share=(0.25, "tool_use batch share"),
+                tool_examples=10000, tool_low=(0.25, "tool-call rate, most problems"),
+                tool_high=(0.9, "tool-call rate, a*b with a%%10<3"), lake_maps=2000,
+                explore=(0.3, "behaviour random-action rate"), habit=(0.75, "hole-blind label rate"),
+                label_noise=(0.3, "random-label rate"), eval_every=100, dev_n=256, final_n=256, band_low=0.2,
+                band_high=0.4)
     warm_start(p.parse_args(argv))
     return 0
 

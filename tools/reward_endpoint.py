@@ -44,6 +44,7 @@ from typing import Any
 
 from rlfleet.common.wire.messages import Prompt
 from rlfleet.daemons.tasks import get_task
+from rlfleet.tools.options import add_options
 
 _KNOBS = {"latency_s": float, "error_rate": float, "error_status": int, "hang_rate": float,
           "fail_next": int, "hang_next": int}
@@ -245,12 +246,8 @@ class Server(ThreadingHTTPServer):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
-    p.add_argument("--latency-s", type=float, default=0.0)
-    p.add_argument("--error-rate", type=float, default=0.0)
-    p.add_argument("--error-status", type=int, default=503)
-    p.add_argument("--hang-rate", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    add_options(p, port=(0, "0: any free port (printed)"), latency_s=0.0, error_rate=0.0, error_status=503,
+                hang_rate=0.0, seed=0)
     p.add_argument("--auth-file", help="require Authorization: <this file's content>")
     args = p.parse_args(argv)
     auth = None

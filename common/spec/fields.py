@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 __all__ = ["Host", "Int", "NonNegInt", "PosFloat", "PosInt", "Section", "SPEC_ERROR",
-           "fail", "num", "show"]
+           "fail", "not_beyond", "num", "show"]
 
 # Our own error type: its message is already in the final phrasing (spec_errors.describe).
 SPEC_ERROR = "rlfleet_spec"
@@ -39,6 +39,18 @@ def fail(message: str) -> PydanticCustomError:
 
 def num(x: Any) -> str:
     return str(int(x)) if isinstance(x, float) and x.is_integer() else str(x)
+
+
+def not_beyond(key: str, other: str, *, at_least: bool) -> Any:
+    """A validator for a Section's ``key``: it must be >= (``at_least``) or <= ``other``,
+    a key declared before it (pydantic validates in that order). Assign it in the class
+    body under a name of its own: ``_p99_above_median = not_beyond("p99", "median", at_least=True)``."""
+    def check(cls: type, value: Any, info: ValidationInfo) -> Any:
+        bound = info.data.get(other)
+        if bound is not None and (value < bound if at_least else value > bound):
+            raise fail(f"must be {'>=' if at_least else '<='} {other} ({num(bound)}), got {num(value)}")
+        return value
+    return field_validator(key)(classmethod(check))  # type: ignore[arg-type]
 
 
 def show(value: Any) -> str:

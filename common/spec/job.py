@@ -43,7 +43,7 @@ from pydantic import (
 
 from rlfleet.common.job_name import JOB_NAME_RULE, is_job_name
 from rlfleet.common.spec.errors import SpecError, describe, dotted, suggest
-from rlfleet.common.spec.fields import Host, NonNegInt, PosFloat, PosInt, Section, fail, show
+from rlfleet.common.spec.fields import Host, NonNegInt, PosFloat, PosInt, Section, fail, not_beyond, show
 from rlfleet.common.spec.file import read_spec_toml
 from rlfleet.common.spec.filters import FilterSchedule, check_extra, check_schedule, filter_errors
 from rlfleet.common.spec.placement import ROLES, PlacementSection
@@ -280,13 +280,7 @@ class EnvHostSection(Section):
                        f"got env_mode = {show(info.data.get('env_mode'))}")
         return extra
 
-    @field_validator("trajectory_timeout_s")
-    @classmethod
-    def _covers_a_turn(cls, total: float, info: ValidationInfo) -> float:
-        turn = info.data.get("turn_timeout_s")
-        if turn is not None and total < turn:
-            raise fail(f"must be >= turn_timeout_s ({turn:g}), got {total:g}")
-        return total
+    _covers_a_turn = not_beyond("trajectory_timeout_s", "turn_timeout_s", at_least=True)
 
 
 class RewardHostSection(Section):

@@ -23,10 +23,10 @@ and ``rollout-relay`` (relay_source.py).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 
+from rlfleet.common.threads import LoopThread
 from rlfleet.common.wire.messages import RolloutStats
 from rlfleet.common.wire.sockets import RequestServer
 from rlfleet.daemons.rollout.engines.api import Engine
@@ -36,13 +36,14 @@ from .core import ReaderSource, RolloutCore, limit_vocab
 log = logging.getLogger("rlfleet.rollout")
 
 
-class EngineLoop:
+class EngineLoop(LoopThread):
     """Runs in its own thread (``start()``); ``events`` holds one sentence per version change."""
 
     def __init__(self, engine: Engine, server: RequestServer, member_id: str,
                  weights: ReaderSource | None = None, *,
                  mode: str = "trajectory", hold_max_s: float = 2.0, check_every_s: float = 0.05,
                  idle_wait_s: float = 0.05, drain_timeout_s: float = 2.0) -> None:
+        super().__init__("rollout-engine")
         limit_vocab(server, engine)
         self.core = RolloutCore(engine, member_id, where=getattr(server, "name", None), mode=mode, hold_max_s=hold_max_s,
                                 check_every_s=check_every_s)
@@ -51,8 +52,6 @@ class EngineLoop:
         self.idle_wait_s = idle_wait_s
         self.drain_timeout_s = drain_timeout_s
         self.error: BaseException | None = None  # set if the thread died
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rollout-engine", daemon=True)
 
     @property
     def events(self) -> deque[str]:  # read and cleared by the daemon's cycle()
@@ -63,9 +62,6 @@ class EngineLoop:
         return self.core.policy
 
     # -- control, from other threads ---------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
-
     def release(self) -> None:
         """Allow the next weight load even with running requests (they end as "abort").
 
@@ -73,14 +69,9 @@ class EngineLoop:
         new version is seen still applies; it lapses once nothing is running."""
         self.core.release()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float | None = None) -> None:
         """Drain (finish running requests for up to drain_timeout_s, abort the rest) and stop."""
-        self._stop.set()
-        self._thread.join(timeout_s)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+        super().stop(timeout_s)
 
     def stats(self) -> RolloutStats:
         return self.core.stats()

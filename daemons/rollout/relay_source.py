@@ -35,7 +35,6 @@ directory missing, the reader failing) until a look succeeds again.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -44,6 +43,7 @@ from pathlib import Path
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import RelayMember, members_from
 from rlfleet.common.control.store import KeyValue, Store, StoreUnavailable, Watch, WatchEvent, apply_event
+from rlfleet.common.threads import LoopThread
 from rlfleet.relay.topology import natural_key  # the chain's order: relay-2 before relay-10
 
 from .core import WeightReader
@@ -70,14 +70,17 @@ class _LookFailed(Exception):
         self.kind = kind
 
 
-class RelayFollower:
+class RelayFollower(LoopThread):
     """This host's relay, followed from the ``rollout-relay`` thread; ``get(now)`` is the
     reader the engine thread uses (None until a relay was found)."""
+
+    stop_timeout_s = 5.0
 
     def __init__(self, store: Store, job: str, host: str,
                  make_reader: Callable[[RelayMember], WeightReader], *,
                  interval_s: float = 1.0, max_backoff_s: float = 4.0,
                  on_switch: Callable[[], None] | None = None) -> None:
+        super().__init__("rollout-relay")
         self.store, self.keys, self.host = store, JobKeys(job), host
         self.make_reader = make_reader
         self.on_switch = on_switch  # the daemon's wake(): report a switch at once
@@ -89,22 +92,9 @@ class RelayFollower:
         self._logged: set[str] = set()  # failure kinds logged since the last good look
         self._seen: dict[str, tuple] = {}  # this host's relays at the last look: key -> what choose_relay reads
         self.events_let_pass = 0  # watch events that could not change the choice (tests, debugging)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rollout-relay", daemon=True)
 
     def get(self, now: float) -> WeightReader | None:
         return self.reader
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        self._thread.join(timeout_s)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     def _run(self) -> None:
         watch: Watch | None = None

@@ -15,9 +15,9 @@ from __future__ import annotations
 import importlib
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, StrictInt, StrictStr, ValidationInfo, field_validator
+from pydantic import Field, StrictInt, StrictStr, field_validator
 
-from rlfleet.common.spec.fields import Section, fail, show
+from rlfleet.common.spec.fields import Section, fail, not_beyond, show
 from rlfleet.common.spec.registry import Kind, KindConfig
 
 from .base import Task
@@ -58,13 +58,7 @@ class ArithmeticConfig(KindConfig):
     min_digits: Digits = 2  # the fewest
     ops: StrictStr = "+"  # a non-empty subset of "+-"
 
-    @field_validator("min_digits")
-    @classmethod
-    def _at_most_digits(cls, n: int, info: ValidationInfo) -> int:
-        digits = info.data.get("digits")
-        if digits is not None and n > digits:
-            raise fail(f"must be <= digits ({digits}), got {n}")
-        return n
+    _at_most_digits = not_beyond("min_digits", "digits", at_least=False)
 
     @field_validator("ops")
     @classmethod
@@ -158,13 +152,7 @@ class ToolUseConfig(KindConfig):
     # under [env_host] turn_timeout_s, or the turn times out before the tool does.
     tool_timeout_s: float = Field(default=5.0, strict=True, gt=0, le=60, allow_inf_nan=False)
 
-    @field_validator("min_digits")
-    @classmethod
-    def _at_most_digits(cls, n: int, info: ValidationInfo) -> int:
-        digits = info.data.get("digits")
-        if digits is not None and n > digits:
-            raise fail(f"must be <= digits ({digits}), got {n}")
-        return n
+    _at_most_digits = not_beyond("min_digits", "digits", at_least=False)
 
 
 class ToolUse(TaskKind):

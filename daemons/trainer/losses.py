@@ -13,6 +13,7 @@ offpolicy.py): ``ppo_clip`` (default), ``decoupled_ppo``, ``tis``, ``cispo``, ``
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
@@ -122,9 +123,21 @@ class PPOClip(Kind):
         return PPOClipLoss(config.clip_eps, config.entropy_coef, config.ratio_cap)
 
 
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """One micro-batch's rows [N, T] as an off-policy loss sees them."""
+
+    logp: torch.Tensor               # the current policy's (with gradient)
+    behaviour: torch.Tensor          # mu: what the rollout reported
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    entropy: torch.Tensor | None
+    proximal: torch.Tensor | None    # pi_old: the learner's parameters before the step
+
+
 class _OffPolicyLoss(PolicyLoss):
-    """A loss of offpolicy.py: ``self._objective(logp, behaviour, advantages, mask, entropy,
-    proximal)`` gives the per-token objective and stats; the rest is shared."""
+    """A loss of offpolicy.py: ``objective(tokens)`` gives the per-token objective and
+    stats from ``self._math`` and ``self.params`` (the kind's keys); the rest is shared."""
 
     kind = ""
 
@@ -141,16 +154,25 @@ class _OffPolicyLoss(PolicyLoss):
                  proximal_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         if aggregate not in ("token", "sequence"):
             raise ValueError(f"aggregate must be 'token' or 'sequence', got {aggregate!r}")
-        objective, stats = self._objective(logp, behaviour_logp, advantages, mask, entropy, proximal_logp)
+        objective, stats = self.objective(Tokens(logp, behaviour_logp, advantages, mask, entropy, proximal_logp))
         return self._minimise(objective, mask, aggregate, denominator, entropy), stats
 
     @abc.abstractmethod
-    def _objective(self, logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor,
-                   mask: torch.Tensor, entropy: torch.Tensor | None,
-                   proximal: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]: ...
+    def objective(self, t: Tokens) -> tuple[torch.Tensor, dict[str, float]]: ...
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, **self.params, "entropy_coef": self.entropy_coef}
+
+
+class _OffPolicyKind(Kind):
+    """Builds ``Loss`` with the Config's keys (all but kind and entropy_coef) as its params."""
+
+    Loss: type[_OffPolicyLoss]
+
+    @classmethod
+    def build(cls, config: KindConfig, /, **_: Any) -> _OffPolicyLoss:
+        params = config.model_dump(exclude={"kind", "entropy_coef"})
+        return cls.Loss(config.entropy_coef, **params)  # type: ignore[attr-defined]
 
 
 class DecoupledPPOConfig(KindConfig):
@@ -165,22 +187,16 @@ class DecoupledPPOLoss(_OffPolicyLoss):
     kind = "decoupled_ppo"
     needs_proximal_logp = True
 
-    def _objective(self, logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor,
-                   mask: torch.Tensor, entropy: torch.Tensor | None,
-                   proximal: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    def objective(self, t: Tokens) -> tuple[torch.Tensor, dict[str, float]]:
         # Without proximal log-probs the caller makes one update per batch: pi_prox = pi_theta.
-        prox = proximal if proximal is not None else logp.detach()
-        return self._math.decoupled_ppo(logp, behaviour, prox, advantages, mask,
+        prox = t.proximal if t.proximal is not None else t.logp.detach()
+        return self._math.decoupled_ppo(t.logp, t.behaviour, prox, t.advantages, t.mask,
                                         self.params["clip_eps"],  # type: ignore[arg-type]
-                                        self.params["ratio_cap"], entropy)
+                                        self.params["ratio_cap"], t.entropy)
 
 
-class DecoupledPPO(Kind):
-    Config = DecoupledPPOConfig
-
-    @classmethod
-    def build(cls, config: DecoupledPPOConfig, /, **_: Any) -> DecoupledPPOLoss:
-        return DecoupledPPOLoss(config.entropy_coef, clip_eps=config.clip_eps, ratio_cap=config.ratio_cap)
+class DecoupledPPO(_OffPolicyKind):
+    Config, Loss = DecoupledPPOConfig, DecoupledPPOLoss
 
 
 class TISConfig(KindConfig):
@@ -195,19 +211,13 @@ class TISLoss(_OffPolicyLoss):
     kind = "tis"
     needs_proximal_logp = True  # pi_old of the weight is the trainer's pre-step policy
 
-    def _objective(self, logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor,
-                   mask: torch.Tensor, entropy: torch.Tensor | None,
-                   proximal: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
-        return self._math.truncated_is(logp, behaviour, advantages, mask,
-                                       self.params["cap"], proximal, entropy)  # type: ignore[arg-type]
+    def objective(self, t: Tokens) -> tuple[torch.Tensor, dict[str, float]]:
+        return self._math.truncated_is(t.logp, t.behaviour, t.advantages, t.mask,
+                                       self.params["cap"], t.proximal, t.entropy)  # type: ignore[arg-type]
 
 
-class TIS(Kind):
-    Config = TISConfig
-
-    @classmethod
-    def build(cls, config: TISConfig, /, **_: Any) -> TISLoss:
-        return TISLoss(config.entropy_coef, cap=config.cap)
+class TIS(_OffPolicyKind):
+    Config, Loss = TISConfig, TISLoss
 
 
 class CISPOConfig(KindConfig):
@@ -221,19 +231,13 @@ class CISPOConfig(KindConfig):
 class CISPOLoss(_OffPolicyLoss):
     kind = "cispo"
 
-    def _objective(self, logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor,
-                   mask: torch.Tensor, entropy: torch.Tensor | None,
-                   proximal: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
-        return self._math.cispo(logp, behaviour, advantages, mask, self.params["eps_low"],  # type: ignore[arg-type]
-                                self.params["eps_high"], entropy)  # type: ignore[arg-type]
+    def objective(self, t: Tokens) -> tuple[torch.Tensor, dict[str, float]]:
+        return self._math.cispo(t.logp, t.behaviour, t.advantages, t.mask, self.params["eps_low"],  # type: ignore[arg-type]
+                                self.params["eps_high"], t.entropy)  # type: ignore[arg-type]
 
 
-class CISPO(Kind):
-    Config = CISPOConfig
-
-    @classmethod
-    def build(cls, config: CISPOConfig, /, **_: Any) -> CISPOLoss:
-        return CISPOLoss(config.entropy_coef, eps_low=config.eps_low, eps_high=config.eps_high)
+class CISPO(_OffPolicyKind):
+    Config, Loss = CISPOConfig, CISPOLoss
 
 
 class TOPRConfig(KindConfig):
@@ -246,16 +250,10 @@ class TOPRConfig(KindConfig):
 class TOPRLoss(_OffPolicyLoss):
     kind = "topr"
 
-    def _objective(self, logp: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor,
-                   mask: torch.Tensor, entropy: torch.Tensor | None,
-                   proximal: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
-        return self._math.topr(logp, behaviour, advantages, mask,
-                               self.params["cap"], entropy)  # type: ignore[arg-type]
+    def objective(self, t: Tokens) -> tuple[torch.Tensor, dict[str, float]]:
+        return self._math.topr(t.logp, t.behaviour, t.advantages, t.mask,
+                               self.params["cap"], t.entropy)  # type: ignore[arg-type]
 
 
-class TOPR(Kind):
-    Config = TOPRConfig
-
-    @classmethod
-    def build(cls, config: TOPRConfig, /, **_: Any) -> TOPRLoss:
-        return TOPRLoss(config.entropy_coef, cap=config.cap)
+class TOPR(_OffPolicyKind):
+    Config, Loss = TOPRConfig, TOPRLoss

@@ -14,20 +14,8 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
+from rlfleet.common.wire import messages as wire
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
-from rlfleet.common.wire.messages import (
-    Abort,
-    Ack,
-    GenerateRequest,
-    GenerateResult,
-    Prompt,
-    RepackOrder,
-    RolloutStats,
-    ScoredTrajectory,
-    Segment,
-    Trajectory,
-    Turn,
-)
 
 U64_MAX = 2**64 - 1
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
@@ -79,22 +67,22 @@ def float32_arrays(draw: st.DrawFn) -> Float32Array:
     return Float32Array(values)
 
 
-segments = st.lists(st.builds(Segment, hostile_ints, hostile_ints), max_size=4)
+segments = st.lists(st.builds(wire.Segment, hostile_ints, hostile_ints), max_size=4)
 
-prompts = st.builds(Prompt, hostile_text, hostile_text, hostile_ids, hostile_text, hostile_text,
+prompts = st.builds(wire.Prompt, hostile_text, hostile_text, hostile_ids, hostile_text, hostile_text,
                     hostile_ints)
 
-turns = st.builds(Turn, int32_arrays(), int32_arrays(), float32_arrays(), hostile_ints,
+turns = st.builds(wire.Turn, int32_arrays(), int32_arrays(), float32_arrays(), hostile_ints,
                   hostile_text, hostile_text, segments)
 
 
 # More turns than any receiver takes (Limits.max_items), each tiny: ~2 MB on the wire.
-_MANY_TURNS = [Turn(Int32Array([1]), Int32Array([2]), Float32Array([-0.5]), 0, "", "")] * 70_000
+_MANY_TURNS = [wire.Turn(Int32Array([1]), Int32Array([2]), Float32Array([-0.5]), 0, "", "")] * 70_000
 
 
-def trajectories(trajectory_id: st.SearchStrategy[str] = hostile_ids) -> st.SearchStrategy[Trajectory]:
+def trajectories(trajectory_id: st.SearchStrategy[str] = hostile_ids) -> st.SearchStrategy[wire.Trajectory]:
     return st.builds(
-        Trajectory, trajectory_id, hostile_ints, hostile_ids, hostile_text,
+        wire.Trajectory, trajectory_id, hostile_ints, hostile_ids, hostile_text,
         st.one_of(st.lists(turns, max_size=3), st.just([]), st.just(_MANY_TURNS)),
         hostile_floats,
         st.dictionaries(hostile_text, hostile_text, max_size=3),
@@ -102,31 +90,31 @@ def trajectories(trajectory_id: st.SearchStrategy[str] = hostile_ids) -> st.Sear
         st.one_of(st.none(), prompts))
 
 
-def scored(trajectory_id: st.SearchStrategy[str] = hostile_ids) -> st.SearchStrategy[ScoredTrajectory]:
-    return st.builds(ScoredTrajectory, trajectories(trajectory_id), hostile_floats,
+def scored(trajectory_id: st.SearchStrategy[str] = hostile_ids) -> st.SearchStrategy[wire.ScoredTrajectory]:
+    return st.builds(wire.ScoredTrajectory, trajectories(trajectory_id), hostile_floats,
                      st.one_of(st.just(""), hostile_text))
 
 
 generate_requests = st.builds(
-    GenerateRequest, hostile_ids, hostile_ids, int32_arrays(), hostile_ints, hostile_floats,
+    wire.GenerateRequest, hostile_ids, hostile_ids, int32_arrays(), hostile_ints, hostile_floats,
     hostile_floats, st.one_of(st.none(), hostile_ints), st.one_of(st.none(), hostile_ints),
     hostile_ints)
 
 generate_results = st.builds(
-    GenerateResult, hostile_ids, int32_arrays(), float32_arrays(), hostile_ints,
+    wire.GenerateResult, hostile_ids, int32_arrays(), float32_arrays(), hostile_ints,
     st.sampled_from(["stop", "length", "abort", "error", "version"]), hostile_text, segments,
     hostile_ids, hostile_floats)
 
-aborts = st.builds(Abort, hostile_ids)
+aborts = st.builds(wire.Abort, hostile_ids)
 
-rollout_stats = st.builds(RolloutStats, hostile_ids, hostile_ints, hostile_ints, hostile_ints,
+rollout_stats = st.builds(wire.RolloutStats, hostile_ids, hostile_ints, hostile_ints, hostile_ints,
                           hostile_ints, hostile_ints, hostile_floats, hostile_floats)
 
 repack_orders = st.builds(
-    RepackOrder, hostile_ids, hostile_ids, hostile_ids,
+    wire.RepackOrder, hostile_ids, hostile_ids, hostile_ids,
     st.one_of(st.lists(hostile_ids, max_size=5), st.just([""] * 100_000)))
 
-acks = st.builds(Ack, st.one_of(st.lists(hostile_ids, max_size=5), st.just(["x"] * 100_000)),
+acks = st.builds(wire.Ack, st.one_of(st.lists(hostile_ids, max_size=5), st.just(["x"] * 100_000)),
                  st.booleans(), hostile_text)
 
 # What a rollout's requests socket accepts.

@@ -10,7 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import pytest
+
 from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.spec.errors import SpecError
+from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.lab.job import wait_for as poll_until
 
 T = TypeVar("T")
@@ -50,9 +54,36 @@ path = "{model}"
 
 """
 
+
+def sim_backend(*, time_scale: float, fixed_s: float) -> str:
+    """[trainer.backend] of a simulated trainer: 200k tokens/s plus `fixed_s` a step,
+    scaled by `time_scale`, 1 MiB of weights."""
+    return (f"[trainer.backend]\nkind = \"sim\"\ntime_scale = {time_scale}\ntokens_per_s = 200000\n"
+            f"fixed_s = {fixed_s}\nweight_mib = 1\n\n")
+
+
+def sim_lengths(*, median: int, p99: int) -> str:
+    """[rollout.engine.lengths] (lognormal) of a simulated fleet, and its [relay] (1 MiB chunks)."""
+    return f"[rollout.engine.lengths]\nkind = \"lognormal\"\nmedian = {median}\np99 = {p99}\n\n[relay]\nchunk_mib = 1\n\n"
+
+
+def one_host(rollouts: int = 1) -> str:
+    """[placement]: every role on localhost, `rollouts` rollout processes (a str.format template)."""
+    return ("[[placement.hosts]]\nname = \"localhost\"\nroles = {{ resource-manager = 1, repack-manager = 1, "
+            f"trainer = 1, relay = 1, rollout = {rollouts}, env-host = 1, reward-host = 1 }}}}\n")
+
+
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "models" / "tiny-qwen2"
 
+
+def spec_errors(path: Path, text: str) -> list[str]:
+    """Write ``text`` to ``path``, load it as a job spec and return the errors it must
+    raise, each without the ``<path>: `` in front."""
+    path.write_text(text)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    return [e.removeprefix(f"{path}: ") for e in info.value.errors]
 
 def agent_host_placement(host: str) -> str:
     """[placement] for one node agent's tests: `host` runs a resource-manager and a

@@ -14,7 +14,7 @@ from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import members_from
 
-from .helpers import SIM_HEAD, wait_for
+from .helpers import SIM_HEAD, one_host, sim_backend, sim_lengths, wait_for
 from .test_longtail_sim import TINY_MODEL, finish, needs_model, run_dir_of, steps
 
 AFFINITY_JOB = SIM_HEAD + """\
@@ -33,13 +33,7 @@ batch_size = 16
 max_steps = 100000
 checkpoint_every = 1000
 
-[trainer.backend]
-kind = "sim"
-time_scale = 0.1
-tokens_per_s = 200000
-fixed_s = 5.0
-weight_mib = 1
-
+""" + sim_backend(time_scale=0.1, fixed_s=5.0) + """\
 [rollout]
 mode = "trajectory"
 
@@ -59,14 +53,7 @@ profile = "h20-7b"
 rollouts = 2
 max_batch = 8
 
-[rollout.engine.lengths]
-kind = "lognormal"
-median = 200
-p99 = 1000
-
-[relay]
-chunk_mib = 1
-
+""" + sim_lengths(median=200, p99=1000) + """\
 [env_host]
 max_concurrent = 12        # < a pool's 16 slots: the preferred pool never saturates, so
 turn_timeout_s = 30        # a tag off its pool would be a routing error, not load
@@ -82,10 +69,7 @@ workers = 1
 [repack_manager.planner]
 kind = "none"
 
-[[placement.hosts]]
-name = "localhost"
-roles = {{ resource-manager = 1, repack-manager = 1, trainer = 1, relay = 1, rollout = 1, env-host = 1, reward-host = 1 }}
-"""
+""" + one_host()
 
 
 @needs_model

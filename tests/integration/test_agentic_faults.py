@@ -18,7 +18,7 @@ from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import members_from
 
-from .helpers import SIM_HEAD, TINY_MODEL, wait_for
+from .helpers import SIM_HEAD, TINY_MODEL, sim_backend, sim_lengths, wait_for
 from .test_longtail_sim import finish, run_dir_of, steps
 
 needs_model = pytest.mark.skipif(not (TINY_MODEL / "config.json").exists(), reason="models/tiny-qwen2 not built")
@@ -43,13 +43,7 @@ max_steps = 100000
 checkpoint_every = 5
 no_signal_drops_per_batch = 1
 
-[trainer.backend]
-kind = "sim"
-time_scale = 0.05
-tokens_per_s = 200000
-fixed_s = 2.0
-weight_mib = 1
-
+""" + sim_backend(time_scale=0.05, fixed_s=2.0) + """\
 [rollout.engine]
 kind = "sim"
 rollouts = 4
@@ -57,14 +51,7 @@ time_scale = 0.05
 max_batch = 16
 roofline_batch = 16
 
-[rollout.engine.lengths]
-kind = "lognormal"
-median = 40
-p99 = 200
-
-[relay]
-chunk_mib = 1
-
+""" + sim_lengths(median=40, p99=200) + """\
 [env_host]
 env_mode = "batch"
 redundant_samples = 2

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import TINY_MODEL
+from .helpers import TINY_MODEL, one_host, sim_backend, sim_lengths
 from .test_longtail_sim import finish, needs_model, steps
 
 P, EXTRA = 4, 3  # prompts per batch, the queue's extra prompts
@@ -42,13 +42,7 @@ checkpoint_every = 5
 no_signal_drops_per_batch = 4
 filter_schedule = "{schedule}"{trainer_keys}
 
-[trainer.backend]
-kind = "sim"
-time_scale = 0.1
-tokens_per_s = 200000
-fixed_s = 5.0
-weight_mib = 1
-
+""" + sim_backend(time_scale=0.1, fixed_s=5.0) + """\
 [rollout.engine]
 kind = "sim"
 rollouts = 4
@@ -56,24 +50,14 @@ time_scale = 0.1
 max_batch = 8
 roofline_batch = 8
 
-[rollout.engine.lengths]
-kind = "lognormal"
-median = 200
-p99 = 1000
-
-[relay]
-chunk_mib = 1
-
+""" + sim_lengths(median=200, p99=1000) + """\
 [env_host]
 max_concurrent = 64
 
 [repack_manager.planner]
 kind = "none"
 
-[[placement.hosts]]
-name = "localhost"
-roles = {{ resource-manager = 1, repack-manager = 1, trainer = 1, relay = 1, rollout = 1, env-host = 1, reward-host = 1 }}
-"""
+""" + one_host()
 
 
 def claims(run_dir: Path) -> list[tuple[int, int]]:

@@ -20,7 +20,7 @@ from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import members_from
 from rlfleet.tools.exit_codes import Exit
 
-from .helpers import SIM_HEAD, TINY_MODEL, wait_for
+from .helpers import SIM_HEAD, TINY_MODEL, one_host, sim_backend, sim_lengths, wait_for
 
 needs_model = pytest.mark.skipif(not (TINY_MODEL / "config.json").exists(), reason="models/tiny-qwen2 not built")
 
@@ -38,13 +38,8 @@ max_steps = 100000
 max_staleness = 4
 checkpoint_every = 5
 
-[trainer.backend]
-kind = "sim"
-time_scale = 0.1
-tokens_per_s = 200000
-fixed_s = 30.0            # a 3 s step: versions outlive a few stats polls
-weight_mib = 1
-
+""" + sim_backend(time_scale=0.1, fixed_s=30.0) + """\
+# the trainer: a 3 s step (fixed_s x time_scale), so versions outlive a few stats polls
 [rollout]
 mode = "{mode}"
 
@@ -55,14 +50,7 @@ time_scale = 0.3
 max_batch = 4
 roofline_batch = 4
 
-[rollout.engine.lengths]
-kind = "lognormal"
-median = 300
-p99 = 3000
-
-[relay]
-chunk_mib = 1
-
+""" + sim_lengths(median=300, p99=3000) + """\
 [env_host]
 max_concurrent = 16        # half the 32 slots: rollouts run part-full, so repacks happen (the env-host keeps
                            # max_concurrent trajectories running, docs/guide/agentic.md)
@@ -71,10 +59,7 @@ turn_timeout_s = 30
 [repack_manager.planner]
 kind = "{planner}"{planner_keys}
 
-[[placement.hosts]]
-name = "localhost"
-roles = {{ resource-manager = 1, repack-manager = 1, trainer = 1, relay = 1, rollout = 2, env-host = 1, reward-host = 1 }}
-"""
+""" + one_host(2)
 
 
 def start(tmp_path: Path, etcd, job: str, *, mode: str = "trajectory", planner: str = "laminar",

@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import load_spec
 from rlfleet.common.spec.seams import REWARD_BACKENDS
 from rlfleet.common.wire.messages import Trajectory
@@ -21,7 +20,7 @@ from rlfleet.daemons.reward_host.pipeline.spec import PipelineConfig
 from rlfleet.daemons.reward_host.service import RewardService, batch_of
 from rlfleet.daemons.reward_host.workers import RewardJob, RewardPool
 from rlfleet.daemons.tasks import get_task
-from tests.integration.helpers import wait_for
+from tests.integration.helpers import spec_errors, wait_for
 
 from ..unit.test_spec import REPO
 from .fakes import trajectory
@@ -253,11 +252,7 @@ BASE = (REPO / "examples" / "arithmetic-multistage.toml").read_text().replace(
 
 
 def errors_of(tmp_path, text: str) -> list[str]:
-    path = tmp_path / "bad.toml"
-    path.write_text(text)
-    with pytest.raises(SpecError) as info:
-        load_spec(path)
-    return [e.removeprefix(f"{path}: ") for e in info.value.errors]
+    return spec_errors(tmp_path / "bad.toml", text)
 
 
 @pytest.mark.parametrize("old,new,error", [

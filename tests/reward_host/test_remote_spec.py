@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import load_spec
+from tests.integration.helpers import spec_errors
 
 REPO = Path(__file__).resolve().parents[2]
 HEAD = f"""\
@@ -25,11 +25,7 @@ URL = 'endpoints = "http://127.0.0.1:8700/score"\n'
 
 
 def errors(tmp_path: Path, text: str) -> list[str]:
-    path = tmp_path / "job.toml"
-    path.write_text(HEAD + text)
-    with pytest.raises(SpecError) as info:
-        load_spec(path)
-    return [e.removeprefix(f"{path}: ") for e in info.value.errors]
+    return spec_errors(tmp_path / "job.toml", HEAD + text)
 
 
 def test_one_url_or_a_list_and_the_defaults(tmp_path):

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import load_spec
-from tests.integration.helpers import TINY_MODEL
+from tests.integration.helpers import TINY_MODEL, spec_errors
 
 BASE = f"""\
 [job]
@@ -24,11 +23,7 @@ kind = "arithmetic"
 
 
 def errors(tmp_path: Path, text: str) -> list[str]:
-    path = tmp_path / "f.toml"
-    path.write_text(BASE + text)
-    with pytest.raises(SpecError) as info:
-        load_spec(path)
-    return [e.removeprefix(f"{path}: ") for e in info.value.errors]
+    return spec_errors(tmp_path / "f.toml", BASE + text)
 
 
 def test_the_schedules_that_validate(tmp_path):

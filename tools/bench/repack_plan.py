@@ -32,6 +32,7 @@ from typing import Any
 from rlfleet.common.wire.messages import RolloutStats
 from rlfleet.daemons.repack_manager.planners import LaminarPlanner
 from rlfleet.daemons.repack_manager.rollout_view import RolloutLoad, check_stats
+from rlfleet.tools.options import add_options
 
 KV_TOTAL = 100_000  # KV tokens of one rollout (order of a 7B model on one 80 GB GPU)
 
@@ -127,15 +128,9 @@ def plot(report: dict[str, Any], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rollouts", type=int, default=1000)
-    p.add_argument("--plans", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=5, help="plans run first and not counted")
-    p.add_argument("--versions", type=int, default=4)
-    p.add_argument("--ramp-down", type=float, default=0.6, help="share of rollouts in ramp-down")
-    p.add_argument("--batch", type=int, default=256, help="roofline batch B")
-    p.add_argument("--c-max", type=float, default=0.99)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target-ms", type=float, default=50.0)
+    add_options(p, rollouts=1000, plans=200, warmup=(5, "plans run first and not counted"), versions=4,
+                ramp_down=(0.6, "share of rollouts in ramp-down"), batch=(256, "roofline batch B"), c_max=0.99,
+                seed=0, target_ms=50.0)
     p.add_argument("--json", dest="json_out", default=None, help="also write the record here")
     p.add_argument("--plot", default=None, help="histogram of plan times (PNG)")
     args = p.parse_args(argv)

@@ -31,6 +31,7 @@ from rlfleet.common.wire.messages import GenerateRequest
 from rlfleet.daemons.rollout.sim.engine import SimEngine
 from rlfleet.daemons.rollout.sim.lengths import Lognormal
 from rlfleet.daemons.rollout.sim.timing import PROFILES
+from rlfleet.tools.options import add_options
 
 MAX_LAG = 0.05
 VOCAB, EOS = 152064, 151643  # Qwen2.5's vocabulary and <|endoftext|>
@@ -122,17 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="64,1000", help="comma-separated engine counts")
     ap.add_argument("--profile", default="h800-7b", choices=sorted(PROFILES))
-    ap.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per model second")
-    ap.add_argument("--in-flight", type=int, default=320, help="requests per engine (running + waiting)")
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--max-new", type=int, default=16384)
-    ap.add_argument("--median", type=float, default=2048)
-    ap.add_argument("--p99", type=float, default=12288)
-    ap.add_argument("--group-correlation", type=float, default=0.5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup-s", type=float, default=20.0)
-    ap.add_argument("--duration-s", type=float, default=30.0)
+    add_options(ap, time_scale=(1.0, "wall seconds per model second"),
+                in_flight=(320, "requests per engine (running + waiting)"), group=8, prompt_len=512, max_new=16384,
+                median=2048.0, p99=12288.0, group_correlation=0.5, seed=0, warmup_s=20.0, duration_s=30.0)
     ap.add_argument("--json", help="write the records to this file")
     a = ap.parse_args(argv)
     records = []

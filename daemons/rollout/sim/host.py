@@ -21,13 +21,13 @@ import heapq
 import json
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import zmq
 
+from rlfleet.common.threads import LoopThread
 from rlfleet.common.wire.sockets import RequestServer, shared_context
 from rlfleet.daemons.rollout.core import ReaderSource, RolloutCore, WeightReader
 
@@ -40,10 +40,11 @@ def sim_member_id(host_id: str, index: int, count: int) -> str:
     return f"{host_id}-{index:0{max(2, len(str(count - 1)))}d}"
 
 
-class SimHost:
+class SimHost(LoopThread):
     def __init__(self, cores: list[RolloutCore], servers: list[RequestServer], weights: ReaderSource | None,
                  *, check_every_s: float = 0.05, summary_path: Path | None = None,
                  drain_timeout_s: float = 2.0) -> None:
+        super().__init__("sim-host")
         self.cores, self.servers = cores, servers  # core i answers on servers[i]
         self.weights = weights  # None: every engine serves version 0 for good
         self.check_every_s = check_every_s
@@ -51,22 +52,9 @@ class SimHost:
         self.drain_timeout_s = drain_timeout_s
         self.error: BaseException | None = None
         self.started = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sim-host", daemon=True)
         self._by_socket = {server.sock: i for i, server in enumerate(servers)}
         self._heap: list[tuple[float, int]] = []  # (engine's next event, core index)
         self._due: dict[int, float] = {}
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self._stop.set()
-        self._thread.join(timeout_s)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     def release(self) -> None:
         for core in self.cores:

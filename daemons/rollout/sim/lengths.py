@@ -34,7 +34,7 @@ from typing import Annotated, Any, Literal
 import xxhash
 from pydantic import Field, ValidationInfo, field_validator
 
-from rlfleet.common.spec.fields import PosFloat, fail, num
+from rlfleet.common.spec.fields import PosFloat, fail, not_beyond
 from rlfleet.common.spec.registry import Kind, KindConfig, Registry
 
 Z_P99 = 2.3263478740408408  # NormalDist().inv_cdf(0.99)
@@ -121,13 +121,7 @@ class LognormalConfig(KindConfig):
     p99: PosFloat = 12288.0  # tokens, >= median
     group_correlation: Unit = 0.5  # rho: 0 = members independent, 1 = a group shares its length
 
-    @field_validator("p99")
-    @classmethod
-    def _above_median(cls, p99: float, info: ValidationInfo) -> float:
-        median = info.data.get("median")
-        if median is not None and p99 < median:
-            raise fail(f"must be >= median ({num(median)}), got {num(p99)}")
-        return p99
+    _above_median = not_beyond("p99", "median", at_least=True)
 
 
 class TraceConfig(KindConfig):
