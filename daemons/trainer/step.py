@@ -12,9 +12,10 @@ the next one, so one micro-batch's activations are alive at a time.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlfleet.common.wire.messages import ScoredTrajectory
@@ -96,6 +97,24 @@ class GroupStep:
 
     def synchronize(self) -> None:
         """Wait for the device (step_s is the step's time, not its launch's)."""
+
+    def hf_state(self) -> Mapping[str, torch.Tensor]:
+        """The weights under the HF model's state_dict names (views, not copies)."""
+        raise NotImplementedError
+
+    def state_tensors(self) -> dict[str, np.ndarray]:
+        """HF names -> float32 numpy copies (training may go on meanwhile): what the relay
+        and every rollout engine load. A tensor under two names (a tied lm_head.weight is the
+        embedding) is copied once and shared; views of one tensor with their own shape
+        (megatron's gate and up halves of fc1) are copied apart."""
+        out: dict[str, np.ndarray] = {}
+        copies: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
+        for name, t in self.hf_state().items():
+            key = (t.data_ptr(), tuple(t.shape))
+            if key not in copies:
+                copies[key] = t.detach().to(torch.float32).cpu().numpy().copy()
+            out[name] = copies[key]
+        return out
 
     def train_step(self, groups: Sequence[Sequence[ScoredTrajectory]]) -> dict[str, float]:
         """One optimizer step on whole GRPO groups; returns stats, version advanced by one."""

@@ -7,14 +7,21 @@ A lab a test brings up is always brought down by its fixture, failed test or not
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
+
+from rlfleet.tools.lab.job import ANSIBLE, LabJob
 
 LAB_CMD = [sys.executable, "-m", "rlfleet.tools.lab"]
 ENABLED = os.environ.get("RLFLEET_LAB") == "1" and os.geteuid() == 0
@@ -36,6 +43,30 @@ def lab_cli(*args: str, check: bool = True, timeout: float = 300) -> subprocess.
     if check:
         assert proc.returncode == 0, f"lab {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc
+
+
+@contextlib.contextmanager
+def module_lab(request: pytest.FixtureRequest, job: LabJob, subnet: str, results: Path,
+               figures: dict[str, Any]) -> Iterator[None]:
+    """A module's lab, from nothing (a new CA too): up on entry; on the way out the job's
+    diagnostics when the setup or any test of the module failed, ``figures`` written to
+    ``results`` and printed, and the lab down."""
+    shutil.rmtree(ANSIBLE / "pki", ignore_errors=True)
+    lab_cli("up", "--name", job.lab, "--hosts", str(job.hosts), "--subnet", subnet, "--timeout", "240", timeout=320)
+    failed_before = request.session.testsfailed
+    failed = False
+    try:
+        yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        if failed or request.session.testsfailed > failed_before:
+            job.diagnostics()
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(figures, indent=2))
+        print(json.dumps(figures, indent=2))
+        lab_cli("down", "--name", job.lab, check=False)
 
 
 @dataclass

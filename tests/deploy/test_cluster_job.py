@@ -27,7 +27,7 @@ import pytest
 
 from rlfleet.tools.lab.job import JOB, RLFLEET, RUN_DIR, LabJob, job_spec, recap, wait_for, with_job_env
 
-from .conftest import lab_cli
+from .conftest import lab_cli, module_lab
 
 # Each step waits on a cluster of five hosts sharing two cores: minutes, not the suite default.
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1500)]
@@ -50,25 +50,11 @@ diagnostics = J.diagnostics
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("cluster")
-    shutil.rmtree(ANSIBLE / "pki", ignore_errors=True)  # from nothing: a new CA too
-    lab_cli("up", "--name", LAB, "--hosts", str(HOSTS), "--subnet", SUBNET, "--timeout", "240", timeout=320)
-    failed_before = request.session.testsfailed
-    failed = False
-    try:
+    with module_lab(request, J, SUBNET, RESULTS, figures):
         proc, took = playbook("site.yml")
         figures["site_yml_first_s"] = round(took, 1)
         figures["site_yml_first_recap"] = recap(proc.stdout)
         yield tmp
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        if failed or request.session.testsfailed > failed_before:
-            diagnostics()
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(figures, indent=2))
-        print(json.dumps(figures, indent=2))
-        lab_cli("down", "--name", LAB, check=False)
 
 
 def test_site_yml_a_second_time_changes_nothing(cluster):

@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 
 from rlfleet.tools.bench.node_add import NEW, OBSERVER, add_host, lost_after_end
-from rlfleet.tools.lab.job import ANSIBLE, JOB, REPO, RUN_DIR, LabJob, job_spec, wait_for, with_job_env
+from rlfleet.tools.lab.job import JOB, REPO, RUN_DIR, LabJob, job_spec, wait_for, with_job_env
 
-from .conftest import lab_cli
+from .conftest import module_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(1500)]
 
@@ -53,27 +53,13 @@ def fleet(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("live")
     # h6's group and labels: a second inventory beside inventory.lab.ini (Ansible merges them).
     (tmp / "h6.ini").write_text(f'[cluster]\n{NEW} rlfleet_labels="roles=rollout,relay;cpu=x86"\n')
-    shutil.rmtree(ANSIBLE / "pki", ignore_errors=True)
-    lab_cli("up", "--name", LAB, "--hosts", str(HOSTS), "--subnet", SUBNET, "--timeout", "240", timeout=320)
-    failed_before = request.session.testsfailed
-    failed = False
-    try:
+    with module_lab(request, J, SUBNET, RESULTS, figures):
         J.playbook("site.yml", "-l", named_hosts(), inventories=(str(tmp / "h6.ini"),))
         t0 = time.monotonic()
         J.playbook("job.yml", "-e", f"rlfleet_job_spec={job_spec(tmp, 1_000_000)}")
         wait_for("the first training step", lambda: J.version() >= 1, timeout_s=300, every_s=0.5)
         figures["submit_to_first_step_s"] = round(time.monotonic() - t0, 1)
         yield tmp
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        if failed or request.session.testsfailed > failed_before:
-            J.diagnostics()
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(figures, indent=2))
-        print(json.dumps(figures, indent=2))
-        lab_cli("down", "--name", LAB, check=False)
 
 
 def on_host(host: str) -> set[str]:

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_qwen2 import save_random_qwen2
+
 torch.set_num_threads(1)  # other engineers' tests share the 2 cores
 
 VOCAB = 40  # ids 0 pad, 1 bos, 2 eos, 3 unk; prompts use 4..VOCAB-1
@@ -19,15 +21,8 @@ VOCAB = 40  # ids 0 pad, 1 bos, 2 eos, 3 unk; prompts use 4..VOCAB-1
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny-qwen2")
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    Qwen2ForCausalLM(config).save_pretrained(str(out))
-    return out
+    return save_random_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), vocab=VOCAB, hidden=64, intermediate=256,
+                             max_positions=256)
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +32,13 @@ def tiny_model(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32,
                                                  attn_implementation="sdpa")
     return model.eval()
+
+
+def run_all(engine, out: dict | None = None) -> dict:
+    """Step ``engine`` until it has no work: its results by request id (each answered once)."""
+    out = {} if out is None else out
+    while engine.has_work():
+        for r in engine.step():
+            assert r.request_id not in out, f"{r.request_id} answered twice"
+            out[r.request_id] = r
+    return out

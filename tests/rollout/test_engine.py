@@ -17,7 +17,7 @@ from rlfleet.daemons.rollout.engines.forward import LeanForward, ModelForward
 from rlfleet.daemons.rollout.engines.slots import sample_rows
 from rlfleet.daemons.rollout.engines.torch_engine import TorchEngine
 
-from .conftest import VOCAB
+from .conftest import VOCAB, run_all
 
 
 def req(rid: str, prompt: list[int], max_new: int = 8, temperature: float = 0.0,
@@ -30,14 +30,6 @@ def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 25) -> list[list[int]]
     rng = random.Random(seed)
     return [[1] + [rng.randrange(4, VOCAB) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
-
-def run_all(engine: TorchEngine, out: dict[str, GenerateResult] | None = None) -> dict[str, GenerateResult]:
-    out = {} if out is None else out
-    while engine.has_work():
-        for r in engine.step():
-            assert r.request_id not in out, f"{r.request_id} answered twice"
-            out[r.request_id] = r
-    return out
 
 
 @torch.inference_mode()

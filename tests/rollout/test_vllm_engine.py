@@ -21,6 +21,7 @@ from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
 
 from ..integration.helpers import TINY_MODEL
 from ..vllm_support import needs_vllm
+from .conftest import run_all
 
 pytestmark = needs_vllm
 
@@ -41,14 +42,6 @@ def req(rid: str, prompt: list[int], max_new: int = 8, temperature: float = 0.0,
                            max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=seed,
                            prefix_tokens=prefix_tokens)
 
-
-def run_all(engine, out: dict[str, GenerateResult] | None = None) -> dict[str, GenerateResult]:
-    out = {} if out is None else out
-    while engine.has_work():
-        for r in engine.step():
-            assert r.request_id not in out, f"{r.request_id} answered twice"
-            out[r.request_id] = r
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import ScoredTrajectory, Trajectory, Turn
+from tests.tiny_qwen2 import save_random_qwen2
 
 VOCAB = 38  # the character tokenizer of tools/build_model.py: 4 specials + 34 characters
 
@@ -22,15 +23,7 @@ def build_tiny_model(out: Path, seed: int = 0) -> Path:
     Random on purpose, not a copy of models/tiny-qwen2: the tests' numbers must not
     move when the shipped model is rebuilt.
     """
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    Qwen2ForCausalLM(config).save_pretrained(str(out))
-    return out
+    return save_random_qwen2(out, vocab=VOCAB, hidden=32, intermediate=64, max_positions=128, seed=seed)
 
 
 @pytest.fixture(scope="session")

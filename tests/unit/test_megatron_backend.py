@@ -32,6 +32,7 @@ from rlfleet.daemons.trainer import megatron_backend as mb  # noqa: E402
 from rlfleet.daemons.trainer import megatron_weights as mw  # noqa: E402
 from rlfleet.daemons.trainer.checkpointing import STATE_FILE, CheckpointError  # noqa: E402
 from rlfleet.daemons.trainer.learner import Learner  # noqa: E402
+from tests.tiny_qwen2 import save_random_qwen2  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "models" / "tiny-qwen2"
@@ -54,15 +55,9 @@ def on_cpu():
 @pytest.fixture(scope="module")
 def untied_mha(tmp_path_factory) -> Path:
     """A random Qwen2 the shipped one is not: untied head, one key/value head per head."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(1)
-    config = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         tie_word_embeddings=False, rope_theta=5e5, pad_token_id=0)
-    out = tmp_path_factory.mktemp("untied") / "model"
-    Qwen2ForCausalLM(config).save_pretrained(str(out))
-    return out
+    return save_random_qwen2(tmp_path_factory.mktemp("untied") / "model", vocab=40, hidden=32, intermediate=48,
+                             max_positions=64, seed=1, num_key_value_heads=4, tie_word_embeddings=False,
+                             rope_theta=5e5, bos_token_id=None, eos_token_id=None)
 
 
 def hf_model(path: Path):
