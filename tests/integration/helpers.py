@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
 from rlfleet.common.control.etcd_store import EtcdStore
+from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.lab.job import wait_for as poll_until
@@ -117,6 +119,14 @@ def write_spec(tmp_path: Path, job: str = "itest", extra: str = "", *,
     path = tmp_path / f"{job}.toml"
     path.write_text(FAST_SPEC.format(job=job, runs=tmp_path / "runs", model=model) + extra)
     return path
+
+
+@contextlib.contextmanager
+def store_with_spec(tmp_path: Path, etcd, job: str) -> Iterator[EtcdStore]:
+    """A store on the test's etcd holding job ``job``'s spec (write_spec's), closed after."""
+    with EtcdStore(etcd.endpoints) as s:
+        s.put(JobKeys(job).spec, load_spec(write_spec(tmp_path, job=job)).to_dict())
+        yield s
 
 
 def wait_for(what: str, fn: Callable[[], T], timeout_s: float = 30.0, every_s: float = 0.05) -> T:

@@ -13,13 +13,12 @@ import sys
 
 import pytest
 
-from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.procs import ProcessId, boot_id
 from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.exit_codes import Exit
 
-from .helpers import rlfleet, stop, wait_for, write_spec
+from .helpers import rlfleet, stop, store_with_spec, wait_for, write_spec
 
 TTL_S = 2.0
 # For the checks of `rlfleet status` right after a kill: status is a fresh Python process,
@@ -36,8 +35,7 @@ def status(etcd) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def store(tmp_path, etcd):
-    with EtcdStore(etcd.endpoints) as s:
-        s.put(KEYS.spec, load_spec(write_spec(tmp_path, job="live")).to_dict())
+    with store_with_spec(tmp_path, etcd, "live") as s:
         yield s
 
 

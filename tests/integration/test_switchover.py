@@ -20,10 +20,9 @@ from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import Leader
 from rlfleet.common.control.operations import Switchover
 from rlfleet.common.procs import ProcessId, boot_id, start_ticks
-from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.exit_codes import Exit
 
-from .helpers import rlfleet, stop, wait_for, write_spec
+from .helpers import rlfleet, stop, store_with_spec, wait_for
 
 JOB = "so"
 KEYS = JobKeys(JOB)
@@ -53,8 +52,7 @@ def member_leads(store: EtcdStore, role: str, member_id: str) -> bool:
 
 @pytest.fixture
 def store(tmp_path, etcd):
-    with EtcdStore(etcd.endpoints) as s:
-        s.put(KEYS.spec, load_spec(write_spec(tmp_path, job=JOB)).to_dict())
+    with store_with_spec(tmp_path, etcd, JOB) as s:
         yield s
 
 

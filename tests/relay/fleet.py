@@ -17,6 +17,7 @@ from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.records import RelayMaster
 from rlfleet.common.spec.job import load_spec
+from rlfleet.relay.reader import WeightReader
 from rlfleet.relay.status import query_relay
 from rlfleet.relay.topology import read_chain
 from tests.integration.helpers import stop, wait_for, write_spec
@@ -53,6 +54,16 @@ def blob_tensors(seed: int, mib: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     n = mib << 18  # float32 values per MiB * mib
     return {f"blob.{i}": rng.standard_normal(n // 4, dtype=np.float32) for i in range(4)}
+
+
+def assert_holds(fleet: RelayFleet, rid: str, version: int, tensors: dict[str, np.ndarray], layout: int = 1) -> None:
+    """Relay ``rid`` serves ``version`` (waited for), with exactly ``tensors`` in it."""
+    reader = WeightReader(fleet.store, fleet.job, f"host-{rid}", layout=layout)
+    wait_for(f"{rid} to serve version {version}", lambda: version in reader.versions(), 30)
+    with reader.open(version) as view:
+        assert view.version == version and set(view.tensors) == set(tensors)
+        for name, arr in tensors.items():
+            assert np.array_equal(view.tensors[name], arr), f"{rid}: {name} differs in version {version}"
 
 
 class RelayFleet:

@@ -17,11 +17,10 @@ from rlfleet.relay.manifest import build_manifest
 from rlfleet.relay.node import NodeConfig, RelayNode
 from rlfleet.relay.protocol import Chunk, ChunkAck, Hello, Offer, ProtocolError, State, Want
 from rlfleet.relay.publisher import PublishTimeout, WeightPublisher, _FullSource
-from rlfleet.relay.reader import WeightReader
 from rlfleet.relay.shm import MISSING, object_stem
 from rlfleet.relay.transport import TcpTransport, get_transport
 from tests.integration.helpers import wait_for
-from tests.relay.fleet import model_tensors
+from tests.relay.fleet import assert_holds, model_tensors
 from tests.relay.hostile import RawPeer, frame
 
 SECRET = b"s" * 16 + os.urandom(16)
@@ -159,10 +158,7 @@ def test_a_chain_of_relay_daemons_with_a_job_secret(fleet, tmp_path, monkeypatch
     pub = WeightPublisher(fleet.store, fleet.job, chunk_bytes=64 << 10, timeout_s=30)
     pub.publish(1, tensors)
     for rid in ids:
-        reader = WeightReader(fleet.store, fleet.job, f"host-{rid}")
-        wait_for(f"{rid} to hold version 1", lambda: reader.newest() == 1, 30)
-        with reader.open() as view:
-            assert all(np.array_equal(view.tensors[k], v) for k, v in tensors.items())
+        assert_holds(fleet, rid, 1, tensors)
     stats = fleet.stats("relay-0")
     assert stats["authenticated"] and stats["refused"].get("auth", 0) >= 1
     pub.close()

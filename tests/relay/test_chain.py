@@ -12,19 +12,10 @@ from rlfleet.relay.publisher import WeightPublisher
 from rlfleet.relay.reader import WeightReader
 from rlfleet.relay.status import chain_status, chain_table, versions_table
 from tests.integration.helpers import wait_for
-from tests.relay.fleet import model_tensors
+from tests.relay.fleet import assert_holds, model_tensors
 
 torch.set_num_threads(1)
 CHUNK = 256 << 10
-
-
-def _assert_holds(fleet, rid: str, version: int, tensors, layout: int = 1) -> None:
-    reader = WeightReader(fleet.store, fleet.job, f"host-{rid}", layout=layout)
-    wait_for(f"{rid} to serve version {version}", lambda: version in reader.versions(), 30)
-    with reader.open(version) as view:
-        assert view.version == version and set(view.tensors) == set(tensors)
-        for name, arr in tensors.items():
-            assert np.array_equal(view.tensors[name], arr), f"{rid}: {name} differs in version {version}"
 
 
 def test_versions_reach_every_relay_and_the_trainer_does_not_wait_for_the_chain(fleet):
@@ -39,7 +30,7 @@ def test_versions_reach_every_relay_and_the_trainer_does_not_wait_for_the_chain(
     hop_s = r1.chunks * 0.01
     assert r2.seconds < hop_s, (r2.seconds, hop_s)
     for rid in ids:
-        _assert_holds(fleet, rid, 2, v2)
+        assert_holds(fleet, rid, 2, v2)
     latest = fleet.store.get(fleet.keys.weights_latest).value
     assert latest == {"version": 2, "bytes": r2.bytes, "checksum": r2.checksum, "master": "relay-0"}
     wait_for("relay/chain written by the master",
@@ -49,7 +40,7 @@ def test_versions_reach_every_relay_and_the_trainer_does_not_wait_for_the_chain(
     # keep_versions = 2: a third version frees the first everywhere.
     pub.publish(3, v3)
     for rid in ids:
-        _assert_holds(fleet, rid, 3, v3)
+        assert_holds(fleet, rid, 3, v3)
         reader = WeightReader(fleet.store, fleet.job, f"host-{rid}")
         wait_for(f"{rid} to free version 1", lambda: 1 not in reader.versions(), 10)
         assert reader.newest() == 3
@@ -93,7 +84,7 @@ def test_two_way_tensor_parallel_layout_travels_the_chain(fleet):
         assert halves_q[0].shape == (q.shape[0] // 2, q.shape[1])
         assert np.array_equal(np.concatenate(halves_q, 0), q)
         assert np.array_equal(np.concatenate(halves_down, 1), down)
-        _assert_holds(fleet, rid, 1, tensors)  # the unsharded layout is there too
+        assert_holds(fleet, rid, 1, tensors)  # the unsharded layout is there too
 
 
 def test_a_relay_behind_the_latest_version_is_stuck_only_when_nothing_new_came_for_a_while():

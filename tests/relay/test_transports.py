@@ -7,10 +7,8 @@ import pytest
 
 from rlfleet.relay.protocol import Chunk, ChunkAck, Hello
 from rlfleet.relay.publisher import WeightPublisher
-from rlfleet.relay.reader import WeightReader
 from rlfleet.relay.transport import get_transport, ucx_available
-from tests.integration.helpers import wait_for
-from tests.relay.fleet import RelayFleet, model_tensors
+from tests.relay.fleet import RelayFleet, assert_holds, model_tensors
 
 needs_ucx = pytest.mark.skipif(not ucx_available(), reason="ucxx not importable (pip install ucxx-cu12==0.52.0)")
 TRANSPORTS = ["tcp", pytest.param("ucx", marks=needs_ucx)]
@@ -70,10 +68,7 @@ def test_chain_over_ucx(etcd, tmp_path):
         pub = WeightPublisher(fleet.store, fleet.job, transport="ucx", chunk_bytes=256 << 10, timeout_s=30)
         pub.publish(1, tensors)
         for rid in ids:
-            reader = WeightReader(fleet.store, fleet.job, f"host-{rid}")
-            wait_for(f"{rid} to hold version 1 over UCX", lambda: reader.newest() == 1, 30)
-            with reader.open() as view:
-                assert all(np.array_equal(view.tensors[k], v) for k, v in tensors.items())
+            assert_holds(fleet, rid, 1, tensors)
         pub.close()
     finally:
         fleet.close()

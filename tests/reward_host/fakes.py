@@ -58,3 +58,11 @@ def trajectory(prompt: Prompt, prompt_id: int, k: int, text: str, dropped: str =
                 prompt.question, text)
     return Trajectory(f"p{prompt_id}-g{k}", prompt_id, f"p{prompt_id}", prompt.task, [turn], 0.0,
                       {}, dropped, prompt=prompt if with_prompt else None)
+
+
+def answered_pairs(task, n: int, seed: int) -> tuple[list[Prompt], list[Trajectory]]:
+    """``n`` training prompts of ``task`` and two trajectories each, one in three of them
+    answering "7" instead of the answer (so rewards differ)."""
+    prompts = task.make_prompts("train", n, seed=seed)
+    return prompts, [trajectory(p, i, k, p.answer if (i + k) % 3 else "7")
+                     for i, p in enumerate(prompts) for k in range(2)]

@@ -14,7 +14,7 @@ import pytest
 from rlfleet.daemons.tasks import get_task
 from tests.integration.helpers import wait_for
 
-from .fakes import FakeTrainer, trajectory
+from .fakes import FakeTrainer, answered_pairs
 from .harness import RewardHostHarness
 
 JOB = "rhtest"
@@ -52,9 +52,7 @@ def trainer():
 def test_scored_exactly_once_per_id_across_a_sigkill(tmp_path, etcd, trainer):
     rh = RewardHostHarness(tmp_path, etcd, trainer, JOB, SPEC)
     task = get_task("arithmetic")
-    prompts = task.make_prompts("train", 150, seed=4)
-    trajs = [trajectory(p, i, k, p.answer if (i + k) % 3 else "7")
-             for i, p in enumerate(prompts) for k in range(2)]
+    prompts, trajs = answered_pairs(task, 150, seed=4)
     try:
         rh.start()
         held = threading.Event()

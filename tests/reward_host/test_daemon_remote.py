@@ -14,7 +14,7 @@ import pytest
 from rlfleet.daemons.tasks import get_task
 from tests.integration.helpers import wait_for
 
-from .fakes import FakeTrainer, trajectory
+from .fakes import FakeTrainer, answered_pairs
 from .harness import RewardHostHarness
 from .test_remote import Endpoint
 
@@ -54,9 +54,7 @@ failures = 2
 open_s = 60
 """)
     task = get_task("arithmetic")
-    prompts = task.make_prompts("train", 60, seed=5)
-    trajs = [trajectory(p, i, k, p.answer if (i + k) % 3 else "7")
-             for i, p in enumerate(prompts) for k in range(2)]
+    prompts, trajs = answered_pairs(task, 60, seed=5)
     try:
         rh.start()
         halfway = threading.Event()  # the second half once the reward-host has been killed

@@ -21,9 +21,8 @@ import pytest
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.failpoints import DAEMON as DAEMON_FAILPOINT_ENV
-from rlfleet.common.spec.job import load_spec
 
-from ..integration.helpers import stop, wait_for, write_spec
+from ..integration.helpers import stop, store_with_spec, wait_for
 from .notify_listener import NotifyListener
 
 KEYS = JobKeys("sdn")
@@ -32,8 +31,7 @@ MEMBER = KEYS.member("reward-host", "rh-1")
 
 @pytest.fixture
 def store(tmp_path, etcd):
-    with EtcdStore(etcd.endpoints) as s:
-        s.put(KEYS.spec, load_spec(write_spec(tmp_path, job="sdn")).to_dict())
+    with store_with_spec(tmp_path, etcd, "sdn") as s:
         yield s
 
 

@@ -44,6 +44,16 @@ def scored(prompt_id: int, k: int, reward: float, *, prompt=(1, 5, 6), tokens=(7
     return ScoredTrajectory(trajectory=traj, reward=reward, reward_error=reward_error)
 
 
+
+def send_groups(sender, prompts: range, version: int = 0, timeout_s: float = 30) -> None:
+    """Groups of two (rewards 1 and 0) for each prompt id, sent and acked. 3 prompt + 2 or 3
+    generated tokens each: a group is 11 tokens, a batch of 2 groups 22."""
+    for p in prompts:
+        for st in (scored(p, 0, 1.0, tokens=(7, 8), version=version),
+                   scored(p, 1, 0.0, tokens=(9, 10, 2), version=version)):
+            sender.send(st.trajectory.trajectory_id, st)
+    assert sender.flush(timeout_s), f"{sender.pending()} trajectories not acked"
+
 def claim_prompts(store, job: str, up_to: int = 1_000_000) -> None:
     """Play every env-host: prompts [0, up_to) claimed in etcd, so the trainer's intake
     (daemons/trainer/claimed.py) takes trajectories of any of them."""

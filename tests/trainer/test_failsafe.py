@@ -21,7 +21,7 @@ from rlfleet.common.control.store import StoreUnavailable
 from rlfleet.common.wire.reliable import ReliableSender
 
 from ..integration.helpers import wait_for
-from .conftest import claim_prompts, scored, sim_fleet
+from .conftest import claim_prompts, send_groups, sim_fleet
 
 JOB = "fsafe"
 TTL_S = 2.0  # FAST_SPEC's lease TTL
@@ -60,14 +60,6 @@ def metrics(tmp_path: Path) -> list[dict]:
 def member(store: EtcdStore, member_id: str) -> dict:
     kv = store.get(JobKeys(JOB).member("trainer", member_id))
     return kv.value if kv else {}
-
-
-def send_groups(sender: ReliableSender, prompts: range, version: int = 0) -> None:
-    for p in prompts:
-        for st in (scored(p, 0, 1.0, tokens=(7, 8), version=version),
-                   scored(p, 1, 0.0, tokens=(9, 10, 2), version=version)):
-            sender.send(st.trajectory.trajectory_id, st)
-    assert sender.flush(30), f"{sender.pending()} trajectories not acked"
 
 
 def etcd_down(store: EtcdStore) -> bool:

@@ -17,7 +17,7 @@ from rlfleet.common.control.records import RelayMaster, WeightsLatest
 from rlfleet.common.wire.reliable import ReliableSender
 
 from ..integration.helpers import wait_for
-from .conftest import claim_prompts, scored, sim_fleet
+from .conftest import claim_prompts, send_groups, sim_fleet
 
 JOB = "simt"
 WEIGHT_MIB = 4
@@ -64,15 +64,6 @@ def trainer_address(store: EtcdStore, member_id: str, log: Path) -> str:
 def latest(store: EtcdStore) -> int:
     record = WeightsLatest.read(store, JobKeys(JOB))
     return record.version if record is not None else -1
-
-
-def send_groups(sender: ReliableSender, prompts: range, version: int = 0) -> None:
-    for p in prompts:
-        # 3 prompt + 2 or 3 generated tokens each: a group is 11 tokens, a batch of 2 groups 22
-        for st in (scored(p, 0, 1.0, tokens=(7, 8), version=version),
-                   scored(p, 1, 0.0, tokens=(9, 10, 2), version=version)):
-            sender.send(st.trajectory.trajectory_id, st)
-    assert sender.flush(20), f"{sender.pending()} trajectories not acked"
 
 
 def test_sim_trainer_publishes_real_bytes_through_the_relay_and_resumes(fleet):

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from rlfleet.common.spec.seams import SEAMS
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "design" / "architecture.md"
+from tests.docs import section
 
 
 def documented_kinds() -> dict[str, set[str]]:
-    text = DOC.read_text()
-    section = text[text.index("## Seams"):]
-    section = section[:section.index("\n## ", 1)]
-    rows = re.findall(r"^\| ([a-z -]+) \| `\[[a-z_.]+\]` \| ([^|]+) \|", section, re.MULTILINE)
+    rows = re.findall(r"^\| ([a-z -]+) \| `\[[a-z_.]+\]` \| ([^|]+) \|", section("design/architecture.md", "Seams"),
+                      re.MULTILINE)
     return {seam.strip(): set(re.findall(r"`([a-z_]+)`", kinds)) for seam, kinds in rows}
 
 

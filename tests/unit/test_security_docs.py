@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from rlfleet.common.spec.placement import ROLES
 from rlfleet.common.wire.edges import EDGES
+from tests.docs import DOCS, section
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "operations" / "security.md"
+DOC = DOCS / "operations" / "security.md"
 
 
 def documented_edges() -> dict[str, frozenset[str]]:
-    text = DOC.read_text()
-    section = text[text.index("## Roles: who may send to which socket"):]
-    section = section[:section.index("\n## ", 1)]
-    rows = re.findall(r"^\| `([a-z-]+)` \| [^|]+ \| ([^|]+) \|", section, re.MULTILINE)
+    rows = re.findall(r"^\| `([a-z-]+)` \| [^|]+ \| ([^|]+) \|",
+                      section("operations/security.md", "Roles: who may send to which socket"), re.MULTILINE)
     return {edge: frozenset(r.strip() for r in roles.split(",")) for edge, roles in rows}
 
 
