@@ -12,19 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from rlfleet.common.control import records
 from rlfleet.common.control.cluster import Cluster
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import ROOT_PREFIX, JobKeys, job_of
 from rlfleet.common.control.members import Leader, Member, Node, Placement, RelayMember, members_from, placements_from
-from rlfleet.common.control.records import (
-    Checkpoint,
-    PromptCursor,
-    RelayChain,
-    RelayLayoutRequest,
-    RelayMaster,
-    TrainerProgress,
-    WeightsLatest,
-)
 from rlfleet.common.control.store import KeyValue
 
 K = JobKeys("demo")
@@ -111,18 +103,20 @@ def test_leader_node_placement():
 
 # -- single-key records -----------------------------------------------------------------
 @pytest.mark.parametrize("record, good, expect, bad, problem", [
-    (WeightsLatest, {"version": 4, "bytes": 10, "checksum": "c", "master": "relay-0"},
+    (records.WeightsLatest, {"version": 4, "bytes": 10, "checksum": "c", "master": "relay-0"},
      {"version": 4, "master": "relay-0"}, {"version": "4"}, "weights/latest.version: expected an integer"),
-    (RelayChain, {"master": "relay-0", "order": ["relay-0", "relay-1"], "layouts": [2], "updated": 1.5},
+    (records.RelayChain, {"master": "relay-0", "order": ["relay-0", "relay-1"], "layouts": [2], "updated": 1.5},
      {"order": ("relay-0", "relay-1"), "layouts": (2,)}, {"order": "relay-0"}, "relay/chain.order: expected a list"),
-    (RelayMaster, {"id": "relay-0", "since": 1.0, "newest": 7}, {"id": "relay-0", "newest": 7},
+    (records.RelayMaster, {"id": "relay-0", "since": 1.0, "newest": 7}, {"id": "relay-0", "newest": 7},
      {"id": 0}, "relay/master.id: expected a string"),
-    (TrainerProgress, {"version": 3, "consumed_groups": 9, "trained_groups": 8, "dropped_groups": 1, "time": 2.0},
+    (records.TrainerProgress,
+     {"version": 3, "consumed_groups": 9, "trained_groups": 8, "dropped_groups": 1, "time": 2.0},
      {"consumed_groups": 9, "trained_groups": 8}, {"consumed_groups": "9"}, "consumed_groups: expected an integer"),
-    (Checkpoint, {"version": 5, "path": "/c/step-5", "step": 5, "time": 1.0}, {"version": 5, "path": "/c/step-5"},
-     {"version": 5}, "trainer/checkpoint.path: missing"),
-    (PromptCursor, {"next": 8, "claims": {"env-host-0": [[0, 8]]}}, {"next": 8, "claims": {"env-host-0": ((0, 8),)}},
-     {"next": 8, "claims": {"env-host-0": [[0, 9]]}}, "prompts/cursor.claims.env-host-0"),
+    (records.Checkpoint, {"version": 5, "path": "/c/step-5", "step": 5, "time": 1.0},
+     {"version": 5, "path": "/c/step-5"}, {"version": 5}, "trainer/checkpoint.path: missing"),
+    (records.PromptCursor, {"next": 8, "claims": {"env-host-0": [[0, 8]]}},
+     {"next": 8, "claims": {"env-host-0": ((0, 8),)}}, {"next": 8, "claims": {"env-host-0": [[0, 9]]}},
+     "prompts/cursor.claims.env-host-0"),
 ])
 def test_single_key_records_parse_good_and_report_malformed(record, good, expect, bad, problem):
     rec = record.from_kv(kv(getattr(K, record.KEY), good))
@@ -139,17 +133,17 @@ def test_single_key_records_parse_good_and_report_malformed(record, good, expect
 
 
 def test_progress_never_counts_more_than_an_honest_value():
-    assert TrainerProgress.parse({"consumed_groups": -5}).consumed_groups == 0
-    assert TrainerProgress.parse({"consumed_groups": "7"}).consumed_groups == 0
+    assert records.TrainerProgress.parse({"consumed_groups": -5}).consumed_groups == 0
+    assert records.TrainerProgress.parse({"consumed_groups": "7"}).consumed_groups == 0
 
 
 def test_relay_master_and_cursor_carry_what_a_compare_and_swap_needs():
-    m = RelayMaster.from_kv(kv(K.relay_master, {"id": "relay-0", "newest": None}, lease_id=9, mod_revision=12))
+    m = records.RelayMaster.from_kv(kv(K.relay_master, {"id": "relay-0", "newest": None}, lease_id=9, mod_revision=12))
     assert (m.newest, m.lease_id, m.mod_revision) == (None, 9, 12)
-    c = PromptCursor.from_kv(kv(K.prompts_cursor, {"next": 3, "claims": {"a": [[0, 3]]}}, mod_revision=4))
+    c = records.PromptCursor.from_kv(kv(K.prompts_cursor, {"next": 3, "claims": {"a": [[0, 3]]}}, mod_revision=4))
     assert c.mod_revision == 4 and c.to_value() == {"next": 3, "claims": {"a": [[0, 3]]}}
-    req = RelayLayoutRequest.from_kv(K, kv(K.relay_layout(2), {"layout": 2, "requested_by": "h", "at": 1.0}))
-    assert req.layout == 2 and "layout: missing" in RelayLayoutRequest.parse({}).problem
+    req = records.RelayLayoutRequest.from_kv(K, kv(K.relay_layout(2), {"layout": 2, "requested_by": "h", "at": 1.0}))
+    assert req.layout == 2 and "layout: missing" in records.RelayLayoutRequest.parse({}).problem
 
 
 def test_records_are_immutable():
@@ -160,14 +154,14 @@ def test_records_are_immutable():
         m.addresses["chunks"] = "tcp://elsewhere"  # type: ignore[index]
     with pytest.raises(TypeError):
         m.info["newest"] = 4  # type: ignore[index]
-    c = PromptCursor.parse({"next": 2, "claims": {"a": [[0, 2]]}})
+    c = records.PromptCursor.parse({"next": 2, "claims": {"a": [[0, 2]]}})
     with pytest.raises(TypeError):
         c.claims["b"] = ()  # type: ignore[index]
     cluster = Cluster.from_kvs(K, [kv(K.leader("trainer"), {"id": "t"})])
     with pytest.raises(TypeError):
         cluster.leaders["relay"] = Leader("relay")  # type: ignore[index]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cluster.weights = WeightsLatest(3)  # type: ignore[misc]
+        cluster.weights = records.WeightsLatest(3)  # type: ignore[misc]
 
 
 # -- the whole job ----------------------------------------------------------------------

@@ -14,20 +14,10 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from rlfleet.common.spec import seams
 from rlfleet.common.spec.errors import describe, dotted
 from rlfleet.common.spec.fields import PosInt
 from rlfleet.common.spec.registry import Kind, KindConfig, Registry, RegistryError, UnknownKind, import_failure
-from rlfleet.common.spec.seams import (
-    ENV_ROUTERS,
-    POLICY_LOSSES,
-    REPACK_PLANNERS,
-    REWARD_BACKENDS,
-    REWARD_DISPATCH,
-    ROLLOUT_ENGINES,
-    SEAMS,
-    TASKS,
-    TRAINER_BACKENDS,
-)
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP = "rlfleet.test_seam"  # no distribution declares it: only monkeypatched entry points
@@ -204,7 +194,7 @@ def test_build_is_lazy_and_gets_the_context(registry):
 
 
 def test_every_seam_has_its_default_kind_registered():
-    assert {r.group: r.names() for r in SEAMS} == {
+    assert {r.group: r.names() for r in seams.SEAMS} == {
         "rlfleet.rollout_engines": ["sim", "torch", "vllm"],
         "rlfleet.policy_losses": ["cispo", "decoupled_ppo", "ppo_clip", "tis", "topr"],
         "rlfleet.trainer_backends": ["megatron", "sim", "torch"],
@@ -224,14 +214,14 @@ def test_the_shipped_kinds_build_what_the_daemons_used_to_build():
     from rlfleet.daemons.tasks import get_task
     from rlfleet.daemons.trainer.losses import PPOClipLoss
 
-    loss = POLICY_LOSSES.build(POLICY_LOSSES.default_config())
+    loss = seams.POLICY_LOSSES.build(seams.POLICY_LOSSES.default_config())
     assert isinstance(loss, PPOClipLoss) and loss.clip_eps == 0.2
-    assert isinstance(REWARD_DISPATCH.build(REWARD_DISPATCH.default_config()), FifoDispatch)
-    assert isinstance(ENV_ROUTERS.build(ENV_ROUTERS.default_config()), LeastLoaded)
-    assert isinstance(REPACK_PLANNERS.build(REPACK_PLANNERS.default_config()), NoPlanner)
-    assert REWARD_BACKENDS.get("rule_pool") is RulePool  # builds worker processes: tests/reward_host
-    assert ROLLOUT_ENGINES.default_config().max_batch == 32  # loads a model: tests/rollout
-    lake = TASKS.build(TASKS.get("frozenlake").Config(size=5), max_turns=7)
+    assert isinstance(seams.REWARD_DISPATCH.build(seams.REWARD_DISPATCH.default_config()), FifoDispatch)
+    assert isinstance(seams.ENV_ROUTERS.build(seams.ENV_ROUTERS.default_config()), LeastLoaded)
+    assert isinstance(seams.REPACK_PLANNERS.build(seams.REPACK_PLANNERS.default_config()), NoPlanner)
+    assert seams.REWARD_BACKENDS.get("rule_pool") is RulePool  # builds worker processes: tests/reward_host
+    assert seams.ROLLOUT_ENGINES.default_config().max_batch == 32  # loads a model: tests/rollout
+    lake = seams.TASKS.build(seams.TASKS.get("frozenlake").Config(size=5), max_turns=7)
     assert lake.difficulty() == get_task("frozenlake", size=5, max_turns=7).difficulty()
 
 
@@ -245,12 +235,12 @@ def test_a_kind_says_whether_its_library_imports_here(tmp_path, monkeypatch):
     (tmp_path / "vllm" / "__init__.py").write_text('raise OSError("libtorch_cuda.so: not found")\n')
     # the child that tries the import finds the stand-in first
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    vllm = ROLLOUT_ENGINES.get("vllm")
+    vllm = seams.ROLLOUT_ENGINES.get("vllm")
     assert vllm.unavailable(vllm.Config()) == "import vllm failed: OSError: libtorch_cuda.so: not found"
     (tmp_path / "megatron" / "core").mkdir(parents=True)  # the optional extra rlfleet[megatron], broken
     (tmp_path / "megatron" / "__init__.py").write_text("")
     (tmp_path / "megatron" / "core" / "__init__.py").write_text('raise ImportError("no apex")\n')
-    megatron = TRAINER_BACKENDS.get("megatron")
+    megatron = seams.TRAINER_BACKENDS.get("megatron")
     assert megatron.unavailable(megatron.Config()) == "import megatron.core failed: ImportError: no apex"
 
 

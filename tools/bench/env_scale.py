@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.tools.bench.longtail import MAX_LAG, _jsonl
+from rlfleet.tools.bench.output import finish, write_json
 from rlfleet.tools.bench.spec_variants import write_variant
 
 BASE = Path(__file__).resolve().parents[2] / "examples" / "agentic-sim.toml"
@@ -313,16 +314,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"({time.monotonic() - started:.0f} s, {run_dir})", flush=True)
             if profile is not None:
                 print_profile(profile)
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"base": str(BASE), "duration_s": args.duration_s,
-                                             "warmup_s": args.warmup_s, "records": records}, indent=2))
+            write_json(args.json, {"base": str(BASE), "duration_s": args.duration_s,
+                                   "warmup_s": args.warmup_s, "records": records})
     print()
     print(table(records))
-    if args.plot:
-        plot(records, args.plot)
-        print(f"wrote {args.plot}")
-    print(f"wrote {args.json}")
-    return 0 if all(r["valid"] for r in records) else 1
+    return finish(records, args.json, args.plot, plot)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.tools.bench.etcd_requests import run_dir_of, run_scraped
+from rlfleet.tools.bench.output import finish, write_json
 from rlfleet.tools.bench.spec_variants import to_toml
 
 MODES = ("sync", "one_step_off", "partial", "trajectory", "trajectory_repack")
@@ -312,17 +313,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['generated_tokens_per_s'] or 0:>9.0f} tok/s  idle {r['rollout_idle_fraction']}  "
                   f"steps {r['steps']}  lag {r['max_lag']:.3f}{'' if r['valid'] else '  INVALID'}  "
                   f"({time.monotonic() - started:.0f} s, {run_dir})", flush=True)
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"spec": str(args.spec), "duration_s": args.duration_s,
-                                             "records": records, "ratios": ratios(records)}, indent=2))
+            write_json(args.json, {"spec": str(args.spec), "duration_s": args.duration_s,
+                                   "records": records, "ratios": ratios(records)})
     print()
     print(table(records))
     print(json.dumps(ratios(records), indent=2))
-    if args.plot:
-        plot(records, args.plot)
-        print(f"wrote {args.plot}")
-    print(f"wrote {args.json}")
-    return 0 if all(r["valid"] for r in records) else 1
+    return finish(records, args.json, args.plot, plot)
 
 
 if __name__ == "__main__":

@@ -63,15 +63,7 @@ import torch
 
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
-from rlfleet.daemons.rollout.engines import lean_model
-from rlfleet.daemons.rollout.engines.api import (
-    BadRequest,
-    Engine,
-    EngineStats,
-    TokenRate,
-    error_result,
-    validate_request,
-)
+from rlfleet.daemons.rollout.engines import api, lean_model
 from rlfleet.daemons.rollout.engines.forward import LeanForward, ModelForward, pick_forward
 from rlfleet.daemons.rollout.engines.kinds import default_max_len
 from rlfleet.daemons.rollout.engines.lean_model import LeanModel
@@ -120,7 +112,7 @@ class _Seq:
                               finish_reason=reason)  # type: ignore[arg-type]
 
 
-class TorchEngine(Engine):
+class TorchEngine(api.Engine):
     """Continuous batching over an HF causal LM with a preallocated slot KV cache."""
 
     def __init__(self, model: Any, *, max_batch: int, max_len: int | None = None,
@@ -157,7 +149,7 @@ class TorchEngine(Engine):
         self.waiting: deque[GenerateRequest] = deque()
         self._answers: list[GenerateResult] = []  # refused requests, handed out by step()
         self._ids: set[str] = set()  # request ids waiting or running
-        self._token_rate = TokenRate()
+        self._token_rate = api.TokenRate()
         if isinstance(model, LeanModel):  # parameters only: the lean pass is its forward
             self.forward: ModelForward | LeanForward = LeanForward(model, self.cache, self.max_len)
         else:
@@ -202,15 +194,15 @@ class TorchEngine(Engine):
     def add(self, request: GenerateRequest) -> None:
         try:
             self._validate(request)
-        except BadRequest as exc:
-            self._answers.append(error_result(request, str(exc), self.weight_version))
+        except api.BadRequest as exc:
+            self._answers.append(api.error_result(request, str(exc), self.weight_version))
             return
         self._ids.add(request.request_id)
         self.waiting.append(request)
 
     def _validate(self, r: GenerateRequest) -> None:
-        validate_request(r, known_ids=self._ids, vocab_size=self.vocab_size, capacity=self.max_len,
-                         capacity_name="the cache length")
+        api.validate_request(r, known_ids=self._ids, vocab_size=self.vocab_size, capacity=self.max_len,
+                             capacity_name="the cache length")
 
     def abort(self, request_id: str) -> GenerateResult | None:
         if request_id not in self._ids:
@@ -236,11 +228,11 @@ class TorchEngine(Engine):
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._answers)
 
-    def stats(self) -> EngineStats:
-        return EngineStats(weight_version=self.weight_version, running=len(self.running),
-                           waiting=len(self.waiting), kv_used=sum(s.cached for s in self.running),
-                           kv_total=self.max_batch * self.max_len,
-                           tokens_per_s=self._token_rate.per_s())
+    def stats(self) -> api.EngineStats:
+        return api.EngineStats(weight_version=self.weight_version, running=len(self.running),
+                               waiting=len(self.waiting), kv_used=sum(s.cached for s in self.running),
+                               kv_total=self.max_batch * self.max_len,
+                               tokens_per_s=self._token_rate.per_s())
 
     # -- the step ---------------------------------------------------------------------
     @torch.inference_mode()

@@ -51,14 +51,7 @@ import numpy as np
 
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
-from rlfleet.daemons.rollout.engines.api import (
-    BadRequest,
-    Engine,
-    EngineStats,
-    TokenRate,
-    error_result,
-    validate_request,
-)
+from rlfleet.daemons.rollout.engines import api
 from rlfleet.daemons.rollout.engines.kinds import default_max_len
 from rlfleet.daemons.rollout.engines.vllm_layout import VllmLayout, checkpoint_shapes, prepare
 
@@ -95,7 +88,7 @@ class _Seq:
                               finish_reason=reason)  # type: ignore[arg-type]
 
 
-class VllmEngine(Engine):
+class VllmEngine(api.Engine):
     def __init__(self, llm: Any, layout: VllmLayout, *, checkpoint: Path, max_batch: int,
                  max_len: int, vocab_size: int, eos_token_ids: set[int],
                  weight_version: int = 0) -> None:
@@ -117,7 +110,7 @@ class VllmEngine(Engine):
         self.running: dict[str, _Seq] = {}  # handed to vLLM, not finished
         self._answers: list[GenerateResult] = []
         self._ids: set[str] = set()  # waiting or running
-        self._token_rate = TokenRate()
+        self._token_rate = api.TokenRate()
         # vLLM's CPU attention plans its work for the thread count of the thread that builds
         # the engine and checks it again where the kernel runs ("Check failed:
         # input->metadata->thread_num == thread_num (2 vs. 1)"); the rollout builds the engine
@@ -187,10 +180,10 @@ class VllmEngine(Engine):
     # -- requests ---------------------------------------------------------------------
     def add(self, request: GenerateRequest) -> None:
         try:
-            validate_request(request, known_ids=self._ids, vocab_size=self.vocab_size,
-                             capacity=self.max_len, capacity_name="max_model_len")
-        except BadRequest as exc:
-            self._answers.append(error_result(request, str(exc), self.weight_version))
+            api.validate_request(request, known_ids=self._ids, vocab_size=self.vocab_size,
+                                 capacity=self.max_len, capacity_name="max_model_len")
+        except api.BadRequest as exc:
+            self._answers.append(api.error_result(request, str(exc), self.weight_version))
             return
         self._ids.add(request.request_id)
         self.waiting.append(request)
@@ -219,15 +212,15 @@ class VllmEngine(Engine):
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._answers)
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> api.EngineStats:
         pool = self._scheduler.kv_cache_manager.block_pool
         block = self._scheduler.cache_config.block_size
         blocks = pool.num_gpu_blocks - 1  # vLLM keeps one null block
-        return EngineStats(weight_version=self.weight_version,
-                           running=len(self._scheduler.running),
-                           waiting=len(self.waiting) + len(self._scheduler.waiting),
-                           kv_used=(blocks - pool.get_num_free_blocks()) * block,
-                           kv_total=blocks * block, tokens_per_s=self._token_rate.per_s())
+        return api.EngineStats(weight_version=self.weight_version,
+                               running=len(self._scheduler.running),
+                               waiting=len(self.waiting) + len(self._scheduler.waiting),
+                               kv_used=(blocks - pool.get_num_free_blocks()) * block,
+                               kv_total=blocks * block, tokens_per_s=self._token_rate.per_s())
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[GenerateResult]:
@@ -252,8 +245,8 @@ class VllmEngine(Engine):
                 reason = _FINISH.get(c.finish_reason or "", "error")
                 result = seq.result(reason)
                 if reason == "error":
-                    result = error_result(o.request_id, f"vLLM finished the request with "
-                                          f"{c.finish_reason!r} ({c.stop_reason!r})", seq.version)
+                    result = api.error_result(o.request_id, f"vLLM finished the request with "
+                                              f"{c.finish_reason!r} ({c.stop_reason!r})", seq.version)
                 out.append(result)
         self._token_rate.add(made)
         return out
@@ -269,7 +262,7 @@ class VllmEngine(Engine):
                                      params)
         except Exception as exc:  # noqa: BLE001 — vLLM's own refusal, answered as this request's error
             self._ids.discard(r.request_id)
-            out.append(error_result(r, f"vLLM refused the request: {exc}", self.weight_version))
+            out.append(api.error_result(r, f"vLLM refused the request: {exc}", self.weight_version))
             return
         self.running[r.request_id] = _Seq(r, self.weight_version)
 
