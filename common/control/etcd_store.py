@@ -229,11 +229,7 @@ class EtcdStore(Store):
                 revision = resp.header.revision  # the txn's one write: the key's new mod_revision
                 created = prev.create_revision if prev.create_revision else revision
                 return True, KeyValue(key, _decode(encoded.encode()), created, revision, lease_id)
-            kvs = resp.responses[0].response_range.kvs
-            if not kvs:
-                return False, None
-            kv = kvs[0]
-            return False, KeyValue(key, _decode(kv.value), kv.create_revision, kv.mod_revision, kv.lease)
+            return False, _failed_get(resp, key)
         return self._call("swap", txn)
 
     def put_owned(self, key: str, value: Any, lease: Lease) -> tuple[bool, KeyValue | None]:
@@ -244,11 +240,7 @@ class EtcdStore(Store):
                             success=[t.put(key, _encode(value), lease=lease.id)], failure=[t.get(key)])
             if resp.succeeded:
                 return True, None
-            kvs = resp.responses[0].response_range.kvs
-            if not kvs:
-                return False, None
-            kv = kvs[0]
-            return False, KeyValue(key, _decode(kv.value), kv.create_revision, kv.mod_revision, kv.lease)
+            return False, _failed_get(resp, key)
         return self._call("put_owned", txn)
 
     def put_all(self, values: dict[str, Any], expected_mod_revisions: dict[str, int]) -> bool:
@@ -364,6 +356,15 @@ def _raw_txn(c: pyetcd.MultiEndpointEtcd3Client, compare: list[Any], success: li
     except grpc.RpcError as exc:
         c._manage_grpc_errors(exc)  # raises pyetcd's exception for this code
         raise
+
+
+def _failed_get(resp: Any, key: str) -> KeyValue | None:
+    """What a failed txn's one ``get(key)`` found: the key as it stands, or None if absent."""
+    kvs = resp.responses[0].response_range.kvs
+    if not kvs:
+        return None
+    kv = kvs[0]
+    return KeyValue(key, _decode(kv.value), kv.create_revision, kv.mod_revision, kv.lease)
 
 
 class _KeepAliveStream:

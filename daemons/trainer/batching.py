@@ -38,6 +38,17 @@ class NonFiniteStep(Exception):
         self.what, self.weights_touched = what, weights_touched
 
 
+def check_group_sizes(groups: Sequence[Sequence[ScoredTrajectory]]) -> None:
+    """What every learner refuses before a step (ValueError: the loop drops the batch as
+    invalid): no group, an empty one, or groups of different sizes (group-relative
+    advantages need one G)."""
+    if not groups or any(len(g) == 0 for g in groups):
+        raise ValueError("train_step needs at least one group and no empty group")
+    sizes = {len(g) for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"groups of different sizes {sorted(sizes)}: advantages need equal G")
+
+
 def reward_problem(st: ScoredTrajectory, max_abs_reward: float) -> str:
     """Why this trajectory's reward cannot enter a float32 batch ("" if it can): 1e300 is
     finite in float64 and inf in float32, and inf - inf is a NaN advantage."""

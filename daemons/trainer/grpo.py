@@ -28,6 +28,7 @@ import torch
 
 from rlfleet.common.wire.messages import ScoredTrajectory
 
+from .batching import check_group_sizes
 from .guard import require_finite
 
 Aggregate = Literal["token", "sequence"]
@@ -105,11 +106,7 @@ def batch_of_groups(groups: Sequence[Sequence[ScoredTrajectory]], pad_id: int,
     """The batch of one optimizer step on whole GRPO groups (every trainer backend's first
     move): equal group sizes, group-relative advantages, token ids inside the vocabulary.
     Rewards or advantages that are not finite in float32 raise guard.NonFiniteStep."""
-    if not groups or any(len(g) == 0 for g in groups):
-        raise ValueError("train_step needs at least one group and no empty group")
-    sizes = {len(g) for g in groups}
-    if len(sizes) != 1:
-        raise ValueError(f"groups of different sizes {sorted(sizes)}: advantages need equal G")
+    check_group_sizes(groups)
     # float64 first: a reward of 1e300 must read as "1e300", not as float32's inf
     rewards = torch.tensor([[st.reward for st in g] for g in groups], dtype=torch.float64)
     require_finite("rewards (as float32)", rewards.float())

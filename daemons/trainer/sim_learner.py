@@ -39,6 +39,7 @@ import numpy as np
 
 from rlfleet.common.wire.messages import ScoredTrajectory
 
+from .batching import check_group_sizes
 from .checkpointing import STATE_FILE, CheckpointError, write_checkpoint
 
 log = logging.getLogger("rlfleet.trainer")
@@ -99,11 +100,7 @@ class SimLearner:
         invalid): no group or an empty one, groups of different sizes, no generated token.
         """
         started = self._clock()
-        if not groups or any(len(g) == 0 for g in groups):
-            raise ValueError("train_step needs at least one group and no empty group")
-        sizes = {len(g) for g in groups}
-        if len(sizes) != 1:
-            raise ValueError(f"groups of different sizes {sorted(sizes)}: advantages need equal G")
+        check_group_sizes(groups)
         rewards = np.array([[st.reward for st in g] for g in groups], dtype=np.float64)
         generated = prompt = rows = 0
         for g in groups:

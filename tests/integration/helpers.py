@@ -121,11 +121,17 @@ def write_spec(tmp_path: Path, job: str = "itest", extra: str = "", *,
     return path
 
 
+def spec_store(tmp_path: Path, endpoints, job: str) -> EtcdStore:
+    """A store on ``endpoints`` holding job ``job``'s spec (write_spec's)."""
+    store = EtcdStore(endpoints)
+    store.put(JobKeys(job).spec, load_spec(write_spec(tmp_path, job=job)).to_dict())
+    return store
+
+
 @contextlib.contextmanager
 def store_with_spec(tmp_path: Path, etcd, job: str) -> Iterator[EtcdStore]:
-    """A store on the test's etcd holding job ``job``'s spec (write_spec's), closed after."""
-    with EtcdStore(etcd.endpoints) as s:
-        s.put(JobKeys(job).spec, load_spec(write_spec(tmp_path, job=job)).to_dict())
+    """spec_store on the test's etcd, closed after."""
+    with spec_store(tmp_path, etcd.endpoints, job) as s:
         yield s
 
 

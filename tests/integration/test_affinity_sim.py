@@ -40,18 +40,8 @@ mode = "trajectory"
 [rollout.engine]
 kind = "sim"
 time_scale = 0.3
-
-[[rollout.engine.pools]]
-hardware = "h800"
-profile = "h800-7b"
-rollouts = 2
-max_batch = 8
-
-[[rollout.engine.pools]]
-hardware = "h20"
-profile = "h20-7b"
-rollouts = 2
-max_batch = 8
+pools = [{{ hardware = "h800", profile = "h800-7b", rollouts = 2, max_batch = 8 }},
+         {{ hardware = "h20", profile = "h20-7b", rollouts = 2, max_batch = 8 }}]
 
 """ + sim_lengths(median=200, p99=1000) + """\
 [env_host]

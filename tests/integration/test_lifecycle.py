@@ -22,7 +22,7 @@ from rlfleet.common.spec.job import load_spec
 from rlfleet.common.spec.placement import ROLES
 from rlfleet.tools.exit_codes import Exit
 
-from .helpers import rlfleet, stop, wait_for, write_spec
+from .helpers import rlfleet, spec_store, stop, wait_for, write_spec
 
 TTL_S = 2.0
 # Expiry is detected within TTL; allow for etcd's lease granularity (whole
@@ -121,9 +121,7 @@ def test_killing_the_elected_resource_manager_hands_over_within_ttl(fleet):
 
 
 def test_sigterm_exits_zero_and_deregisters_at_once(tmp_path, etcd):
-    spec_path = write_spec(tmp_path, job="term")
-    store = EtcdStore(etcd.endpoints)
-    store.put(JobKeys("term").spec, load_spec(spec_path).to_dict())
+    store = spec_store(tmp_path, etcd.endpoints, "term")
     proc = rlfleet("daemon", "reward-host", "--job", "term", "--etcd", etcd.endpoints_arg, "--id", "rh-1",
                    log=tmp_path / "rh.log")
     wait_for("reward-host registered", lambda: members(store, "term").get(("reward-host", "rh-1")), timeout_s=30)
@@ -141,9 +139,7 @@ def test_sigterm_exits_zero_and_deregisters_at_once(tmp_path, etcd):
 def test_a_burst_of_signals_during_an_etcd_outage_still_ends_in_a_clean_exit(tmp_path, etcd):
     """Signals are handled on a thread (common/signals.py): a daemon that once set its
     stop Event inside the handler deadlocked when a second SIGTERM arrived meanwhile."""
-    spec_path = write_spec(tmp_path, job="burst")
-    store = EtcdStore(etcd.endpoints)
-    store.put(JobKeys("burst").spec, load_spec(spec_path).to_dict())
+    store = spec_store(tmp_path, etcd.endpoints, "burst")
     proc = rlfleet("daemon", "resource-manager", "--job", "burst", "--etcd", etcd.endpoints_arg,
                    "--id", "rm-1", log=tmp_path / "rm.log")
     wait_for("resource-manager registered", lambda: members(store, "burst").get(("resource-manager", "rm-1")),
@@ -162,9 +158,7 @@ def test_a_burst_of_signals_during_an_etcd_outage_still_ends_in_a_clean_exit(tmp
 
 
 def test_daemon_survives_etcd_outage_and_reregisters(tmp_path, etcd):
-    spec_path = write_spec(tmp_path, job="outage")
-    store = EtcdStore(etcd.endpoints)
-    store.put(JobKeys("outage").spec, load_spec(spec_path).to_dict())
+    store = spec_store(tmp_path, etcd.endpoints, "outage")
     proc = rlfleet("daemon", "trainer", "--job", "outage", "--etcd", etcd.endpoints_arg, "--id", "t-1",
                    log=tmp_path / "t.log")
     try:
@@ -195,9 +189,7 @@ def test_daemon_survives_etcd_outage_and_reregisters(tmp_path, etcd):
 
 
 def test_daemon_survives_sigkill_of_its_etcd_member(tmp_path, etcd3):
-    spec_path = write_spec(tmp_path, job="cluster")
-    store = EtcdStore(etcd3.endpoints[1:])  # the test's own client avoids the victim
-    store.put(JobKeys("cluster").spec, load_spec(spec_path).to_dict())
+    store = spec_store(tmp_path, etcd3.endpoints[1:], "cluster")  # the test's own client avoids the victim
     # The daemon prefers the first endpoint listed: that is the member we kill.
     proc = rlfleet("daemon", "rollout", "--job", "cluster", "--etcd", etcd3.endpoints_arg, "--id", "r-1",
                    log=tmp_path / "r.log")

@@ -27,15 +27,8 @@ kinds = [{{ tag = "prefill_heavy", share = 1, turns = 4, observation_chars = 300
 [rollout.engine]
 kind = "sim"
 {engine}
-[[rollout.engine.pools]]
-hardware = "h800"
-profile = "h800-7b"
-rollouts = 2
-[[rollout.engine.pools]]
-hardware = "h20"
-profile = "h20-7b"
-rollouts = 3
-max_batch = 64
+pools = [{{ hardware = "h800", profile = "h800-7b", rollouts = 2 }},
+         {{ hardware = "h20", profile = "h20-7b", rollouts = 3, max_batch = 64 }}]
 [env_host.routing]
 kind = "affinity"
 prefer = {prefer}

@@ -88,9 +88,11 @@ def _who() -> str:
 
 
 def _open(etcd: str, job: str | None):
-    """(store, keys, spec) of the job; exit 9 when etcd holds no spec for it."""
+    """(store, keys, spec, its JobState or None) of the job; exit 9 when etcd holds no
+    spec for it, 3 when etcd cannot be reached."""
     from rlfleet.common.control.cluster import read_spec
     from rlfleet.common.control.keys import JobKeys
+    from rlfleet.common.control.operations import JobState
     from rlfleet.common.control.store import StoreUnavailable
     from rlfleet.common.spec.errors import SpecError
 
@@ -104,13 +106,14 @@ def _open(etcd: str, job: str | None):
             spec, bad = None, f": {exc}"
         else:
             bad = ""
+        current = JobState.read(store, keys)
     except StoreUnavailable as exc:
         _fail_unreachable(exc, etcd)
     if spec is None:
         click.echo(f"refused: no valid spec for job {job} at {keys.spec}{bad} (nothing there to pause "
                    "or resume; `rlfleet job submit` writes one)", err=True)
         sys.exit(Exit.REFUSED)
-    return store, keys, spec
+    return store, keys, spec, current
 
 
 def _wait(store, keys, wants_trainer: bool, done: str, timeout_s: float) -> tuple[Seen | None, float]:
@@ -160,13 +163,8 @@ def pause(job: str | None, etcd: str, reason: str, timeout_s: float, no_wait: bo
     10 not confirmed within --timeout (the pause stays in effect; `rlfleet resume`)."""
     from rlfleet.common.control.operations import PAUSED, JobState
     from rlfleet.common.control.pause import describe
-    from rlfleet.common.control.store import StoreUnavailable
 
-    store, keys, spec = _open(etcd, job)
-    try:
-        current = JobState.read(store, keys)
-    except StoreUnavailable as exc:
-        _fail_unreachable(exc, etcd)
+    store, keys, spec, current = _open(etcd, job)
     if current is not None and current.paused:
         click.echo(f"{describe(current).replace('job', f'job {keys.job} is already', 1)}; "
                    "`rlfleet resume` to continue")
@@ -203,13 +201,8 @@ def resume(job: str | None, etcd: str, timeout_s: float, no_wait: bool) -> None:
     paused), 9 no spec for the job, 10 not confirmed within --timeout (the resume
     stays in effect)."""
     from rlfleet.common.control.operations import RUNNING, JobState
-    from rlfleet.common.control.store import StoreUnavailable
 
-    store, keys, spec = _open(etcd, job)
-    try:
-        current = JobState.read(store, keys)
-    except StoreUnavailable as exc:
-        _fail_unreachable(exc, etcd)
+    store, keys, spec, current = _open(etcd, job)
     if current is None or not current.paused:
         click.echo(f"job {keys.job} is not paused")
         return
