@@ -63,9 +63,12 @@ class KindConfig(Section):
 
 
 class Kind:
-    """One variant of a seam. Subclasses set ``Config`` and override ``build``."""
+    """One variant of a seam. Subclasses set ``Config`` and override ``build``, or set
+    ``Impl``: a class defined in a module as light as the Kind's, built with the Config's
+    keys (all but ``kind``) as keyword arguments."""
 
     Config: ClassVar[type[KindConfig]]
+    Impl: ClassVar[type | None] = None
 
     @classmethod
     def name(cls) -> str:
@@ -75,7 +78,9 @@ class Kind:
     def build(cls, config: Any, /, **context: Any) -> Any:
         """The implementation for ``config`` (``context``: what the daemon supplies,
         e.g. the model path). Heavy imports belong in here, not at module level."""
-        raise NotImplementedError(f"{cls.__name__}.build")
+        if cls.Impl is None:
+            raise NotImplementedError(f"{cls.__name__}.build")
+        return cls.Impl(**config.model_dump(exclude={"kind"}))
 
     @classmethod
     def uses_sandbox(cls, config: Any, /) -> bool:

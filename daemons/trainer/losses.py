@@ -116,11 +116,7 @@ class PPOClipLoss(PolicyLoss):
 
 
 class PPOClip(Kind):
-    Config = PPOClipConfig
-
-    @classmethod
-    def build(cls, config: PPOClipConfig, /, **_: Any) -> PPOClipLoss:
-        return PPOClipLoss(config.clip_eps, config.entropy_coef, config.ratio_cap)
+    Config, Impl = PPOClipConfig, PPOClipLoss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,17 +160,6 @@ class _OffPolicyLoss(PolicyLoss):
         return {"kind": self.kind, **self.params, "entropy_coef": self.entropy_coef}
 
 
-class _OffPolicyKind(Kind):
-    """Builds ``Loss`` with the Config's keys (all but kind and entropy_coef) as its params."""
-
-    Loss: type[_OffPolicyLoss]
-
-    @classmethod
-    def build(cls, config: KindConfig, /, **_: Any) -> _OffPolicyLoss:
-        params = config.model_dump(exclude={"kind", "entropy_coef"})
-        return cls.Loss(config.entropy_coef, **params)  # type: ignore[attr-defined]
-
-
 class DecoupledPPOConfig(KindConfig):
     kind: Literal["decoupled_ppo"] = "decoupled_ppo"
     clip_eps: float = _eps()  # the trust region around the proximal policy
@@ -195,8 +180,8 @@ class DecoupledPPOLoss(_OffPolicyLoss):
                                         self.params["ratio_cap"], t.entropy)
 
 
-class DecoupledPPO(_OffPolicyKind):
-    Config, Loss = DecoupledPPOConfig, DecoupledPPOLoss
+class DecoupledPPO(Kind):
+    Config, Impl = DecoupledPPOConfig, DecoupledPPOLoss
 
 
 class TISConfig(KindConfig):
@@ -216,8 +201,8 @@ class TISLoss(_OffPolicyLoss):
                                        self.params["cap"], t.proximal, t.entropy)  # type: ignore[arg-type]
 
 
-class TIS(_OffPolicyKind):
-    Config, Loss = TISConfig, TISLoss
+class TIS(Kind):
+    Config, Impl = TISConfig, TISLoss
 
 
 class CISPOConfig(KindConfig):
@@ -236,8 +221,8 @@ class CISPOLoss(_OffPolicyLoss):
                                 self.params["eps_high"], t.entropy)  # type: ignore[arg-type]
 
 
-class CISPO(_OffPolicyKind):
-    Config, Loss = CISPOConfig, CISPOLoss
+class CISPO(Kind):
+    Config, Impl = CISPOConfig, CISPOLoss
 
 
 class TOPRConfig(KindConfig):
@@ -255,5 +240,5 @@ class TOPRLoss(_OffPolicyLoss):
                                self.params["cap"], t.entropy)  # type: ignore[arg-type]
 
 
-class TOPR(_OffPolicyKind):
-    Config, Loss = TOPRConfig, TOPRLoss
+class TOPR(Kind):
+    Config, Impl = TOPRConfig, TOPRLoss

@@ -143,11 +143,7 @@ class TraceConfig(KindConfig):
 
 
 class LognormalKind(Kind):
-    Config = LognormalConfig
-
-    @classmethod
-    def build(cls, config: LognormalConfig, /, **_: Any) -> Lognormal:
-        return Lognormal(config.median, config.p99, config.group_correlation)
+    Config, Impl = LognormalConfig, Lognormal
 
 
 class TraceKind(Kind):
