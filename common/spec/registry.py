@@ -3,24 +3,11 @@ section of the job spec per seam (ARCHITECTURE §5; the seams are listed in
 ``common/spec/seams.py``, the how-to is ``docs/design/seams.md``).
 
 A kind is a Config (the keys of its spec table, ``kind`` first) and a ``Kind`` class
-that builds the implementation from it::
-
-    class PPOClipConfig(KindConfig):
-        kind: Literal["ppo_clip"] = "ppo_clip"
-        clip_eps: PosFloat = 0.2
-
-    class PPOClip(Kind):
-        Config = PPOClipConfig
-
-        @classmethod
-        def build(cls, config, **context):
-            from .losses import PPOClipLoss   # torch: imported only by whoever builds it
-            return PPOClipLoss(config.clip_eps)
-
-and is registered under its seam's entry-point group in pyproject.toml::
+that builds the implementation from it (a whole example: docs/design/seams.md), and is
+registered under its seam's entry-point group in pyproject.toml::
 
     [project.entry-points."rlfleet.policy_losses"]
-    ppo_clip = "rlfleet.daemons.trainer.loss_kinds:PPOClip"
+    ppo_clip = "rlfleet.daemons.trainer.losses:PPOClip"
 
 Why entry points: the spec (common/) must know every kind to validate a spec, but
 common/ does not import the daemons (layers: common <- relay <- daemons <- tools),

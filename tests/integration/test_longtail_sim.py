@@ -130,20 +130,22 @@ def test_repack_manager_and_a_sim_rollout_process_killed_mid_migration_lose_noth
     assert (run_dir / "repack-failpoint-fired").exists()
 
 
+def steps_of_a_short_run(tmp_path, etcd, job: str, mode: str) -> list[dict]:
+    """The step lines of a 25 s run in rollout mode ``mode``, without repack."""
+    run_dir, _ = finish(start(tmp_path, etcd, job, mode=mode, planner="none", duration_s=25))
+    return steps(run_dir)
+
+
 @needs_model
 def test_partial_mode_mixes_versions_within_a_turn_and_loses_nothing(tmp_path, etcd):
-    proc = start(tmp_path, etcd, "simpartial", mode="partial", planner="none", duration_s=25)
-    run_dir, _ = finish(proc)
-    lines = steps(run_dir)
+    lines = steps_of_a_short_run(tmp_path, etcd, "simpartial", "partial")
     assert len(lines) >= 3
     assert sum(m["mixed_version"] for m in lines) > 0  # AReaL-style: segments of several versions
 
 
 @needs_model
 def test_sync_mode_trains_only_fresh_trajectories(tmp_path, etcd):
-    proc = start(tmp_path, etcd, "simsync", mode="sync", planner="none", duration_s=25)
-    run_dir, _ = finish(proc)
-    lines = steps(run_dir)
+    lines = steps_of_a_short_run(tmp_path, etcd, "simsync", "sync")
     assert len(lines) >= 2
     assert all(set(m["staleness"]) == {"0"} for m in lines), [m["staleness"] for m in lines]
     assert sum(m["mixed_version"] for m in lines) == 0

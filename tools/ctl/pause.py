@@ -18,8 +18,9 @@ import getpass
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -116,6 +117,16 @@ def _open(etcd: str, job: str | None):
     return store, keys, spec, current
 
 
+def _not_confirmed(command: str, timeout_s: float, seen: Seen | None, hosts_line: Callable[[Seen], str],
+                   lifted_by: str = "") -> NoReturn:
+    """Exit 10: what was last seen (the trainer, then ``hosts_line`` of it) when the
+    timeout ran out; the command's record stays in effect."""
+    pending = "nothing readable" if seen is None else f"{seen.trainer_line()}; {hosts_line(seen)}"
+    click.echo(f"rlfleet {command}: not confirmed within {timeout_s:g} s ({pending}); the {command} stays in "
+               f"effect{lifted_by}", err=True)
+    sys.exit(Exit.TIMED_OUT)
+
+
 def _wait(store, keys, wants_trainer: bool, done: str, timeout_s: float) -> tuple[Seen | None, float]:
     """Poll until `Seen.<done>` holds; (the last look, seconds waited). Through an etcd
     outage it keeps asking until the timeout."""
@@ -181,11 +192,9 @@ def pause(job: str | None, etcd: str, reason: str, timeout_s: float, no_wait: bo
                    f"{' (' + ', '.join(hosts) + ')' if hosts else ''}; confirmed in {waited:.1f} s")
         click.echo("`rlfleet resume` to continue")
         return
-    pending = ("nothing readable" if seen is None else
-               f"{seen.trainer_line()}; hosts not yet observing only: {', '.join(seen.hosts(False)) or 'none'}")
-    click.echo(f"rlfleet pause: not confirmed within {timeout_s:g} s ({pending}); the pause stays in "
-               "effect (`rlfleet resume` lifts it)", err=True)
-    sys.exit(Exit.TIMED_OUT)
+    _not_confirmed("pause", timeout_s, seen,
+                   lambda s: f"hosts not yet observing only: {', '.join(s.hosts(False)) or 'none'}",
+                   " (`rlfleet resume` lifts it)")
 
 
 @click.command()
@@ -215,8 +224,4 @@ def resume(job: str | None, etcd: str, timeout_s: float, no_wait: bool) -> None:
     if seen is not None and seen.resumed:
         click.echo(f"{seen.trainer_line()}; no host paused; confirmed in {waited:.1f} s")
         return
-    pending = ("nothing readable" if seen is None else
-               f"{seen.trainer_line()}; hosts still paused: {', '.join(seen.hosts(True)) or 'none'}")
-    click.echo(f"rlfleet resume: not confirmed within {timeout_s:g} s ({pending}); the resume stays in "
-               "effect", err=True)
-    sys.exit(Exit.TIMED_OUT)
+    _not_confirmed("resume", timeout_s, seen, lambda s: f"hosts still paused: {', '.join(s.hosts(True)) or 'none'}")
