@@ -103,3 +103,32 @@ def test_append_adds_runs_to_the_record_of_the_same_setting(tmp_path, monkeypatc
         drops.main([*args[2:], "--minutes", "5", "--append"])
     with pytest.raises(SystemExit, match="no record"):
         drops.main(["--tasks", "frozenlake", "--out", str(tmp_path), "--append"])
+
+
+def test_arms_take_turns_and_each_has_its_record(tmp_path, monkeypatch, capsys):
+    made = []
+
+    def fake_run(examples, task, run, minutes, window_min, settings):
+        made.append((run, dict(settings)))
+        return {"task": task, "run": run, "drop_share": 0.0, "drop_share_by_window": [0.0], "claimed": 100,
+                "steps": 10, "pacing_stalls": 0, "load_1m_before": 1.0, "load_1m_after": 1.0,
+                "windows": [{"window": 0, "at_bound": 0.2, "full": True, "drop_share": 0.0}]}
+    monkeypatch.setattr(drops, "run_once", fake_run)
+    monkeypatch.setattr(drops, "code_version", lambda: ("a" * 40, []))
+    arms = ["--arm", "base", "--arm", "lag:env_host.pace_for_lag=true;trainer.max_staleness=3"]
+    assert drops.main(["--tasks", "arithmetic", "--runs", "2", "--out", str(tmp_path), *arms]) == 0
+    lag = {"env_host.pace_for_lag": True, "trainer.max_staleness": 3}
+    assert made == [(0, {}), (0, lag), (1, {}), (1, lag)]  # turns within each run number
+    base, other = (json.loads((tmp_path / f"drops-arithmetic-{t}.json").read_text()) for t in ("base", "lag"))
+    assert (base["settings"], base["side_by_side"]) == ({}, ["lag"])
+    assert (other["settings"], other["side_by_side"]) == (lag, ["base"])
+    assert "Side by side with `lag`" in drops.render([base])
+    # --append adds a run to every arm, each checked against its own record.
+    assert drops.main(["--tasks", "arithmetic", "--runs", "1", "--out", str(tmp_path), "--append", *arms]) == 0
+    assert made[4:] == [(2, {}), (2, lag)]
+    assert [r["run"] for r in json.loads((tmp_path / "drops-arithmetic-lag.json").read_text())["runs"]] == [0, 1, 2]
+    for bad, message in ((["--arm", "a", "--tag", "x"], "--arm replaces"),
+                         (["--arm", "a", "--arm", "a:x.y=1"], "two arms"), (["--arm", "a b"], "letters, digits")):
+        with pytest.raises(SystemExit):
+            drops.main(["--out", str(tmp_path), *bad])
+        assert message in capsys.readouterr().err

@@ -6,10 +6,16 @@ each run's metrics.jsonl, accounting.json and daemon logs:
 
     python -m rlfleet.tools.bench.drops --minutes 30 --tasks arithmetic,frozenlake \\
         --runs 3 --out tools/bench/results
+    python -m rlfleet.tools.bench.drops --minutes 30 --tasks arithmetic --runs 3 \\
+        --arm base --arm lag:env_host.pace_for_lag=true --out tools/bench/results
     python -m rlfleet.tools.bench.drops --render    # docs/results/drops.md from the records
 
 writes OUT/drops-<task>.json per task: ``task``, ``minutes``, ``drop_share`` (the mean of
-the runs), ``drop_share_by_window`` (per window, the mean of the runs), every run.
+the runs), ``drop_share_by_window`` (per window, the mean of the runs), every run. With
+``--arm TAG[:SECTION.KEY=VALUE;...]`` (repeated) the settings are compared side by side:
+the arms take turns within each run number (base 0, lag 0, base 1, ...), so a noisy stretch
+of the shared machine hurts every arm alike, and each arm has its record
+OUT/drops-<task>-<TAG>.json naming the others (``side_by_side``).
 
 The figure is the **drop share**: groups dropped for ``staleness`` or ``buffer_full``
 (generation that was paid for and thrown away by the bound) over the prompts claimed
@@ -143,6 +149,15 @@ def run_once(examples: Path, task: str, run: int, minutes: float, window_min: fl
     return record
 
 
+def parse_arm(text: str) -> tuple[str, dict[str, Any]]:
+    """TAG or TAG:SECTION.KEY=VALUE[;SECTION.KEY=VALUE...]: one arm of a side-by-side
+    comparison; for argparse."""
+    tag, _, settings = text.partition(":")
+    if not tag or not all(c.isalnum() or c in "-_" for c in tag):
+        raise argparse.ArgumentTypeError(f"an arm's tag is letters, digits, '-' or '_', got {tag!r} in {text!r}")
+    return tag, dict(parse_override(s) for s in settings.split(";") if s.strip())
+
+
 def full_windows(run: dict[str, Any]) -> list[dict[str, Any]]:
     """The windows the stop did not cut short (records before ``full`` was kept: all but the last)."""
     ws = run.get("windows") or []
@@ -198,6 +213,8 @@ def render(records: list[dict[str, Any]]) -> str:
                 + (f" Spec settings: {', '.join(f'`{k} = {v}`' for k, v in rec['settings'].items())}."
                    if rec.get("settings") else "")
                 + (f" Note: {rec['note']}" if rec.get("note") else "")
+                + (f" Side by side with {', '.join(f'`{t}`' for t in rec['side_by_side'])} (the arms took "
+                   "turns in each run number)." if rec.get("side_by_side") else "")
                 + "".join(f" Runs added by `{c['command']}` at `{c['commit'][:10]}`, {c['date']}."
                           for c in rec.get("later_commands", []))
                 + (f" Incomplete: the bench stopped after {len(rec['runs'])} run(s) of those its command asked for."
@@ -266,29 +283,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="settings", action="append", type=parse_override, default=[],
                     metavar="SECTION.KEY=VALUE", help="a spec setting for every run (repeatable), e.g. "
                     "env_host.pace_for_lag=true; recorded as `settings`")
+    ap.add_argument("--arm", dest="arms", action="append", type=parse_arm, default=[],
+                    metavar="TAG[:SECTION.KEY=VALUE;...]", help="one setting of a side-by-side comparison "
+                    "(repeat for each; replaces --tag and --set): the arms take turns in each run number")
     args = ap.parse_args(argv)
+    if args.arms and (args.tag or args.settings):
+        ap.error("--arm replaces --tag and --set: give each arm its tag and settings")
+    arms = dict(args.arms) if args.arms else {args.tag: dict(args.settings)}
+    if len(arms) != max(1, len(args.arms)):
+        ap.error(f"two arms with one tag: {[t for t, _ in args.arms]}")
     commit, dirty = code_version()  # the code the runs start from, read before they start
     head = {"command": "python -m rlfleet.tools.bench.drops " + " ".join(argv if argv is not None else sys.argv[1:]),
             "commit": commit, "uncommitted_changes": dirty, "machine": f"{platform.node()} {os.cpu_count()} cores {platform.machine()}",
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "minutes": args.minutes, "window_min": args.window_min,
-            "settings": dict(args.settings)}
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "minutes": args.minutes, "window_min": args.window_min}
+    heads = {tag: {**head, "settings": settings, **({"side_by_side": [t for t in arms if t != tag]}
+                                                     if len(arms) > 1 else {})} for tag, settings in arms.items()}
     args.out.mkdir(parents=True, exist_ok=True)
-    records: list[dict[str, Any]] = []
+    records: dict[str, list[dict[str, Any]]] = {tag: [] for tag in arms}
     if args.append:
-        records, head = earlier_runs(args.out, args.tasks.split(","), args.tag, head)
-    first = 1 + max((r["run"] for r in records), default=-1)
+        for tag in arms:
+            records[tag], heads[tag] = earlier_runs(args.out, args.tasks.split(","), tag, heads[tag])
+    first = 1 + max((r["run"] for rs in records.values() for r in rs), default=-1)
     for run in range(first, first + args.runs):
         for task in args.tasks.split(","):  # tasks alternate: a noisy hour hurts both alike
-            r = run_once(args.examples, task, run, args.minutes, args.window_min, dict(args.settings))
-            r["commit"], r["uncommitted_changes"] = commit, dirty
-            records.append(r)
-            print(f"{task} run {run}: " + (f"VOID ({r['void']})" if "void" in r else
-                  f"{r['steps']} steps, drop share {r['drop_share']:.2%} of {r['claimed']} claimed, by window "
-                  f"{[f'{s:.1%}' if s is not None else '-' for s in r['drop_share_by_window']]}, "
-                  f"{r['pacing_stalls']} pacing stalls"), flush=True)
-            # After every run, so a stopped bench keeps what it measured.
-            for path in write_records(args.out, args.tag, head, records, complete=run == first + args.runs - 1):
-                print(f"wrote {path}", flush=True)
+            for tag, settings in arms.items():  # and so do the arms
+                r = run_once(args.examples, task, run, args.minutes, args.window_min, settings)
+                r["commit"], r["uncommitted_changes"] = commit, dirty
+                records[tag].append(r)
+                print(f"{task}{' ' + tag if tag else ''} run {run}: " + (f"VOID ({r['void']})" if "void" in r else
+                      f"{r['steps']} steps, drop share {r['drop_share']:.2%} of {r['claimed']} claimed, by window "
+                      f"{[f'{s:.1%}' if s is not None else '-' for s in r['drop_share_by_window']]}, "
+                      f"{r['pacing_stalls']} pacing stalls"), flush=True)
+                # After every run, so a stopped bench keeps what it measured.
+                for path in write_records(args.out, tag, heads[tag], records[tag],
+                                          complete=run == first + args.runs - 1):
+                    print(f"wrote {path}", flush=True)
     return 0
 
 
