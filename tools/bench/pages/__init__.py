@@ -1,0 +1,156 @@
+"""The results pages (docs/results/<page>.md) rendered from the committed records
+(tools/bench/results/*.json) through their templates (tools/bench/pages/<page>.md):
+
+    python -m rlfleet.tools.bench.pages            # write every page that has a template
+    python -m rlfleet.tools.bench.pages --check    # exit 1 naming each page that differs
+
+A template is the page's markdown with every measured figure a placeholder, so no
+figure is ever typed by hand and a page cannot drift from its records:
+
+    {{ losses.json | summary.frozenlake.ppo_clip.mean | .3f }}
+
+the record (a file in tools/bench/results), a path into it (keys and list indices joined
+by dots) and a format spec (Python's format mini-language; none: ``str``). What is
+computed from a record (a table, a minimum over runs) is a filler: a function registered
+with ``@filler`` in ``tools/bench/pages/fill_<page>.py``, given a function that returns a
+record by file name: ``{{ fill:losses_table }}``. ``{{ generated }}`` says which command
+wrote the page and from which records.
+
+drops.md and soak.md have renderers of their own (``--render`` of their benchmarks);
+tests/unit/test_results_pages.py holds every page under docs/results to one of the two.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[3]
+RECORDS = ROOT / "tools" / "bench" / "results"
+TEMPLATES = Path(__file__).resolve().parent
+PAGES = ROOT / "docs" / "results"
+COMMAND = "python -m rlfleet.tools.bench.pages"
+# Pages rendered by their own benchmark's --render (named on the page).
+OWN_RENDERER = {"drops.md": "python -m rlfleet.tools.bench.drops --render",
+                "soak.md": "python -m rlfleet.tools.bench.soak --render"}
+# Pages still written by hand, each with why: tests/unit/test_results_pages.py fails on a
+# page that is in none of the three, and on one listed here that has a template.
+_BY_HAND = "written by hand before this renderer existed; its figures are still to be tied to its records"
+NOT_YET_RENDERED: dict[str, str] = {
+    "agentic.md": _BY_HAND, "cluster.md": _BY_HAND, "faults.md": _BY_HAND, "learning.md": _BY_HAND,
+    "live-fleet.md": _BY_HAND, "losses.md": _BY_HAND, "megatron.md": _BY_HAND, "relay.md": _BY_HAND,
+    "reward-scheduling.md": _BY_HAND, "vllm.md": _BY_HAND,
+    "longtail.md": "its record was never committed (restored from the README at 531e20e): the long-tail "
+                   "bench must run again (python -m rlfleet.tools.bench.longtail, its command on the page)",
+    "peer.md": "the TRL side-by-side record was never committed: the peer bench must run again "
+               "(python -m rlfleet.tools.bench.trl_peer, its command on the page)",
+}
+
+PLACEHOLDER = re.compile(r"\{\{\s*(.*?)\s*\}\}")
+
+Records = Callable[[str], Any]  # a record by file name, parsed
+FILLERS: dict[str, Callable[[Records], str]] = {}
+
+
+class PageError(ValueError):
+    """A placeholder that names no record, no key or no filler: the page is not written."""
+
+
+def filler(fn: Callable[[Records], str]) -> Callable[[Records], str]:
+    """Register ``fn`` as ``{{ fill:<its name> }}``."""
+    FILLERS[fn.__name__] = fn
+    return fn
+
+
+def lookup(value: Any, path: str, where: str) -> Any:
+    """``value`` at ``path`` (keys and list indices joined by dots)."""
+    for part in path.split(".") if path else []:
+        if isinstance(value, list) and re.fullmatch(r"-?\d+", part) and -len(value) <= int(part) < len(value):
+            value = value[int(part)]
+        elif isinstance(value, dict) and part in value:
+            value = value[part]
+        else:
+            raise PageError(f"{where}: no {part!r} at {path!r}")
+    return value
+
+
+def render(template: str, name: str, records_dir: Path = RECORDS) -> str:
+    """The page ``name`` from its template's text; PageError on a placeholder that does
+    not resolve (the message names the template, the placeholder and what is missing)."""
+    load_fillers()
+    cache: dict[str, Any] = {}
+
+    def record(file: str) -> Any:
+        if file not in cache:
+            path = records_dir / file
+            if not path.is_file():
+                raise PageError(f"{name}: no record {file} in {records_dir}")
+            cache[file] = json.loads(path.read_text())
+        return cache[file]
+
+    def one(match: re.Match[str]) -> str:
+        text = match.group(1)
+        where = f"{name}: {{{{ {text} }}}}"
+        if text == "generated":
+            return "\0generated\0"  # after the rest: it lists the records the page read
+        if text.startswith("fill:"):
+            fn = FILLERS.get(text.removeprefix("fill:"))
+            if fn is None:
+                raise PageError(f"{where}: no filler of that name (known: {', '.join(sorted(FILLERS))})")
+            return fn(record)
+        parts = [p.strip() for p in text.split("|")]
+        if len(parts) not in (2, 3):
+            raise PageError(f"{where}: expected {{{{ record.json | path | format }}}}")
+        value = lookup(record(parts[0]), parts[1], where)
+        try:
+            return format(value, parts[2]) if len(parts) == 3 else str(value)
+        except (TypeError, ValueError) as exc:
+            raise PageError(f"{where}: {value!r} does not take the format {parts[2]!r}: {exc}") from None
+
+    body = PLACEHOLDER.sub(one, template)
+    used = ", ".join(f"`tools/bench/results/{f}`" for f in sorted(cache)) or "no record"
+    return body.replace("\0generated\0", f"Generated by `{COMMAND}` from {used} and the template "
+                                         f"`tools/bench/pages/{name}` (edit that, not this page).")
+
+
+def templates() -> list[Path]:
+    return sorted(TEMPLATES.glob("*.md"))
+
+
+def load_fillers() -> None:
+    """Import every fill_<page>.py beside this module (each registers its fillers)."""
+    for module in pkgutil.iter_modules([str(TEMPLATES)]):
+        if module.name.startswith("fill_"):
+            importlib.import_module(f"{__name__}.{module.name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv not in ([], ["--check"]):
+        print(f"usage: {COMMAND} [--check]", file=sys.stderr)
+        return 2
+    load_fillers()
+    differ = []
+    for template in templates():
+        page = PAGES / template.name
+        try:
+            text = render(template.read_text(), template.name)
+        except PageError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        if argv == ["--check"]:
+            if not page.exists() or page.read_text() != text:
+                differ.append(page.name)
+        elif not page.exists() or page.read_text() != text:
+            page.write_text(text)
+            print(f"wrote {page.relative_to(ROOT)}")
+    if differ:
+        print(f"differ from their records: {', '.join(differ)} (run {COMMAND})", file=sys.stderr)
+        return 1
+    return 0
