@@ -109,17 +109,12 @@ NonNegFloat = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
 LengthsConfig = LENGTH_MODELS.config_type()  # [rollout.engine.lengths], tagged by kind
 # A rollout's hardware label (routing's prefer table names these; an etcd record field).
 HardwareLabel = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
-_TIMING_KEYS = ("max_batch", "kv_capacity_tokens", "base_s", "roofline_batch", "kv_s_per_token",
-                "prefill_s_per_token", "load_s")
 
 
-class SimPoolConfig(BaseModel, extra="forbid", frozen=True):
-    """``[[rollout.engine.pools]]``: some of the simulated rollouts on another hardware
-    profile, with their own label and overrides (absent = the engine table's)."""
+class TimingOverrides(BaseModel, extra="forbid", frozen=True):
+    """The hardware profile's constants a sim engine table or a pool may override; each
+    None: the profile's (sim_timing.PROFILES)."""
 
-    hardware: HardwareLabel
-    rollouts: Annotated[PosInt, Field(le=4096)]
-    profile: str | None = None
     max_batch: Annotated[PosInt, Field(le=MAX_BATCH_LIMIT)] | None = None
     kv_capacity_tokens: PosInt | None = None
     base_s: PosFloat | None = None
@@ -127,6 +122,18 @@ class SimPoolConfig(BaseModel, extra="forbid", frozen=True):
     kv_s_per_token: NonNegFloat | None = None
     prefill_s_per_token: NonNegFloat | None = None
     load_s: NonNegFloat | None = None
+
+
+_TIMING_KEYS = tuple(TimingOverrides.model_fields)
+
+
+class SimPoolConfig(TimingOverrides):
+    """``[[rollout.engine.pools]]``: some of the simulated rollouts on another hardware
+    profile, with their own label and overrides (absent = the engine table's)."""
+
+    hardware: HardwareLabel
+    rollouts: Annotated[PosInt, Field(le=4096)]
+    profile: str | None = None
 
     @field_validator("profile")
     @classmethod
@@ -136,7 +143,7 @@ class SimPoolConfig(BaseModel, extra="forbid", frozen=True):
         return name
 
 
-class SimEngineConfig(KindConfig):
+class SimEngineConfig(TimingOverrides, KindConfig):
     """``sim_engine.SimEngine``: a timing model instead of a model (docs/design/sim.md)."""
 
     kind: Literal["sim"] = "sim"
@@ -148,14 +155,6 @@ class SimEngineConfig(KindConfig):
     # Tokens and lengths are a function of (seed, request): every engine of a fleet must
     # share it, so a turn continued elsewhere goes on with the same tokens.
     seed: Annotated[NonNegInt, Field(le=2**64 - 1)] = 0
-    # Each None: the profile's constant.
-    max_batch: Annotated[PosInt, Field(le=MAX_BATCH_LIMIT)] | None = None
-    kv_capacity_tokens: PosInt | None = None
-    base_s: PosFloat | None = None
-    roofline_batch: PosInt | None = None
-    kv_s_per_token: NonNegFloat | None = None
-    prefill_s_per_token: NonNegFloat | None = None
-    load_s: NonNegFloat | None = None
     lengths: LengthsConfig = LENGTH_MODELS.field()  # type: ignore[valid-type]
     # Every rollout's hardware label in its etcd record (None: the profile's GPU, "h800").
     hardware: HardwareLabel | None = None

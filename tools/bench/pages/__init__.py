@@ -13,8 +13,9 @@ the record (a file in tools/bench/results), a path into it (keys and list indice
 by dots) and a format spec (Python's format mini-language; none: ``str``). What is
 computed from a record (a table, a minimum over runs) is a filler: a function registered
 with ``@filler`` in ``tools/bench/pages/fill_<page>.py``, given a function that returns a
-record by file name: ``{{ fill:losses_table }}``. ``{{ generated }}`` says which command
-wrote the page and from which records.
+record by file name, and the placeholder's arguments, if any, as strings:
+``{{ fill:losses_table }}``, ``{{ fill:learning_table | learning_hog.json }}``.
+``{{ generated }}`` says which command wrote the page and from which records.
 
 drops.md and soak.md have renderers of their own (``--render`` of their benchmarks);
 tests/unit/test_results_pages.py holds every page under docs/results to one of the two.
@@ -41,11 +42,10 @@ OWN_RENDERER = {"drops.md": "python -m rlfleet.tools.bench.drops --render",
                 "soak.md": "python -m rlfleet.tools.bench.soak --render"}
 # Pages still written by hand, each with why: tests/unit/test_results_pages.py fails on a
 # page that is in none of the three, and on one listed here that has a template.
-_BY_HAND = "written by hand before this renderer existed; its figures are still to be tied to its records"
 NOT_YET_RENDERED: dict[str, str] = {
-    "agentic.md": _BY_HAND, "cluster.md": _BY_HAND, "faults.md": _BY_HAND, "learning.md": _BY_HAND,
-    "live-fleet.md": _BY_HAND, "losses.md": _BY_HAND, "megatron.md": _BY_HAND, "relay.md": _BY_HAND,
-    "reward-scheduling.md": _BY_HAND, "vllm.md": _BY_HAND,
+    "cluster.md": "its figures come from runs/deploy/cluster.json, which the lab test writes and nobody "
+                  "committed: the lab test is to write a record (command, commit, machine, date) to "
+                  "tools/bench/results",
     "longtail.md": "its record was never committed (restored from the README at 531e20e): the long-tail "
                    "bench must run again (python -m rlfleet.tools.bench.longtail, its command on the page)",
     "peer.md": "the TRL side-by-side record was never committed: the peer bench must run again "
@@ -55,14 +55,15 @@ NOT_YET_RENDERED: dict[str, str] = {
 PLACEHOLDER = re.compile(r"\{\{\s*(.*?)\s*\}\}")
 
 Records = Callable[[str], Any]  # a record by file name, parsed
-FILLERS: dict[str, Callable[[Records], str]] = {}
+Filler = Callable[..., str]      # (records, *the placeholder's arguments) -> markdown
+FILLERS: dict[str, Filler] = {}
 
 
 class PageError(ValueError):
     """A placeholder that names no record, no key or no filler: the page is not written."""
 
 
-def filler(fn: Callable[[Records], str]) -> Callable[[Records], str]:
+def filler(fn: Filler) -> Filler:
     """Register ``fn`` as ``{{ fill:<its name> }}``."""
     FILLERS[fn.__name__] = fn
     return fn
@@ -99,12 +100,12 @@ def render(template: str, name: str, records_dir: Path = RECORDS) -> str:
         where = f"{name}: {{{{ {text} }}}}"
         if text == "generated":
             return "\0generated\0"  # after the rest: it lists the records the page read
+        parts = [p.strip() for p in text.split("|")]
         if text.startswith("fill:"):
-            fn = FILLERS.get(text.removeprefix("fill:"))
+            fn = FILLERS.get(parts[0].removeprefix("fill:"))
             if fn is None:
                 raise PageError(f"{where}: no filler of that name (known: {', '.join(sorted(FILLERS))})")
-            return fn(record)
-        parts = [p.strip() for p in text.split("|")]
+            return fn(record, *parts[1:])
         if len(parts) not in (2, 3):
             raise PageError(f"{where}: expected {{{{ record.json | path | format }}}}")
         value = lookup(record(parts[0]), parts[1], where)
