@@ -12,11 +12,28 @@ from rlfleet.tools.bench import pages
 
 
 def test_every_page_with_a_template_is_its_rendering():
-    pages.load_fillers()
-    for template in pages.templates():
-        page = pages.PAGES / template.name
-        assert page.exists() and page.read_text() == pages.render(template.read_text(), template.name), \
-            f"docs/results/{template.name} differs from its records: {pages.COMMAND}"
+    expected = pages.rendered()
+    assert pages.README in expected and len(expected) == len(pages.templates()) + 1
+    for path, text in expected.items():
+        assert path.exists() and path.read_text() == text, f"{path.name} differs from its records: {pages.COMMAND}"
+
+
+def test_every_record_has_a_page():
+    read: set[str] = set()
+    pages.rendered(read)
+    own = {p.name for pattern in ("drops-*.json", "soak*.json") for p in pages.RECORDS.glob(pattern)}
+    for record in sorted(p.name for p in pages.RECORDS.glob("*.json")):
+        if record in read or record in own:
+            continue
+        assert record in pages.CITED_ELSEWHERE, f"tools/bench/results/{record} is read by no page"
+        assert record in (pages.ROOT / pages.CITED_ELSEWHERE[record]).read_text()
+
+
+def test_the_readme_table_stands_between_its_markers():
+    readme = f"# x\n{pages.BEGIN}\nold\n{pages.END}\nafter\n"
+    assert pages.with_table(readme, "| new |\n") == f"# x\n{pages.BEGIN}\n| new |\n{pages.END}\nafter\n"
+    with pytest.raises(pages.PageError, match="must stand around the results table"):
+        pages.with_table("# no markers\n", "| new |")
 
 
 def test_every_page_is_rendered_or_says_why_not():
