@@ -223,17 +223,29 @@ class ScoredTrajectory(_Msg):
     reward_error: str = ""
 
 
-class RolloutStats(_Msg):
-    """rollout -> repack-manager, periodically. ``time`` is the sender's unix time."""
+class EngineStats(msgspec.Struct, frozen=True, array_like=True):
+    """An engine's load (daemons/rollout/engines/api.py ``Engine.stats``); not a message
+    itself, the first fields of RolloutStats. KV figures are in tokens held in the cache."""
 
-    rollout_id: str
     weight_version: int
     running: int
     waiting: int
     kv_used: int
     kv_total: int
     tokens_per_s: float
+
+
+class RolloutStats(EngineStats, _Msg):
+    """rollout -> repack-manager, periodically: its engine's stats, then who and when
+    (``time``: the sender's unix time)."""
+
+    rollout_id: str
     time: float
+
+    @classmethod
+    def poll(cls, rollout_id: str = "") -> RolloutStats:
+        """The request of a stats poll: a RolloutStats with nothing measured in it."""
+        return cls(0, 0, 0, 0, 0, 0.0, rollout_id, 0.0)
 
 
 class RepackOrder(_Msg):

@@ -169,7 +169,7 @@ class RepackManager(Daemon):
         asked: dict[tuple[str, str], str] = {}
         for rollout_id in targets:
             try:
-                rid = clients[rollout_id].send(RolloutStats(rollout_id, 0, 0, 0, 0, 0, 0.0, 0.0), 0.1)
+                rid = clients[rollout_id].send(RolloutStats.poll(rollout_id), 0.1)
             except PeerTimeout:
                 continue
             asked[(rollout_id, rid)] = rollout_id

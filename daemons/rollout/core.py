@@ -208,11 +208,9 @@ class RolloutCore:
         return ack
 
     def stats(self) -> RolloutStats:
-        s = self.engine.stats()
-        return RolloutStats(rollout_id=self.member_id, weight_version=s.weight_version,
-                            running=s.running, waiting=s.waiting + len(self.held),
-                            kv_used=s.kv_used, kv_total=s.kv_total,
-                            tokens_per_s=s.tokens_per_s, time=time.time())
+        s = msgspec.structs.asdict(self.engine.stats())
+        s["waiting"] += len(self.held)  # held for a weight load: waiting all the same
+        return RolloutStats(**s, rollout_id=self.member_id, time=time.time())
 
     def release(self) -> None:
         self.policy.release()

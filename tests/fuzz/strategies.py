@@ -107,8 +107,8 @@ generate_results = st.builds(
 
 aborts = st.builds(wire.Abort, hostile_ids)
 
-rollout_stats = st.builds(wire.RolloutStats, hostile_ids, hostile_ints, hostile_ints, hostile_ints,
-                          hostile_ints, hostile_ints, hostile_floats, hostile_floats)
+rollout_stats = st.builds(wire.RolloutStats, hostile_ints, hostile_ints, hostile_ints, hostile_ints,
+                          hostile_ints, hostile_floats, hostile_ids, hostile_floats)
 
 repack_orders = st.builds(
     wire.RepackOrder, hostile_ids, hostile_ids, hostile_ids,

@@ -73,7 +73,7 @@ def test_daemon_serves_requests_and_a_kill_9_is_a_peer_timeout(rollout, tiny_mod
             assert got[rid].token_ids.tolist() == greedy_reference(tiny_model, p, 10)
         assert got[bad].finish_reason == "error" and "temperature" in got[bad].error
 
-        s = client.request(RolloutStats("", 0, 0, 0, 0, 0, 0.0, 0.0), timeout_s=5)
+        s = client.request(RolloutStats.poll(), timeout_s=5)
         assert s.rollout_id == "rollout-0" and s.kv_total == 8 * 256 and s.running == 0
         assert client.request(Abort("never-sent"), timeout_s=5).finish_reason == "abort"
 
@@ -91,7 +91,7 @@ def test_sigterm_answers_the_running_request_and_deregisters(rollout):
     store, proc, member, log, key = rollout
     client = RequestClient(member["addresses"]["requests"])
     stats_client = RequestClient(member["addresses"]["requests"])
-    empty = RolloutStats("", 0, 0, 0, 0, 0, 0.0, 0.0)
+    empty = RolloutStats.poll()
     replies: dict = {}
 
     def running_or_done() -> bool:

@@ -85,7 +85,7 @@ def collect(client: RequestClient, rids: list[str], timeout_s: float = 20.0) -> 
 
 
 def stats(client: RequestClient) -> RolloutStats:
-    empty = RolloutStats("", 0, 0, 0, 0, 0, 0.0, 0.0)
+    empty = RolloutStats.poll()
     return client.request(empty, timeout_s=5)
 
 

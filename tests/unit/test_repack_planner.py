@@ -189,7 +189,7 @@ LIVE = {"r1", "r2"}
 
 def stats(rid: str = "r1", version: int = 3, running: int = 4, waiting: int = 2, kv_used: int = 300,
           kv_total: int = 1000, tokens_per_s: float = 120.0, time: float = 1.7e9) -> RolloutStats:
-    return RolloutStats(rid, version, running, waiting, kv_used, kv_total, tokens_per_s, time)
+    return RolloutStats(version, running, waiting, kv_used, kv_total, tokens_per_s, rollout_id=rid, time=time)
 
 
 def test_a_sound_reply_becomes_a_load():

@@ -44,7 +44,7 @@ def all_messages(n: int) -> list[wire.Message]:
         Abort("r1"),
         traj,
         ScoredTrajectory(traj, 1.0),
-        RolloutStats("ro1", 3, 1, 2, 10, 100, 55.5, 1.7e9),
+        RolloutStats(3, 1, 2, 10, 100, 55.5, rollout_id="ro1", time=1.7e9),
         RepackOrder("o1", "ro1", "ro2", ["r1"]),
         Ack(["t1"], ok=True),
     ]

@@ -70,7 +70,7 @@ def all_messages(n: int = 10) -> list[wire.Message]:
         Abort("r1"),
         _trajectory(n),
         ScoredTrajectory(_trajectory(n), reward=0.5, reward_error=""),
-        RolloutStats("ro-1", 3, 12, 4, 1000, 4096, 1234.5, 1.7e9),
+        RolloutStats(3, 12, 4, 1000, 4096, 1234.5, rollout_id="ro-1", time=1.7e9),
         RepackOrder("o1", "ro-1", "ro-2", ["r1", "r2"]),
         Ack(["t-1", "t-2"], ok=False, error="staleness"),
     ]

@@ -63,8 +63,8 @@ def draw_fleet(rng: random.Random, rollouts: int, versions: int, ramp_down: floa
         else:
             running = waiting = used = 0
             before = rng.uniform(0.0, 0.1)
-        replies[rid] = RolloutStats(rid, version, running, waiting, used, KV_TOTAL,
-                                    rng.uniform(0.0, 5000.0), 1.7e9)
+        replies[rid] = RolloutStats(version, running, waiting, used, KV_TOTAL, rng.uniform(0.0, 5000.0),
+                                    rollout_id=rid, time=1.7e9)
         previous[rid] = RolloutLoad(rid, version, before, running + waiting + 1)
     return replies, previous
 

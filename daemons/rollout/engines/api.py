@@ -13,26 +13,13 @@ import math
 import time
 from collections import deque
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 
 import numpy as np
 
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
-from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
+from rlfleet.common.wire.messages import EngineStats, GenerateRequest, GenerateResult
 
 MAX_SEED = 2**63 - 1
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot for RolloutStats. KV figures are in tokens held in the cache."""
-
-    weight_version: int
-    running: int
-    waiting: int
-    kv_used: int
-    kv_total: int
-    tokens_per_s: float
 
 
 class TokenRate:

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
-from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
+from rlfleet.common.wire.messages import EngineStats, GenerateRequest, GenerateResult
 from rlfleet.daemons.rollout.engines import api, lean_model
 from rlfleet.daemons.rollout.engines.forward import LeanForward, ModelForward, pick_forward
 from rlfleet.daemons.rollout.engines.kinds import default_max_len
@@ -228,11 +228,11 @@ class TorchEngine(api.Engine):
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._answers)
 
-    def stats(self) -> api.EngineStats:
-        return api.EngineStats(weight_version=self.weight_version, running=len(self.running),
-                               waiting=len(self.waiting), kv_used=sum(s.cached for s in self.running),
-                               kv_total=self.max_batch * self.max_len,
-                               tokens_per_s=self._token_rate.per_s())
+    def stats(self) -> EngineStats:
+        return EngineStats(weight_version=self.weight_version, running=len(self.running),
+                           waiting=len(self.waiting), kv_used=sum(s.cached for s in self.running),
+                           kv_total=self.max_batch * self.max_len,
+                           tokens_per_s=self._token_rate.per_s())
 
     # -- the step ---------------------------------------------------------------------
     @torch.inference_mode()

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
-from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
+from rlfleet.common.wire.messages import EngineStats, GenerateRequest, GenerateResult
 from rlfleet.daemons.rollout.engines import api
 from rlfleet.daemons.rollout.engines.kinds import default_max_len
 from rlfleet.daemons.rollout.engines.vllm_layout import VllmLayout, checkpoint_shapes, prepare
@@ -212,15 +212,15 @@ class VllmEngine(api.Engine):
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self._answers)
 
-    def stats(self) -> api.EngineStats:
+    def stats(self) -> EngineStats:
         pool = self._scheduler.kv_cache_manager.block_pool
         block = self._scheduler.cache_config.block_size
         blocks = pool.num_gpu_blocks - 1  # vLLM keeps one null block
-        return api.EngineStats(weight_version=self.weight_version,
-                               running=len(self._scheduler.running),
-                               waiting=len(self.waiting) + len(self._scheduler.waiting),
-                               kv_used=(blocks - pool.get_num_free_blocks()) * block,
-                               kv_total=blocks * block, tokens_per_s=self._token_rate.per_s())
+        return EngineStats(weight_version=self.weight_version,
+                           running=len(self._scheduler.running),
+                           waiting=len(self.waiting) + len(self._scheduler.waiting),
+                           kv_used=(blocks - pool.get_num_free_blocks()) * block,
+                           kv_total=blocks * block, tokens_per_s=self._token_rate.per_s())
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[GenerateResult]:

@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
-from rlfleet.common.wire.messages import GenerateRequest, GenerateResult
-from rlfleet.daemons.rollout.engines.api import BadRequest, Engine, EngineStats, error_result, validate_request
+from rlfleet.common.wire.messages import EngineStats, GenerateRequest, GenerateResult
+from rlfleet.daemons.rollout.engines.api import BadRequest, Engine, error_result, validate_request
 from rlfleet.daemons.rollout.sim.lengths import LENGTH_MODELS, LengthModel, length_keys
 from rlfleet.daemons.rollout.sim.timing import SimTiming
 
