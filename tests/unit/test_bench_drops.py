@@ -85,11 +85,13 @@ def test_append_adds_runs_to_the_record_of_the_same_setting(tmp_path, monkeypatc
                 "steps": 10, "pacing_stalls": 0, "load_1m_before": 1.0, "load_1m_after": 1.0,
                 "windows": [{"window": 0, "at_bound": 0.2, "full": True, "drop_share": 0.01}]}
     monkeypatch.setattr(drops, "run_once", fake_run)
-    monkeypatch.setattr(drops, "code_version", lambda: ("a" * 40, []))
+    monkeypatch.setattr(drops, "provenance", lambda module, argv: {"command": "x", "commit": "a" * 40,
+                                                                  "uncommitted_changes": [], "machine": "m", "date": "d"})
     args = ["--minutes", "30", "--tasks", "arithmetic", "--tag", "lag", "--set", "env_host.pace_for_lag=true",
             "--out", str(tmp_path)]
     assert drops.main([*args, "--runs", "2"]) == 0
-    monkeypatch.setattr(drops, "code_version", lambda: ("b" * 40, []))
+    monkeypatch.setattr(drops, "provenance", lambda module, argv: {"command": "y", "commit": "b" * 40,
+                                                                  "uncommitted_changes": [], "machine": "m", "date": "e"})
     assert drops.main([*args, "--runs", "1", "--append"]) == 0
     rec = json.loads((tmp_path / "drops-arithmetic-lag.json").read_text())
     assert made == [0, 1, 2] and [r["run"] for r in rec["runs"]] == [0, 1, 2]
@@ -114,7 +116,8 @@ def test_arms_take_turns_and_each_has_its_record(tmp_path, monkeypatch, capsys):
                 "steps": 10, "pacing_stalls": 0, "load_1m_before": 1.0, "load_1m_after": 1.0,
                 "windows": [{"window": 0, "at_bound": 0.2, "full": True, "drop_share": 0.0}]}
     monkeypatch.setattr(drops, "run_once", fake_run)
-    monkeypatch.setattr(drops, "code_version", lambda: ("a" * 40, []))
+    monkeypatch.setattr(drops, "provenance", lambda module, argv: {"command": "x", "commit": "a" * 40,
+                                                                  "uncommitted_changes": [], "machine": "m", "date": "d"})
     arms = ["--arm", "base", "--arm", "lag:env_host.pace_for_lag=true;trainer.max_staleness=3"]
     assert drops.main(["--tasks", "arithmetic", "--runs", "2", "--out", str(tmp_path), *arms]) == 0
     lag = {"env_host.pace_for_lag": True, "trainer.max_staleness": 3}

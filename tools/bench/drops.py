@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from rlfleet.tools.bench.output import provenance
 from rlfleet.tools.bench.spec_variants import apply_overrides, parse_override, write_variant
 from rlfleet.tools.exit_codes import RUN_ENDED
 
@@ -248,18 +248,6 @@ def render(records: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def code_version() -> tuple[str, list[str]]:
-    """HEAD and the tracked files changed in the working tree (the code a run executes)."""
-    here = Path(__file__).parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                text=True, cwd=here).stdout.splitlines()
-    except OSError:
-        return "", []
-    return commit, [line[3:] for line in status]
-
-
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -292,10 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     arms = dict(args.arms) if args.arms else {args.tag: dict(args.settings)}
     if len(arms) != max(1, len(args.arms)):
         ap.error(f"two arms with one tag: {[t for t, _ in args.arms]}")
-    commit, dirty = code_version()  # the code the runs start from, read before they start
-    head = {"command": "python -m rlfleet.tools.bench.drops " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "commit": commit, "uncommitted_changes": dirty, "machine": f"{platform.node()} {os.cpu_count()} cores {platform.machine()}",
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "minutes": args.minutes, "window_min": args.window_min}
+    # The code the runs start from, read before they start.
+    head = {**provenance("rlfleet.tools.bench.drops", argv), "minutes": args.minutes, "window_min": args.window_min}
+    commit, dirty = head["commit"], head["uncommitted_changes"]
     heads = {tag: {**head, "settings": settings, **({"side_by_side": [t for t in arms if t != tag]}
                                                      if len(arms) > 1 else {})} for tag, settings in arms.items()}
     args.out.mkdir(parents=True, exist_ok=True)

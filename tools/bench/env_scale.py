@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.tools.bench.longtail import MAX_LAG, _jsonl
-from rlfleet.tools.bench.output import finish, write_json
+from rlfleet.tools.bench.output import finish, provenance, write_json
 from rlfleet.tools.bench.spec_variants import write_variant
 
 BASE = Path(__file__).resolve().parents[2] / "examples" / "agentic-sim.toml"
@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.managers.split(",") if x.strip()]
     records: list[dict[str, Any]] = []
+    made_by = provenance("rlfleet.tools.bench.env_scale", argv)  # before the runs: the code they start from
     if args.append and args.json.exists():
         records = json.loads(args.json.read_text()).get("records", [])
     for n in sizes:
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({time.monotonic() - started:.0f} s, {run_dir})", flush=True)
             if profile is not None:
                 print_profile(profile)
-            write_json(args.json, {"base": str(BASE), "duration_s": args.duration_s,
+            write_json(args.json, {**made_by, "base": str(BASE), "duration_s": args.duration_s,
                                    "warmup_s": args.warmup_s, "records": records})
     print()
     print(table(records))

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.tools.bench.etcd_requests import run_dir_of, run_scraped
-from rlfleet.tools.bench.output import finish, write_json
+from rlfleet.tools.bench.output import finish, provenance, write_json
 from rlfleet.tools.bench.spec_variants import to_toml
 
 MODES = ("sync", "one_step_off", "partial", "trajectory", "trajectory_repack")
@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
     sizes = [int(x) for x in args.rollouts.split(",") if x.strip()]
     records: list[dict[str, Any]] = []
+    made_by = provenance("rlfleet.tools.bench.longtail", argv)  # before the runs: the code they start from
     for n in sizes:
         for mode in modes:
             spec = spec_for(args.spec, mode, n, args.prompts_per_rollout, args.slots, args.inflight,
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['generated_tokens_per_s'] or 0:>9.0f} tok/s  idle {r['rollout_idle_fraction']}  "
                   f"steps {r['steps']}  lag {r['max_lag']:.3f}{'' if r['valid'] else '  INVALID'}  "
                   f"({time.monotonic() - started:.0f} s, {run_dir})", flush=True)
-            write_json(args.json, {"spec": str(args.spec), "duration_s": args.duration_s,
+            write_json(args.json, {**made_by, "spec": str(args.spec), "duration_s": args.duration_s,
                                    "records": records, "ratios": ratios(records)})
     print()
     print(table(records))

@@ -1,14 +1,57 @@
-"""What a benchmark leaves behind: its JSON written whole after every run (a cut bench
-keeps the runs it finished), its plot, and an exit status that says whether every run
-was valid."""
+"""What a benchmark leaves behind: a record that says what made it (``provenance``: the
+command, the commit and its uncommitted changes, the machine, the date), written whole
+after every run (a cut bench keeps the runs it finished), its plot, and an exit status
+that says whether every run was valid."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+PROVENANCE = ("command", "commit", "machine", "date")
+# Records committed before they carried all of PROVENANCE (tests/unit/test_bench_output.py
+# holds every other record in tools/bench/results to it). A rerun replaces each.
+LEGACY_RECORDS = frozenset({
+    "agentic_env.json", "agentic_filter.json", "agentic_routing.json", "failsafe.json", "learning_alone.json",
+    "learning_filter_queue.json", "learning_hog.json", "learning_loaded_before_entropy.json",
+    "learning_three_task_model.json", "learning_tool_use.json", "learning_vllm.json", "losses.json",
+    "megatron_h100.json", "megatron_job_h100.json", "node_add.json", "relay_h100.json", "relay_h100_postfix.json",
+    "reward.json", "unit_security.json", "unit_security_sandbox.json", "vllm.json"})
+
+
+def _run(argv: list[str]) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def machine() -> str:
+    """Host, cores, architecture, memory and GPUs (if nvidia-smi finds any)."""
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpus = _run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]) if shutil.which("nvidia-smi") else ""
+    names = [line.strip() for line in gpus.splitlines() if line.strip()]
+    gpu = f", GPU {', '.join(names)}" if names else ""
+    return f"{platform.node()} {os.cpu_count()} cores {platform.machine()} {mem / 2**30:.0f} GiB{gpu}"
+
+
+def provenance(module: str, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """What every record starts with: ``python -m <module> <argv>``, HEAD, the tracked files
+    changed in the working tree (the code the runs execute), the machine and the date."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    changed = _run(["git", "status", "--porcelain", "--untracked-files=no"]).splitlines()
+    return {"command": " ".join(["python", "-m", module, *args]), "commit": _run(["git", "rev-parse", "HEAD"]).strip(),
+            "uncommitted_changes": [line[3:] for line in changed], "machine": machine(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
 def write_json(path: Path, payload: Any) -> None:
