@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from rlfleet.tools.bench import relay as bench
+from rlfleet.tools.bench.relay import analysis
+from rlfleet.tools.bench.relay.fleet import Netns
+from rlfleet.tools.bench.relay.run import main
 
 MIB = 1 << 20
 RESULTS = Path(__file__).resolve().parents[2] / "tools" / "bench" / "results" / "relay_h100.json"
@@ -27,11 +30,11 @@ def test_excluded_records_stay_out_of_medians_and_fits():
     recs = [_rec("chain", 1, 1.0, 1.0), _rec("chain", 1, 1.2, 1.2), _rec("chain", 16, 2.0, 1.5),
             _rec("chain", 16, 12.0, 1.4, excluded="false repair"),
             _rec("chain", 1, 1.1, 1.1, chunk=32 * MIB)]
-    row = bench.summarize(recs)["chain/tcp/64MiB/chunk4MiB/loopback"]
+    row = analysis.summarize(recs)["chain/tcp/64MiB/chunk4MiB/loopback"]
     assert row["median_s"] == {1: pytest.approx(1.1), 16: 2.0}
     assert row["T(p)/T(1)"][16] == pytest.approx(2.0 / 1.1)
     assert row["trainer_stall_s"][16] == 1.5
-    fit = bench.fit_appendix_c(recs)[str(64 * MIB)]
+    fit = analysis.fit_appendix_c(recs)[str(64 * MIB)]
     assert fit["comparison"]["p=16,chunk_mib=4"]["measured_s"] == 2.0
 
 
@@ -40,11 +43,11 @@ def test_plot_of_the_recorded_16_core_run(tmp_path):
     assert data["machine"]["cpus"] == 16 and "nvidia-h100-x1" in data["machine"]["label"]
     assert sum(1 for r in data["records"] if r.get("excluded")) == 1
     png = tmp_path / "relay.png"
-    bench.main(["plot", str(RESULTS), "--png", str(png)])
+    main(["plot", str(RESULTS), "--png", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.skipif(bench.Netns.available() is not None, reason="needs root and `ip netns`")
+@pytest.mark.skipif(Netns.available() is not None, reason="needs root and `ip netns`")
 def test_netns_setup_failure_falls_back_to_loopback(tmp_path):
     # An `ip` that cannot make a bridge (as in a kernel without the module): the bench must run on
     # loopback, say why, and leave no namespace behind.
@@ -57,7 +60,7 @@ def test_netns_setup_failure_falls_back_to_loopback(tmp_path):
     before = subprocess.run([real_ip, "netns", "list"], capture_output=True, text=True).stdout
     out = tmp_path / "r.json"
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
-    subprocess.run([bench.sys.executable, "-m", "rlfleet.tools.bench.relay", "--size-mib", "1", "--relays", "1",
+    subprocess.run([sys.executable, "-m", "rlfleet.tools.bench.relay", "--size-mib", "1", "--relays", "1",
                     "--methods", "chain", "--chunk-mib", "1", "--fit-chunk-mib", "", "--reps", "1", "--no-repair",
                     "--net", "netns", "--machine", "test", "--json", str(out)], env=env, check=True, timeout=120,
                    capture_output=True)
