@@ -76,25 +76,28 @@ def test_set_puts_toml_values_into_every_runs_spec(tmp_path):
             parse_override(bad)
 
 
-def test_append_adds_runs_to_the_record_of_the_same_setting(tmp_path, monkeypatch):
-    made = []
-
+def fake_bench(monkeypatch, made: list, commit: str = "a") -> None:
+    """drops.run_once answers at once (each call noted in ``made``) and the code is at ``commit``."""
     def fake_run(examples, task, run, minutes, window_min, settings):
-        made.append(run)
+        made.append((run, dict(settings)))
         return {"task": task, "run": run, "drop_share": 0.01, "drop_share_by_window": [0.01], "claimed": 100,
                 "steps": 10, "pacing_stalls": 0, "load_1m_before": 1.0, "load_1m_after": 1.0,
                 "windows": [{"window": 0, "at_bound": 0.2, "full": True, "drop_share": 0.01}]}
     monkeypatch.setattr(drops, "run_once", fake_run)
-    monkeypatch.setattr(drops, "provenance", lambda module, argv: {"command": "x", "commit": "a" * 40,
+    monkeypatch.setattr(drops, "provenance", lambda module, argv: {"command": "x", "commit": commit * 40,
                                                                   "uncommitted_changes": [], "machine": "m", "date": "d"})
+
+
+def test_append_adds_runs_to_the_record_of_the_same_setting(tmp_path, monkeypatch):
+    made = []
+    fake_bench(monkeypatch, made)
     args = ["--minutes", "30", "--tasks", "arithmetic", "--tag", "lag", "--set", "env_host.pace_for_lag=true",
             "--out", str(tmp_path)]
     assert drops.main([*args, "--runs", "2"]) == 0
-    monkeypatch.setattr(drops, "provenance", lambda module, argv: {"command": "y", "commit": "b" * 40,
-                                                                  "uncommitted_changes": [], "machine": "m", "date": "e"})
+    fake_bench(monkeypatch, made, commit="b")
     assert drops.main([*args, "--runs", "1", "--append"]) == 0
     rec = json.loads((tmp_path / "drops-arithmetic-lag.json").read_text())
-    assert made == [0, 1, 2] and [r["run"] for r in rec["runs"]] == [0, 1, 2]
+    assert [run for run, _ in made] == [0, 1, 2] and [r["run"] for r in rec["runs"]] == [0, 1, 2]
     assert [r["commit"][0] for r in rec["runs"]] == ["a", "a", "b"] and rec["commit"] == "a" * 40
     assert rec["complete"] and rec["summary"]["runs"] == 3 and rec["later_commands"][0]["commit"] == "b" * 40
     assert "at `bbbbbbbbbb`" in drops.render([rec])
@@ -109,15 +112,7 @@ def test_append_adds_runs_to_the_record_of_the_same_setting(tmp_path, monkeypatc
 
 def test_arms_take_turns_and_each_has_its_record(tmp_path, monkeypatch, capsys):
     made = []
-
-    def fake_run(examples, task, run, minutes, window_min, settings):
-        made.append((run, dict(settings)))
-        return {"task": task, "run": run, "drop_share": 0.0, "drop_share_by_window": [0.0], "claimed": 100,
-                "steps": 10, "pacing_stalls": 0, "load_1m_before": 1.0, "load_1m_after": 1.0,
-                "windows": [{"window": 0, "at_bound": 0.2, "full": True, "drop_share": 0.0}]}
-    monkeypatch.setattr(drops, "run_once", fake_run)
-    monkeypatch.setattr(drops, "provenance", lambda module, argv: {"command": "x", "commit": "a" * 40,
-                                                                  "uncommitted_changes": [], "machine": "m", "date": "d"})
+    fake_bench(monkeypatch, made)
     arms = ["--arm", "base", "--arm", "lag:env_host.pace_for_lag=true;trainer.max_staleness=3"]
     assert drops.main(["--tasks", "arithmetic", "--runs", "2", "--out", str(tmp_path), *arms]) == 0
     lag = {"env_host.pace_for_lag": True, "trainer.max_staleness": 3}
