@@ -21,9 +21,11 @@ from typing import Any
 
 import pytest
 
+from rlfleet.tools.bench.output import provenance
 from rlfleet.tools.lab.job import ANSIBLE, LabJob
 
 LAB_CMD = [sys.executable, "-m", "rlfleet.tools.lab"]
+REPO = Path(__file__).resolve().parents[2]
 ENABLED = os.environ.get("RLFLEET_LAB") == "1" and os.geteuid() == 0
 
 
@@ -50,11 +52,13 @@ def module_lab(request: pytest.FixtureRequest, job: LabJob, subnet: str, results
                figures: dict[str, Any]) -> Iterator[None]:
     """A module's lab, from nothing (a new CA too): up on entry; on the way out the job's
     diagnostics when the setup or any test of the module failed, ``figures`` written to
-    ``results`` and printed, and the lab down."""
+    ``results`` (after the provenance every benchmark record starts with, so the file can be
+    committed to tools/bench/results as it is) and printed, and the lab down."""
     shutil.rmtree(ANSIBLE / "pki", ignore_errors=True)
     lab_cli("up", "--name", job.lab, "--hosts", str(job.hosts), "--subnet", subnet, "--timeout", "240", timeout=320)
     failed_before = request.session.testsfailed
     failed = False
+    made_by = provenance("pytest", ["-m", "lab", str(Path(request.module.__file__).relative_to(REPO))])
     try:
         yield
     except BaseException:
@@ -64,7 +68,8 @@ def module_lab(request: pytest.FixtureRequest, job: LabJob, subnet: str, results
         if failed or request.session.testsfailed > failed_before:
             job.diagnostics()
         results.parent.mkdir(parents=True, exist_ok=True)
-        results.write_text(json.dumps(figures, indent=2))
+        results.write_text(json.dumps({**made_by, "tests_failed": failed or request.session.testsfailed > failed_before,
+                                       **figures}, indent=2))
         print(json.dumps(figures, indent=2))
         lab_cli("down", "--name", job.lab, check=False)
 
