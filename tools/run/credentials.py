@@ -2,6 +2,8 @@
 a server certificate for its etcd and a client certificate for everyone else, the
 job's CURVE key pair, and the relay's job secret. Nothing to set up, nothing reused
 across runs: they live in the run directory and die with it.
+``RunSecurity`` is what a run does with them: the environment its daemons get, what it
+presents to etcd, the spec it submits (a secure run requires CURVE of every daemon).
 
 Certificates come from the `openssl` command line (one call each, EC P-256), so no
 Python crypto package is needed. On a cluster the deployment makes its own with the
@@ -14,12 +16,15 @@ import base64
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlfleet.common.control.etcd_auth import ENV as ETCD_ENV
 from rlfleet.common.control.etcd_auth import EtcdCredentials
 from rlfleet.common.job_secret import ENV_VAR as JOB_SECRET_ENV
 from rlfleet.common.secret_files import write_private
+from rlfleet.common.spec.job import JobSpec
 from rlfleet.common.spec.placement import ROLES
 from rlfleet.common.wire import curve
 
@@ -102,3 +107,67 @@ class RunCredentials:
         if self.etcd_tls is not None:
             env.update(self.etcd_tls.client_credentials().env())
         return env
+
+
+@dataclass
+class RunSecurity:
+    """What one run presents and requires. ``secure``: TLS etcd with client certificates
+    (the private one), CURVE and the relay's job secret, all made for this run; `rlfleet
+    run` defaults to it. ``etcd_creds``: for an --etcd given, from flags and environment."""
+
+    spec: JobSpec
+    secure: bool
+    etcd_arg: str | None
+    etcd_creds: EtcdCredentials
+    credentials: RunCredentials | None = None
+
+    @property
+    def relay_auth(self) -> bool:
+        """The relay's chunk transport is authenticated by the job secret over TCP only."""
+        return self.secure and self.spec.relay.transport == "tcp"
+
+    @property
+    def etcd_tls(self) -> EtcdTls | None:
+        return self.credentials.etcd_tls if self.credentials is not None else None
+
+    def make(self, run_dir: Path) -> str:
+        """This run's CA and certificates, CURVE keys and job secret; a sentence for the log."""
+        started = time.monotonic()
+        self.credentials = RunCredentials.create(run_dir / "credentials", private_etcd=not self.etcd_arg)
+        etcd = "etcd over TLS with client certificates, " if self.credentials.etcd_tls else ""
+        relay = ("relay authenticated" if self.relay_auth else
+                 "relay NOT authenticated (UCX offers no authentication: docs/design/relay.md, Trust)")
+        return (f"security on: {etcd}CURVE on every ZeroMQ socket, {relay} "
+                f"(credentials made in {time.monotonic() - started:.2f} s; --insecure turns it off)")
+
+    def store_credentials(self) -> EtcdCredentials:
+        """What this run's processes present to etcd."""
+        if self.etcd_tls is not None:
+            return self.etcd_tls.client_credentials()
+        return self.etcd_creds if self.etcd_arg else EtcdCredentials()
+
+    def daemon_env(self) -> dict[str, str]:
+        """Every daemon's credentials, and nothing of the caller's own: a variable left set
+        would give the private etcd's clients a user it does not have, or turn CURVE on
+        under --insecure."""
+        env = dict.fromkeys([*ETCD_ENV.values(), curve.ENV_DIR, JOB_SECRET_ENV], "")
+        env.update(self.store_credentials().env())
+        if self.credentials is not None:
+            env.update(self.credentials.env())
+            if not self.relay_auth:
+                env[JOB_SECRET_ENV] = ""  # relays on UCX refuse a secret they cannot use
+        return env
+
+    def submitted_spec(self) -> dict:
+        """The spec as written to etcd: a secure run requires CURVE and the relay secret of
+        every daemon, so one started by hand without them is refused, not half-joined."""
+        spec = self.spec.to_dict()
+        if self.secure:
+            spec["security"] = {**spec["security"], "curve": True, "relay_auth": self.relay_auth}
+        return spec
+
+    def discard(self, run_dir: Path) -> None:
+        """Worthless once the job is gone, and secrets: not left in the run directory."""
+        if self.credentials is not None:
+            shutil.rmtree(run_dir / "credentials", ignore_errors=True)
+            self.credentials = None

@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import resource
-import shutil
 import signal
 import sys
 import threading
@@ -46,7 +45,6 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from rlfleet.common.control.etcd_auth import ENV as ETCD_ENV
 from rlfleet.common.control.etcd_auth import EtcdCredentials
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
@@ -55,11 +53,9 @@ from rlfleet.common.control.pause import PauseWatch
 from rlfleet.common.control.placement import Placed, placement_from_spec
 from rlfleet.common.control.store import StoreUnavailable
 from rlfleet.common.daemon import INCARNATION_ENV
-from rlfleet.common.job_secret import ENV_VAR as JOB_SECRET_ENV
 from rlfleet.common.procs import ProcessId
 from rlfleet.common.signals import route_signals
 from rlfleet.common.spec.job import JobSpec
-from rlfleet.common.wire import curve
 from rlfleet.daemons.agent import policy
 from rlfleet.daemons.agent.inventory import machine_inventory
 from rlfleet.daemons.agent.policy import CRASH_LOOP_DEATHS, CRASH_LOOP_WINDOW_S, CrashLoop
@@ -67,7 +63,7 @@ from rlfleet.daemons.agent.process import ProcessBackend, daemon_command, tree_c
 from rlfleet.daemons.agent.reconciler import Event, Reconciler
 from rlfleet.tools.ctl.fleet_view import members_table, nodes_table, paused_banner, take_snapshot
 from rlfleet.tools.exit_codes import Exit, Outcome
-from rlfleet.tools.run.credentials import RunCredentials
+from rlfleet.tools.run.credentials import RunSecurity
 from rlfleet.tools.run.etcd_local import EtcdCluster
 from rlfleet.tools.run.job_owner import JobOwned, JobOwner, RegistrationCheck
 from rlfleet.tools.run.layout import new_run_dir, torch_threads
@@ -91,11 +87,8 @@ class Supervisor:
                  max_idle_s: float = MAX_IDLE_S, take_over: bool = False, secure: bool = False,
                  etcd_creds: EtcdCredentials | None = None) -> None:
         self.spec, self.spec_path, self.runs_dir = spec, spec_path, runs_dir
-        # secure: TLS etcd with client certificates (the private one), CURVE and the relay's
-        # job secret, all made for this run (tools/run/credentials.py); `rlfleet run` defaults to it.
         self.secure = secure
-        self.etcd_creds = etcd_creds or EtcdCredentials()  # for an --etcd given, from flags/env
-        self.credentials: RunCredentials | None = None
+        self.security = RunSecurity(spec, secure, etcd, etcd_creds or EtcdCredentials())
         self.run_dir = runs_dir  # the run's own directory once `run` made it
         self.etcd_arg, self.view = etcd, view
         # Which placement hosts this supervisor starts daemons for; default all (one machine).
@@ -135,60 +128,18 @@ class Supervisor:
         # etcd's own default ticks, not the test clusters' 10 ms: a single member has no
         # peer to heartbeat, yet ticks every heartbeat interval (11 ms/s of CPU at 10 ms,
         # 3-4 ms/s at 100 ms); it costs ~0.3 s more to elect itself at start.
-        tls = self.credentials.etcd_tls if self.credentials is not None else None
         self.cluster = EtcdCluster(1, base_dir=self.run_dir / "etcd", heartbeat_ms=100, election_ms=1000,
-                                   tls=tls).start()
+                                   tls=self.security.etcd_tls).start()
         return self.cluster.endpoints_arg
-
-    def make_credentials(self) -> str:
-        """This run's CA and certificates, CURVE keys and job secret; a sentence for the log."""
-        started = time.monotonic()
-        self.credentials = RunCredentials.create(self.run_dir / "credentials", private_etcd=not self.etcd_arg)
-        etcd = "etcd over TLS with client certificates, " if self.credentials.etcd_tls else ""
-        relay = ("relay authenticated" if self.relay_auth else
-                 "relay NOT authenticated (UCX offers no authentication: docs/design/relay.md, Trust)")
-        return (f"security on: {etcd}CURVE on every ZeroMQ socket, {relay} "
-                f"(credentials made in {time.monotonic() - started:.2f} s; --insecure turns it off)")
-
-    def store_credentials(self) -> EtcdCredentials:
-        """What this run's processes present to etcd."""
-        if self.credentials is not None and self.credentials.etcd_tls is not None:
-            return self.credentials.etcd_tls.client_credentials()
-        return self.etcd_creds if self.etcd_arg else EtcdCredentials()
-
-    def security_env(self) -> dict[str, str]:
-        """Every daemon's credentials, and nothing of the caller's own: a variable left set
-        would give the private etcd's clients a user it does not have, or turn CURVE on
-        under --insecure."""
-        env = dict.fromkeys([*ETCD_ENV.values(), curve.ENV_DIR, JOB_SECRET_ENV], "")
-        env.update(self.store_credentials().env())
-        if self.credentials is not None:
-            env.update(self.credentials.env())
-            if not self.relay_auth:
-                env[JOB_SECRET_ENV] = ""  # relays on UCX refuse a secret they cannot use
-        return env
-
-    @property
-    def relay_auth(self) -> bool:
-        """The relay's chunk transport is authenticated by the job secret over TCP only."""
-        return self.secure and self.spec.relay.transport == "tcp"
-
-    def submitted_spec(self) -> dict:
-        """The spec as written to etcd: a secure run requires CURVE and the relay secret of
-        every daemon, so one started by hand without them is refused, not half-joined."""
-        spec = self.spec.to_dict()
-        if self.secure:
-            spec["security"] = {**spec["security"], "curve": True, "relay_auth": self.relay_auth}
-        return spec
 
     def submit_spec(self, endpoints: str) -> EtcdStore:
         """Own the job (JobOwned if another live run does), then write its spec."""
-        store = EtcdStore(endpoints, timeout_s=self.spec.etcd.retry_timeout_s, creds=self.store_credentials())
+        store = EtcdStore(endpoints, timeout_s=self.spec.etcd.retry_timeout_s, creds=self.security.store_credentials())
         keys = JobKeys(self.spec.job.name)
         try:
             self.owner = JobOwner(store, keys, self.spec.etcd.lease_ttl_s)
             claimed = self.owner.claim(self.take_over)
-            store.put(keys.spec, self.submitted_spec())
+            store.put(keys.spec, self.security.submitted_spec())
         except BaseException:
             if self.owner is not None and self.owner.lease is not None:
                 self.owner.release()
@@ -203,7 +154,7 @@ class Supervisor:
         """The agent's reconcile step for this machine's hosts, with the process backend."""
         self.placed = [p for p in placement_from_spec(self.spec) if self.host is None or p.host == self.host]
         base = {**os.environ, "PYTHONUNBUFFERED": "1", "RLFLEET_RUN_DIR": str(self.run_dir.resolve()),
-                INCARNATION_ENV: self.owner.incarnation, **self.security_env()}
+                INCARNATION_ENV: self.owner.incarnation, **self.security.daemon_env()}
 
         def env(p: Placed) -> dict[str, str]:
             return {**base, "RLFLEET_TORCH_THREADS": str(torch_threads(self.placed, p.host))}
@@ -431,7 +382,7 @@ class Supervisor:
         print(f"run dir: {self.run_dir}", flush=True)  # the first line: scripts read it
         if self.secure:
             try:
-                self.note(self.make_credentials())
+                self.note(self.security.make(self.run_dir))
             except (OSError, RuntimeError) as exc:
                 if store is not None:
                     store.close()
@@ -565,7 +516,4 @@ class Supervisor:
         if self.cluster is not None:
             self.cluster.stop()
             self.note("etcd stopped")
-        if self.credentials is not None:
-            # Worthless once the job is gone, and secrets: not left in the run directory.
-            shutil.rmtree(self.run_dir / "credentials", ignore_errors=True)
-            self.credentials = None
+        self.security.discard(self.run_dir)
