@@ -110,10 +110,18 @@ def test_metrics_tail_keeps_its_last_lines_and_the_whole_runs_staleness(tmp_path
     """A run of hours held every training line in `rlfleet run`'s memory (the soak saw its
     RSS climb): the tail keeps the last ``keep_train`` and carries the staleness of the rest."""
     path = tmp_path / "metrics.jsonl"
-    tail = MetricsTail(path, keep_train=10)
+    tail = MetricsTail(path, keep_train=10, keep_whole=3)
+    line = {"reward_mean": 0.5, "tokens": 100, "dropped": {"staleness": 1}}
     with open(path, "w") as f:
         for step in range(1, 101):
-            f.write(json.dumps({"time": float(step), "step": step, "staleness": {"0": 3, "2": 1}}) + "\n")
+            f.write(json.dumps({"time": float(step), "step": step, "staleness": {"0": 3, "2": 1}, **line}) + "\n")
     assert tail.poll() == (100, 0)
     assert [r["step"] for r in tail.metrics.train] == list(range(91, 101))
     assert tail.metrics.staleness() == read_metrics(path).staleness() == {0: 300, 2: 100}
+    # Only the last keep_whole stay whole; the others keep what the view's staleness needs.
+    assert [len(r) for r in tail.metrics.train] == [3] * 7 + [6] * 3
+    with open(path, "a") as f:  # step 99 trained again after a restore: counted once
+        f.write(json.dumps({"time": 101.0, "step": 99, "staleness": {"1": 4}, **line}) + "\n")
+    assert tail.poll() == (1, 0)
+    assert tail.metrics.staleness() == read_metrics(path).staleness() == {0: 297, 2: 99, 1: 4}
+    assert [len(r) for r in tail.metrics.train] == [3] * 7 + [6] * 3 and tail.metrics.train[-1]["tokens"] == 100

@@ -64,15 +64,22 @@ class MetricsTail:
     lines appended since the last one (the live view polls twice a second, and a long
     run's file is megabytes). A line without its newline yet is left for the next poll.
 
-    Only the last ``keep_train`` training lines are kept (their staleness is carried in a
-    counter): a run of hours would otherwise hold every line in memory. The whole run is
-    read again from the file at the end (``read_metrics``)."""
+    The live view needs the last line whole and the staleness of every step (a step trained
+    again after a restore counts once: its later line replaces the earlier). So the last
+    ``keep_whole`` lines are kept whole, the ``keep_train`` before them as SLIM (step, time,
+    staleness), and the staleness of older ones is carried in a counter: a run of hours held
+    every line (the first soak saw `rlfleet run`'s RSS climb), and 2,000 whole lines of the
+    64-rollout sim fleet still took 10 MB. The whole run is read again from the file at the
+    end (``read_metrics``)."""
 
-    def __init__(self, path: Path, keep_train: int = 2000) -> None:
+    SLIM = ("step", "time", "staleness")
+
+    def __init__(self, path: Path, keep_train: int = 2000, keep_whole: int = 50) -> None:
         self.path = path
         self.metrics = RunMetrics()
-        self.keep_train = keep_train
+        self.keep_train, self.keep_whole = keep_train, keep_whole
         self._offset = 0
+        self._slim = 0  # train[:_slim] are slim already
 
     def poll(self) -> tuple[int, int]:
         """Read what was appended; returns (new training lines, new eval lines)."""
@@ -96,6 +103,10 @@ class MetricsTail:
             for r in {r.get("step"): r for r in let_go}.values():
                 self.metrics.carried.update({int(k): int(v) for k, v in (r.get("staleness") or {}).items()})
             del train[:len(let_go)]
+            self._slim = max(0, self._slim - len(let_go))
+        for i in range(self._slim, max(self._slim, len(train) - self.keep_whole)):
+            train[i] = {k: train[i][k] for k in self.SLIM if k in train[i]}
+        self._slim = max(self._slim, len(train) - self.keep_whole)
         return new
 
 
