@@ -53,7 +53,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rlfleet.tools.bench.output import provenance
+from rlfleet.tools.bench.output import provenance, write_json
 from rlfleet.tools.bench.spec_variants import apply_overrides, parse_override, write_variant
 from rlfleet.tools.exit_codes import RUN_ENDED
 
@@ -347,11 +347,8 @@ def write_records(out: Path, tag: str, head: dict[str, Any], records: list[dict[
                      for i in range(max(map(len, valid), default=0))
                      if any(len(v) > i and v[i] is not None for v in valid)]
         path = record_path(out, task, tag)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps({**head, "task": task, "drop_share": summary["drop_share_mean"],
-                                   "drop_share_by_window": by_window, "summary": summary,
-                                   "complete": complete, "runs": runs}, indent=1))
-        os.replace(tmp, path)
+        write_json(path, {**head, "task": task, "drop_share": summary["drop_share_mean"],
+                          "drop_share_by_window": by_window, "summary": summary, "complete": complete, "runs": runs})
         written.append(path)
     return written
 

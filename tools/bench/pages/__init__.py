@@ -80,6 +80,12 @@ def filler(fn: Filler) -> Filler:
     return fn
 
 
+def span(values: list[float], spec: str = ".0f", sep: str = "–") -> str:
+    """``min–max`` of ``values`` in ``spec`` (the fillers' ranges); one figure where both read the same."""
+    low, high = format(min(values), spec), format(max(values), spec)
+    return low if low == high else f"{low}{sep}{high}"
+
+
 def lookup(value: Any, path: str, where: str) -> Any:
     """``value`` at ``path`` (keys and list indices joined by dots)."""
     for part in path.split(".") if path else []:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlfleet.tools.bench.pages import Records, filler
+from rlfleet.tools.bench.pages import Records, filler, span
 
 ENV, FILTER, ROUTING = "agentic_env.json", "agentic_filter.json", "agentic_routing.json"
 FILTER_LEARNING, TOOL_USE = "learning_filter_queue.json", "learning_tool_use.json"
@@ -61,11 +61,6 @@ def bench_records(record: Records) -> dict[tuple[str, Any], dict[str, Any]]:
     """Every agentic bench record, by (bench, setting key)."""
     found = record(ENV) + record(FILTER) + record(ROUTING)
     return {(r["bench"], setting_key(r)): r for r in found}
-
-
-def span(values: list[float], spec: str) -> str:
-    """``min–max`` of ``values`` in ``spec``."""
-    return f"{min(values):{spec}}–{max(values):{spec}}"
 
 
 def met(row: Row, rec: dict[str, Any]) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlfleet.tools.bench.pages import Records, filler
+from rlfleet.tools.bench.pages import Records, filler, span
 
 ALONE = "learning_alone.json"
 HOG = "learning_hog.json"
@@ -26,10 +26,6 @@ def _row(r: dict[str, Any]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-
-
-def _span(values: list[float], spec: str, sep: str = "–") -> str:
-    return f"{min(values):{spec}}{sep}{max(values):{spec}}"
 
 
 @filler
@@ -54,13 +50,13 @@ def learning_alone_load_range(record: Records) -> str:
     """The 1-minute load average at the start of the runs alone (the rerun of seed 3 included)."""
     result = record(ALONE)
     runs = result["records"] + [result["rerun_of_seed3"]]
-    return _span([r["load_1m_before"] for r in runs], ".1f")
+    return span([r["load_1m_before"] for r in runs], ".1f")
 
 
 @filler
 def learning_loaded_arithmetic_load(record: Records) -> str:
     """The 1-minute load average at the start of arithmetic's runs on the loaded machine."""
-    return _span([r["load_1m_before"] for r in _runs(record, BEFORE_ENTROPY, "arithmetic")], ".0f")
+    return span([r["load_1m_before"] for r in _runs(record, BEFORE_ENTROPY, "arithmetic")], ".0f")
 
 
 @filler
@@ -73,13 +69,13 @@ def learning_loaded_arithmetic_finals(record: Records) -> str:
 def learning_loaded_arithmetic_gain(record: Records) -> str:
     """Arithmetic's gain on the loaded machine: one figure if every seed had it, else their span."""
     gains = sorted({r["gain_points"] for r in _runs(record, BEFORE_ENTROPY, "arithmetic")})
-    return f"{gains[0]:+.1f} points each" if len(gains) == 1 else f"{_span(gains, '+.1f', ' … ')} points"
+    return f"{gains[0]:+.1f} points each" if len(gains) == 1 else f"{span(gains, '+.1f', ' … ')} points"
 
 
 @filler
 def learning_loaded_arithmetic_run_times(record: Records) -> str:
     """The span of arithmetic's run times (with start-up) on the loaded machine."""
-    return _span([r["run_wall_s"] for r in _runs(record, BEFORE_ENTROPY, "arithmetic")], ".0f")
+    return span([r["run_wall_s"] for r in _runs(record, BEFORE_ENTROPY, "arithmetic")], ".0f")
 
 
 @filler
@@ -101,7 +97,7 @@ def learning_filtering_only_lifted(record: Records) -> str:
     """How many FrozenLake seeds dynamic filtering alone lifted past the target, and by how much."""
     lifted, rest = _filtering_only(record)
     gains = [r["gain_points"] for r in lifted]
-    return f"{len(lifted)} of the {len(lifted) + len(rest)} seeds run to {_span(gains, '+.0f', ' … ')} points"
+    return f"{len(lifted)} of the {len(lifted) + len(rest)} seeds run to {span(gains, '+.0f', ' … ')} points"
 
 
 @filler

@@ -7,7 +7,7 @@ import statistics
 from typing import Any
 
 from rlfleet.tools.bench.losses import LOSSES, markdown_table
-from rlfleet.tools.bench.pages import Records, filler
+from rlfleet.tools.bench.pages import Records, filler, span
 
 LOSSES_RECORD = "losses.json"
 LEARNING_RECORDS = ("learning_alone.json", "learning_hog.json")
@@ -25,10 +25,6 @@ def _cell(record: Records, loss: str, task: str, condition: str) -> dict[str, An
 
 def _cells(record: Records, task: str, condition: str) -> dict[str, dict[str, Any]]:
     return {loss: _cell(record, loss, task, condition) for loss in LOSSES}
-
-
-def _span(values: list[float], spec: str) -> str:
-    return f"{min(values):{spec}}–{max(values):{spec}}"
 
 
 @filler
@@ -67,13 +63,13 @@ def losses_frozenlake_runs(record: Records) -> str:
 def losses_frozenlake_default_means(record: Records) -> str:
     """The span of the five losses' default FrozenLake means, and how far apart they are."""
     means = [c["final_mean"] for c in _cells(record, "frozenlake", "default").values()]
-    return f"{_span(means, '.3f')}, {max(means) - min(means):.2f} apart"
+    return f"{span(means, '.3f')}, {max(means) - min(means):.2f} apart"
 
 
 @filler
 def losses_frozenlake_default_stds(record: Records) -> str:
     """The span of the seeds' std of one loss on FrozenLake by default."""
-    return _span([c["final_std"] for c in _cells(record, "frozenlake", "default").values()], ".2f")
+    return span([c["final_std"] for c in _cells(record, "frozenlake", "default").values()], ".2f")
 
 
 def _learning_finals(record: Records) -> list[float]:
@@ -96,7 +92,7 @@ def losses_learning_seeds(record: Records) -> str:
 @filler
 def losses_learning_finals(record: Records) -> str:
     """The span of the learning bench's FrozenLake finals (alone and hogged)."""
-    return _span(_learning_finals(record), ".2f")
+    return span(_learning_finals(record), ".2f")
 
 
 @filler
@@ -120,8 +116,8 @@ def losses_higher_under_stress(record: Records) -> str:
 def losses_frozenlake_stressed_staleness(record: Records) -> str:
     """The span of the stressed FrozenLake runs' mean and max staleness."""
     runs = _runs(record, "frozenlake", stress=True)
-    return f"{_span([r['staleness_mean'] for r in runs], '.1f')} versions on average, " \
-           f"{_span([r['staleness_max'] for r in runs], 'd')} at most"
+    return f"{span([r['staleness_mean'] for r in runs], '.1f')} versions on average, " \
+           f"{span([r['staleness_max'] for r in runs], 'd')} at most"
 
 
 @filler

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rlfleet.tools.bench.pages import Records, filler
+from rlfleet.tools.bench.pages import Records, filler, span
 
 FIRST = "relay_h100.json"
 POSTFIX = "relay_h100_postfix.json"
@@ -30,11 +30,6 @@ def _key(method: str, size_mib: int, chunk_mib: int | None) -> str:
 
 def _config(summary: dict[str, Any], method: str, size_mib: int, chunk_mib: int | None) -> dict[str, Any]:
     return summary["by_config"][_key(method, size_mib, chunk_mib)]
-
-
-def _span(values: list[float], fmt: str) -> str:
-    low, high = format(min(values), fmt), format(max(values), fmt)
-    return low if low == high else f"{low}–{high}"
 
 
 def _excluded_ps(records: list[dict[str, Any]], method: str, size_mib: int, chunk_mib: int | None) -> set[int]:
@@ -80,7 +75,7 @@ def _excluded(record: Records) -> list[dict[str, Any]]:
 @filler
 def relay_excluded_run_s(record: Records) -> str:
     """Seconds the run excluded for a false repair took."""
-    return _span([r["seconds"] for r in _excluded(record)], ".1f")
+    return span([r["seconds"] for r in _excluded(record)], ".1f")
 
 
 def _postfix_p16(record: Records) -> list[dict[str, Any]]:
@@ -93,7 +88,7 @@ def relay_postfix_p16_runs(record: Records) -> str:
     seconds = [r["seconds"] for r in _postfix_p16(record)]
     slowest = max(range(len(seconds)), key=seconds.__getitem__)
     which = "the first" if slowest == 0 else f"run {slowest + 1} of {len(seconds)}"
-    others = _span(sorted(seconds)[:-1], ".2f")
+    others = span(sorted(seconds)[:-1], ".2f")
     return f"took {seconds[slowest]:.2f} s ({which}; the others\ntook {others} s)"
 
 
@@ -106,7 +101,7 @@ def relay_rerun_p1_slower_pct(record: Records) -> str:
     """How much slower p=1 (1 GiB chain) was in the re-run than in the first call, over both chunk sizes."""
     data = record(FIRST)
     slower = [_p1_median(data["rerun_summary"], c) / _p1_median(data["summary"], c) - 1 for c in (4, 32)]
-    return _span([100 * s for s in slower], ".0f")
+    return span([100 * s for s in slower], ".0f")
 
 
 def _fits(record: Records) -> list[dict[str, Any]]:
@@ -116,19 +111,19 @@ def _fits(record: Records) -> list[dict[str, Any]]:
 @filler
 def relay_h100_t_byte_span(record: Records) -> str:
     """Range of the fitted T_byte (s/GB per hop) over the 256 MiB and 1 GiB fits on 16 cores."""
-    return _span([f["T_byte_s_per_GB"] for f in _fits(record)], ".2f")
+    return span([f["T_byte_s_per_GB"] for f in _fits(record)], ".2f")
 
 
 @filler
 def relay_h100_t_start_span_ms(record: Records) -> str:
     """Range of the fitted T_start (ms per chunk) over the 256 MiB and 1 GiB fits on 16 cores."""
-    return _span([1000 * f["T_start_s"] for f in _fits(record)], ".1f")
+    return span([1000 * f["T_start_s"] for f in _fits(record)], ".1f")
 
 
 @filler
 def relay_h100_repair_ms(record: Records) -> str:
     """Milliseconds from relay-0 seeing the failure to sending to relay-2 again, on 16 cores."""
-    return _span([1000 * r["repair_s"] for r in record(FIRST)["summary"]["repair"]], ".1f")
+    return span([1000 * r["repair_s"] for r in record(FIRST)["summary"]["repair"]], ".1f")
 
 
 def _gloo_first_over_second(records: list[dict[str, Any]]) -> list[float]:
@@ -142,7 +137,7 @@ def _gloo_first_over_second(records: list[dict[str, Any]]) -> list[float]:
 @filler
 def relay_gloo_first_vs_second_span(record: Records) -> str:
     """Range of gloo's first broadcast over its second, over every size and p on 16 cores."""
-    return _span(_gloo_first_over_second(record(FIRST)["records"]), ".1f")
+    return span(_gloo_first_over_second(record(FIRST)["records"]), ".1f")
 
 
 def _stall_growth_to_p8_pct(record: Records, size_mib: int) -> str:
@@ -167,7 +162,7 @@ def relay_stall_flat_1gib_pct(record: Records) -> str:
 def relay_link_over_gloo_span(record: Records) -> str:
     """How many times faster gloo's p=1 broadcast is than our raw socket copy, at 256 MiB and 1 GiB."""
     summary = record(FIRST)["summary"]
-    return _span([_config(summary, "link", s, None)["median_s"]["1"] / _config(summary, "gloo", s, None)
+    return span([_config(summary, "link", s, None)["median_s"]["1"] / _config(summary, "gloo", s, None)
                   ["median_s"]["1"] for s in (256, 1024)], ".1f")
 
 
@@ -182,7 +177,7 @@ def _chain_p16(summary: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _p16_ratio_span(summary: dict[str, Any], field: str) -> str:
-    return _span([row[field]["16"] / row[field]["1"] for row in _chain_p16(summary)], ".1f")
+    return span([row[field]["16"] / row[field]["1"] for row in _chain_p16(summary)], ".1f")
 
 
 @filler
@@ -202,4 +197,4 @@ def relay_p16_stall_growth_span(record: Records) -> str:
     """Range of the chain's stall(16)/stall(1) over both device calls (configs with ≥ 16 chunks)."""
     data = record(FIRST)
     rows = _chain_p16(data["summary"]) + _chain_p16(data["rerun_summary"])
-    return _span([row["trainer_stall_s"]["16"] / row["trainer_stall_s"]["1"] for row in rows], ".1f")
+    return span([row["trainer_stall_s"]["16"] / row["trainer_stall_s"]["1"] for row in rows], ".1f")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlfleet.tools.bench.pages import Records, filler
+from rlfleet.tools.bench.pages import Records, filler, span
 
 ENGINES = "vllm.json"
 LEARNING = "learning_vllm.json"
@@ -20,12 +20,6 @@ def small(x: float) -> str:
         return f"{x:.2g}"
     mantissa, exponent = f"{x:.1e}".split("e")
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
-
-
-def span(values: list[float], spec: str = ".0f") -> str:
-    """``min-max`` of ``values`` in ``spec``, one figure where both read the same."""
-    low, high = format(min(values), spec), format(max(values), spec)
-    return low if low == high else f"{low}-{high}"
 
 
 def ms(seconds: float) -> str:
@@ -87,19 +81,19 @@ def ratio_row(record: Records) -> list[str]:
 
 def success_row(record: Records) -> list[str]:
     vllm = runs(record, "vllm")
-    label = (f"arithmetic, {span([r['steps'] for r in vllm], ',d')} steps, held-out success (greedy, 128), "
+    label = (f"arithmetic, {span([r['steps'] for r in vllm], ',d', sep='-')} steps, held-out success (greedy, 128), "
              f"{len(vllm)} seeds")
 
     def success(rs: list[dict[str, Any]]) -> str:
         finals = " / ".join(format(r["final"], ".3f") for r in rs)
-        return f"{span([r['first'] for r in rs], '.3f')} → {finals}"
+        return f"{span([r['first'] for r in rs], '.3f', sep='-')} → {finals}"
 
     return [label, success(vllm), success(runs(record, "torch"))]
 
 
 def wall_row(record: Records) -> list[str]:
     def walls(rs: list[dict[str, Any]]) -> str:
-        return f"{span([r['run_wall_s'] for r in rs])} s / {span([r['cpu_s']['rollout-0'] for r in rs])} s"
+        return f"{span([r['run_wall_s'] for r in rs], sep='-')} s / {span([r['cpu_s']['rollout-0'] for r in rs], sep='-')} s"
 
     return ["wall time of those runs / rollout CPU seconds", walls(runs(record, "vllm")), walls(runs(record, "torch"))]
 
@@ -121,7 +115,7 @@ def vllm_table(record: Records) -> str:
 def vllm_slowdown(record: Records) -> str:
     """How many times fewer tokens/s vLLM makes than torch, lowest-highest over the batch sizes."""
     tps = record(ENGINES)["float32"]["tokens_per_s"]
-    return span([tps["torch"][b] / v for b, v in tps["vllm"].items()], ".1f")
+    return span([tps["torch"][b] / v for b, v in tps["vllm"].items()], ".1f", sep='-')
 
 
 @filler
