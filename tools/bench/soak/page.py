@@ -185,7 +185,8 @@ def record_section(path: Path, rec: dict[str, Any]) -> list[str]:
     ran = rec["ran_s"]
     out = [f"## `{path.name}`: {rec['hours']:g} h, {rec['date']}", "",
            f"`{rec['command']}` at `{rec['commit'][:10]}`"
-           + (f" ({rec['dirty_files']} uncommitted files)" if rec.get("dirty_files") else "")
+           + (f" ({n} uncommitted files)" if (n := rec.get("dirty_files") or len(rec.get("uncommitted_changes", [])))
+              else "")
            + f" on {rec['machine']}; ran {ran:.0f} s ({ran / 60:.1f} min)"
            + (", stopped early" if rec.get("stopped_early") else "") + "."
            + (f" Note: {rec['note']}" if rec.get("note") else ""), ""]

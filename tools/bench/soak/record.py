@@ -9,17 +9,12 @@ rendered from committed records by ``page.render``.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import re
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rlfleet.tools.bench.soak import REPO
+from rlfleet.tools.bench.output import provenance
 from rlfleet.tools.bench.soak.faults import fault_summary
 from rlfleet.tools.bench.soak.runner import Soak
 from rlfleet.tools.bench.soak.sampling import slim_step_lines
@@ -81,8 +76,7 @@ def build_record(soak: Soak) -> dict[str, Any]:
     }
     verdicts["ok"] = (verdicts["accounting_ok_both"] and verdicts["no_growth"] and verdicts["drop_share_ok"]
                       and soak.error is None)
-    return {"command": "python -m rlfleet.tools.bench.soak " + " ".join(sys.argv[1:]),
-            **provenance(), "hours": soak.args.hours, "ran_s": round(soak.t(), 1),
+    return {**provenance("rlfleet.tools.bench.soak"), "hours": soak.args.hours, "ran_s": round(soak.t(), 1),
             "stopped_early": soak.stop.is_set(), "error": soak.error, "work_dir": str(soak.work),
             "window_s": window_s,
             "limits": {"growth": GROWTH_LIMIT, "growth_window_s": WINDOW_S, "min_points": MIN_POINTS,
@@ -110,18 +104,6 @@ def log_problems(log_dir: Path, top: int = 8) -> dict[str, dict[str, int]]:
         if counts:
             out[path.stem] = dict(counts.most_common(top))
     return out
-
-
-def provenance() -> dict[str, Any]:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], capture_output=True, text=True, cwd=REPO).stdout.strip()
-        except OSError:
-            return ""
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"commit": git("rev-parse", "HEAD"), "dirty_files": len(git("status", "--porcelain").splitlines()),
-            "machine": f"{platform.node()} {os.cpu_count()} cores {platform.machine()} {mem / 2**30:.0f} GiB",
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
 def plot(record: dict[str, Any], path: Path) -> None:
