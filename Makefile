@@ -72,7 +72,7 @@ test-deploy: setup
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
-VLLM_TESTS ?= tests/rollout/test_vllm_engine.py tests/rollout/test_vllm_layout.py tests/integration/test_vllm_fleet.py
+VLLM_TESTS ?= tests/daemons/rollout/test_vllm_engine.py tests/daemons/rollout/test_vllm_layout.py tests/integration/test_vllm_fleet.py
 
 setup-vllm: $(VLLM_STAMP) etcd
 

@@ -3,7 +3,7 @@
 Each returns the per-token objective to MAXIMISE (with gradient, 0 on padding) and
 its statistics; the loss classes in losses.py aggregate it (grpo.masked_mean) and
 negate it. No model, no optimizer: the unit tests check these against numbers worked
-out by hand (tests/trainer/test_losses.py).
+out by hand (tests/daemons/trainer/test_losses.py).
 
 Names, for a generated token a of a row with advantage A (all log-probs of a):
   logp          log pi_theta(a): the current parameters, WITH gradient

@@ -18,8 +18,7 @@ from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.spec.placement import ROLES, SINGLETON_ROLES
 from rlfleet.tools.exit_codes import Exit
-
-from ..integration.helpers import TINY_MODEL, rlfleet, small_job, stop, wait_for, write_spec
+from tests.integration.helpers import TINY_MODEL, rlfleet, small_job, stop, wait_for, write_spec
 
 pytestmark = pytest.mark.skipif(not (TINY_MODEL / "tokenizer.json").exists(), reason="models/tiny-qwen2 not built")
 

@@ -2,7 +2,7 @@
 
 Every example is a real wire message (common/wire/messages.py) that ``encode`` accepts and
 ``decode`` returns: the hostility is in the values, never in the framing (framing
-garbage is covered by tests/unit/test_wire.py). Values are drawn from the edges the
+garbage is covered by tests/common/wire/test_wire.py). Values are drawn from the edges the
 receivers must survive: ints at and beyond the int64 range (msgpack carries up to
 uint64), NaN and infinities, token ids outside any vocabulary, strings of deeply
 nested JSON or of megabytes, ids that are empty, non-ASCII or absurdly long, empty and

@@ -16,8 +16,8 @@ from rlfleet.common.wire.messages import Trajectory, WireError
 from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.common.wire.validation import check_message
 from rlfleet.daemons.tasks import get_task
+from tests.daemons.reward_host.fakes import FakeTrainer, trajectory
 from tests.integration.helpers import wait_for
-from tests.reward_host.fakes import FakeTrainer, trajectory
 
 from . import strategies as hs
 from .conftest import DAEMON_FUZZ

@@ -16,8 +16,8 @@ from rlfleet.common.wire.messages import ScoredTrajectory, WireError
 from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.common.wire.validation import check_message
 from rlfleet.daemons.trainer.sim_learner import read_vocab_size
+from tests.daemons.trainer.conftest import claim_prompts, scored
 from tests.integration.helpers import TINY_MODEL, wait_for
-from tests.trainer.conftest import claim_prompts, scored
 
 from . import strategies as hs
 from .conftest import DAEMON_FUZZ

@@ -102,7 +102,7 @@ def test_the_agent_under_systemd_starts_units_from_placement_and_leaves_them_run
     from rlfleet.common.daemon import DaemonOptions
     from rlfleet.daemons.agent.daemon import Agent, unit_env
     from rlfleet.daemons.agent.systemd import SystemdBackend
-    from tests.unit.test_agent_systemd import FakeSystemd
+    from tests.daemons.agent.test_systemd import FakeSystemd
 
     fake = FakeSystemd(tmp_path)
     monkeypatch.setenv("PATH", f"{fake.bin}{os.pathsep}{os.environ['PATH']}")

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from rlfleet.tools.exit_codes import Exit
+from tests.vllm_support import needs_vllm
 
-from ..vllm_support import needs_vllm
 from .helpers import REPO, TINY_MODEL
 
 pytestmark = needs_vllm

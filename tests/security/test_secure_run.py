@@ -34,9 +34,8 @@ from rlfleet.common.wire.reliable import ReliableSender
 from rlfleet.common.wire.sockets import CurveKeys
 from rlfleet.daemons.trainer.journal import ExperienceJournal
 from rlfleet.tools.exit_codes import Exit
-
-from ..integration.helpers import REPO, TINY_MODEL, small_job, wait_for, write_spec
-from ..trainer.conftest import scored
+from tests.daemons.trainer.conftest import scored
+from tests.integration.helpers import REPO, TINY_MODEL, small_job, wait_for, write_spec
 
 needs_model = pytest.mark.skipif(not (TINY_MODEL / "tokenizer.json").exists(), reason="models/tiny-qwen2 not built")
 

@@ -6,8 +6,7 @@ import pytest
 
 from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import parse_spec
-
-from ..integration.helpers import TINY_MODEL
+from tests.integration.helpers import TINY_MODEL
 
 
 def _spec(security: dict) -> dict:

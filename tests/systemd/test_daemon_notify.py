@@ -21,8 +21,8 @@ import pytest
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.failpoints import DAEMON as DAEMON_FAILPOINT_ENV
+from tests.integration.helpers import stop, store_with_spec, wait_for
 
-from ..integration.helpers import stop, store_with_spec, wait_for
 from .notify_listener import NotifyListener
 
 KEYS = JobKeys("sdn")

@@ -18,7 +18,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 PROVENANCE = ("command", "commit", "machine", "date")
-# Records committed before they carried all of PROVENANCE (tests/unit/test_bench_output.py
+# Records committed before they carried all of PROVENANCE (tests/tools/bench/test_output.py
 # holds every other record in tools/bench/results to it). A rerun replaces each.
 LEGACY_RECORDS = frozenset({
     "agentic_env.json", "agentic_filter.json", "agentic_routing.json", "failsafe.json", "learning_alone.json",

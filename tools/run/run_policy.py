@@ -1,7 +1,7 @@
 """What `rlfleet run` decides, apart from processes, etcd and the view (supervisor.py does
 the I/O): when a crash loop ends the run, when a run without training steps has stalled,
 how often each periodic check runs, and which outcome a run ends with. Plain values in,
-an Outcome (or None) out: tested in process (tests/unit/test_run_policy.py), as the
+an Outcome (or None) out: tested in process (tests/tools/run/test_run_policy.py), as the
 trainer's intake triage and the reward-host's dispatch are.
 
 When a daemon is restarted and with which back-off is the node agent's policy

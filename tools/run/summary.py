@@ -3,7 +3,7 @@ and plain event lines alike), one line per evaluation, and the summary at the en
 
 Pure functions of the run's records (metrics.jsonl, the accounting result, the
 supervisor's restart counts), so the end summary is checked against a golden file
-(tests/unit/test_run_summary.py) and reads the same in a terminal, a pipe or a log.
+(tests/tools/run/test_summary.py) and reads the same in a terminal, a pipe or a log.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the safetensors file into a module tree with transformers' parameter names (so a
 state dict from the trainer loads unchanged), and returns None for anything it does
 not recognise exactly; the engine then loads the model through transformers.
 
-That the arithmetic equals transformers' is a test (tests/rollout/test_engine.py
+That the arithmetic equals transformers' is a test (tests/daemons/rollout/test_engine.py
 compares both on a random Qwen2), not a start-up probe: there is no transformers model
 here to compare with.
 """

@@ -310,7 +310,7 @@ def _repack_output_layer(model: Any) -> None:
     On CPU the output layer computes logits with a copy of its weight packed at load
     time. A tied output layer receives no tensor of its own in a reload (its weight is
     the embedding's, which vLLM does reload), so the reload leaves its old packed copy:
-    logits from the old weights (log-probs off by ~0.35 in tests/rollout/test_vllm_engine.py
+    logits from the old weights (log-probs off by ~0.35 in tests/daemons/rollout/test_vllm_engine.py
     before this). Packing again from the current weight is what a first load does."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 

@@ -19,7 +19,7 @@ record by file name, and the placeholder's arguments, if any, as strings:
 
 The README's results table is rendered the same way, from tools/bench/pages/readme/results.md,
 between two markers in README.md. drops.md and soak.md have renderers of their own
-(``--render`` of their benchmarks); tests/unit/test_results_pages.py holds every page under
+(``--render`` of their benchmarks); tests/tools/bench/test_pages.py holds every page under
 docs/results to one of the two.
 """
 
@@ -46,7 +46,7 @@ END = "<!-- end of the results table -->"
 # Pages rendered by their own benchmark's --render (named on the page).
 OWN_RENDERER = {"drops.md": "python -m rlfleet.tools.bench.drops --render",
                 "soak.md": "python -m rlfleet.tools.bench.soak --render"}
-# Pages still written by hand, each with why: tests/unit/test_results_pages.py fails on a
+# Pages still written by hand, each with why: tests/tools/bench/test_pages.py fails on a
 # page that is in none of the three, and on one listed here that has a template.
 NOT_YET_RENDERED: dict[str, str] = {
     "cluster.md": "its figures come from runs/deploy/cluster.json, which the lab test writes and nobody "

@@ -5,7 +5,7 @@ the example specs (so no number in it can drift from the code), then per record
 (``tools/bench/results/soak*.json``, by name) what ran, each verdict with its value and
 whether it held, the growth failures, the members not judged, per job its outcome, the
 faults, and the record's figure when one sits beside it. Nothing is typed by hand:
-tests/unit/test_bench_soak.py checks that the committed page is this function's output.
+tests/tools/bench/test_soak.py checks that the committed page is this function's output.
 """
 
 from __future__ import annotations
