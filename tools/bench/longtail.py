@@ -20,6 +20,15 @@ mean KV utilisation (the sim rollouts' time series in sim/*.jsonl), the stalenes
 histogram, mixed-version trajectories, repack events and overheads, etcd writes/s
 (raft proposals, scraped from the run's etcd) and CPU seconds per daemon.
 
+``--runs N`` repeats the whole sweep N times (default 3), the settings taking turns
+within each repetition; the record keeps every run. A ratio between two modes is taken
+within one repetition (side by side, minutes apart), and the record gives each
+repetition's ratio and their median; ``summary`` gives each setting's median and range
+over its valid runs. The validity rule, fixed before measuring: a run counts when its
+simulated rollouts lagged their timing model by at most 5% (``MAX_LAG``), it made at
+least three training steps and no daemon restarted; a run that did not is kept, void,
+with its reason.
+
 ``--rollouts 1000 --modes trajectory_repack --duration-s 120`` is the control-plane
 check (etcd writes/s, CPU per daemon, repack plan time at 1,000 rollouts).
 """
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 import tomllib
@@ -212,11 +222,11 @@ def judge_final_lag(r: dict[str, Any], run_dir: Path) -> None:
 
 # -- the table and the plot ----------------------------------------------------------------------
 def table(records: list[dict[str, Any]]) -> str:
-    head = ("rollouts", "mode", "traj/s", "tok/s", "idle", "KV util", "stale<=3", "mixed", "repacks",
+    head = ("run", "rollouts", "mode", "traj/s", "tok/s", "idle", "KV util", "stale<=3", "mixed", "repacks",
             "overhead p50/p99 s", "max lag", "valid")
     rows = [head]
     for r in records:
-        rows.append((str(r["rollouts"]), r["mode"], f"{r['trained_trajectories_per_s']:.1f}",
+        rows.append((str(r.get("run", 0)), str(r["rollouts"]), r["mode"], f"{r['trained_trajectories_per_s']:.1f}",
                      f"{r['generated_tokens_per_s'] or 0:.0f}", f"{r['rollout_idle_fraction'] or 0:.2f}",
                      f"{r['kv_utilization_mean'] or 0:.2f}",
                      "-" if r["staleness_le3_share"] is None else f"{r['staleness_le3_share']:.2f}",
@@ -228,10 +238,11 @@ def table(records: list[dict[str, Any]]) -> str:
 
 
 def ratios(records: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """trajectory_repack's trained trajectories/s over each other mode, per fleet size."""
+    """trajectory_repack's trained trajectories/s over each other mode, per fleet size, from
+    the valid runs of one repetition (``records`` of one run number)."""
     out: dict[str, dict[str, float | None]] = {}
     for n in sorted({r["rollouts"] for r in records}):
-        by_mode = {r["mode"]: r for r in records if r["rollouts"] == n}
+        by_mode = {r["mode"]: r for r in records if r["rollouts"] == n and r["valid"]}
         best = by_mode.get("trajectory_repack")
         if best is None:
             continue
@@ -247,6 +258,43 @@ def ratios(records: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     return out
 
 
+def ratios_by_run(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each repetition's ratios (``by_run``, keyed by run number) and, per fleet size and
+    ratio, the median over the repetitions that have it (``median``)."""
+    by_run = {str(i): ratios([r for r in records if r.get("run", 0) == i])
+              for i in sorted({r.get("run", 0) for r in records})}
+    collected: dict[str, dict[str, list[float]]] = {}
+    for per_size in by_run.values():
+        for n, named in per_size.items():
+            for name, value in named.items():
+                if value is not None:
+                    collected.setdefault(n, {}).setdefault(name, []).append(value)
+    return {"by_run": by_run, "median": {n: {name: round(statistics.median(v), 3) for name, v in named.items()}
+                                         for n, named in collected.items()}}
+
+
+SUMMARIZED = ("trained_trajectories_per_s", "generated_tokens_per_s", "rollout_idle_fraction",
+              "staleness_le3_share", "mixed_version_trajectories", "repack_events",
+              "repack_overhead_s_p50", "repack_overhead_s_p99", "etcd_writes_per_s", "repack_plan_ms_p50")
+
+
+def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (rollouts, mode): how many runs, how many void, and for each figure of SUMMARIZED
+    the median, min and max over the valid runs (None where no valid run has it)."""
+    out = []
+    for n, mode in sorted({(r["rollouts"], r["mode"]) for r in records},
+                          key=lambda k: (k[0], MODES.index(k[1]) if k[1] in MODES else len(MODES))):
+        runs = [r for r in records if r["rollouts"] == n and r["mode"] == mode]
+        valid = [r for r in runs if r["valid"]]
+        row: dict[str, Any] = {"rollouts": n, "mode": mode, "runs": len(runs), "void": len(runs) - len(valid)}
+        for key in SUMMARIZED:
+            values = [r[key] for r in valid if r.get(key) is not None]
+            row[key] = ({"median": round(statistics.median(values), 4), "min": min(values), "max": max(values)}
+                        if values else None)
+        out.append(row)
+    return out
+
+
 def plot(records: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -254,13 +302,18 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for mode in MODES:
-        rs = sorted((r for r in records if r["mode"] == mode), key=lambda r: r["rollouts"])
+    rows = summarize(records)
+    for mode in MODES:  # each mode's median over its valid runs, the bars their range
+        rs = [r for r in rows if r["mode"] == mode and r["trained_trajectories_per_s"] is not None]
         if not rs:
             continue
         xs = [r["rollouts"] for r in rs]
-        ax1.plot(xs, [r["trained_trajectories_per_s"] for r in rs], "o-", label=mode)
-        ax2.plot(xs, [r["rollout_idle_fraction"] or 0 for r in rs], "o-", label=mode)
+        for ax, key in ((ax1, "trained_trajectories_per_s"), (ax2, "rollout_idle_fraction")):
+            figs = [r[key] or {"median": 0.0, "min": 0.0, "max": 0.0} for r in rs]
+            mid = [f["median"] for f in figs]
+            ax.errorbar(xs, mid, yerr=[[m - f["min"] for m, f in zip(mid, figs)],
+                                       [f["max"] - m for m, f in zip(mid, figs)]],
+                        fmt="o-", capsize=3, label=mode)
     ax1.set(xlabel="simulated rollouts", ylabel="trained trajectories / s", title="throughput")
     ax2.set(xlabel="simulated rollouts", ylabel="share of rollout time idle", title="rollout idle fraction",
             ylim=(0, 1))
@@ -289,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="wall seconds per model second for the engines and the trainer (slower "
                          "for the 1,000-rollout control-plane check)")
     ap.add_argument("--batch", type=int, default=None, help="trajectories per training step")
+    ap.add_argument("--runs", type=int, default=3, help="repetitions of the whole sweep (settings take turns)")
     ap.add_argument("--json", type=Path, default=Path("runs/bench/longtail.json"))
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -297,28 +351,32 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
     sizes = [int(x) for x in args.rollouts.split(",") if x.strip()]
+    if args.runs < 1:
+        ap.error(f"--runs {args.runs}: at least one")
     records: list[dict[str, Any]] = []
     made_by = provenance("rlfleet.tools.bench.longtail", argv)  # before the runs: the code they start from
-    for n in sizes:
-        for mode in modes:
-            spec = spec_for(args.spec, mode, n, args.prompts_per_rollout, args.slots, args.inflight,
-                            args.time_scale, args.batch)
-            started = time.monotonic()
-            try:
-                run_dir, etcd, code = run_once(spec, args.duration_s)
-            finally:
-                spec.unlink(missing_ok=True)
-            r = measure(run_dir, mode, n, etcd, code)
-            records.append(r)
-            print(f"{n:>5} rollouts {mode:<18} {r['trained_trajectories_per_s']:>8.1f} traj/s  "
-                  f"{r['generated_tokens_per_s'] or 0:>9.0f} tok/s  idle {r['rollout_idle_fraction']}  "
-                  f"steps {r['steps']}  lag {r['max_lag']:.3f}{'' if r['valid'] else '  INVALID'}  "
-                  f"({time.monotonic() - started:.0f} s, {run_dir})", flush=True)
-            write_json(args.json, {**made_by, "spec": str(args.spec), "duration_s": args.duration_s,
-                                   "records": records, "ratios": ratios(records)})
+    for run in range(args.runs):
+        for n in sizes:
+            for mode in modes:
+                spec = spec_for(args.spec, mode, n, args.prompts_per_rollout, args.slots, args.inflight,
+                                args.time_scale, args.batch)
+                started = time.monotonic()
+                try:
+                    run_dir, etcd, code = run_once(spec, args.duration_s)
+                finally:
+                    spec.unlink(missing_ok=True)
+                r = {**measure(run_dir, mode, n, etcd, code), "run": run}
+                records.append(r)
+                print(f"run {run}  {n:>5} rollouts {mode:<18} {r['trained_trajectories_per_s']:>8.1f} traj/s  "
+                      f"{r['generated_tokens_per_s'] or 0:>9.0f} tok/s  idle {r['rollout_idle_fraction']}  "
+                      f"steps {r['steps']}  lag {r['max_lag']:.3f}{'' if r['valid'] else '  VOID'}  "
+                      f"({time.monotonic() - started:.0f} s, {run_dir})", flush=True)
+                write_json(args.json, {**made_by, "spec": str(args.spec), "duration_s": args.duration_s,
+                                       "runs": args.runs, "max_lag": MAX_LAG, "records": records,
+                                       "summary": summarize(records), "ratios": ratios_by_run(records)})
     print()
     print(table(records))
-    print(json.dumps(ratios(records), indent=2))
+    print(json.dumps(ratios_by_run(records)["median"], indent=2))
     return finish(records, args.json, args.plot, plot)
 
 

@@ -53,7 +53,9 @@ NOT_YET_RENDERED: dict[str, str] = {
                   "committed: the lab test is to write a record (command, commit, machine, date) to "
                   "tools/bench/results",
     "longtail.md": "its record was never committed (restored from the README at 531e20e): the long-tail "
-                   "bench must run again (python -m rlfleet.tools.bench.longtail, its command on the page)",
+                   "bench must run again (python -m rlfleet.tools.bench.longtail, its command on the page); "
+                   "its template waits in tools/bench/pages/pending/ (tested against records of the bench's "
+                   "shape) until longtail.json and longtail-1000.json are committed",
     "peer.md": "the TRL side-by-side record was never committed: the peer bench must run again "
                "(python -m rlfleet.tools.bench.trl_peer, its command on the page)",
 }

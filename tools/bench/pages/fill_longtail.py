@@ -1,0 +1,94 @@
+"""Fillers of docs/results/longtail.md, from the long-tail bench's records
+(tools/bench/longtail.py): the modes table (median and range over the valid runs of each
+setting), the ratios against the targets (each repetition's ratio, side by side, and their
+median), and the 1,000-rollout control-plane run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlfleet.tools.bench.pages import Records, filler, span
+
+# trajectory_repack against each mode (trained trajectories/s), and repack's generated tokens/s
+# against trajectory alone: the targets of the long-tail work and the paper's figure beside them.
+TARGETS = (("over_sync", "sync", 3.0, "Laminar 2.56× on average over verl"),
+           ("over_one_step_off", "one_step_off", 2.0, "ROLL Flash's asynchronous baseline"),
+           ("over_partial", "partial", 1.5, "AReaL-style partial rollout"),
+           ("tokens_over_trajectory", "trajectory (generated tokens/s)", 1.25, "Laminar +26%"))
+
+
+def _figure(cell: dict[str, Any] | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    """``median (min–max)`` of a summary cell; one figure when all runs read the same; – when none."""
+    if cell is None:
+        return "–"
+    median = format(cell["median"] * scale, spec) + suffix
+    low, high = cell["min"] * scale, cell["max"] * scale
+    rng = span([low, high], spec)
+    return median if rng == format(cell["median"] * scale, spec) else f"{median} ({rng})"
+
+
+def _runs(row: dict[str, Any]) -> str:
+    return f"{row['runs'] - row['void']}" + (f" (+{row['void']} void)" if row["void"] else "")
+
+
+@filler
+def longtail_table(record: Records, file: str) -> str:
+    """One row per (rollouts, mode): valid runs, and each figure's median (range)."""
+    head = ("| rollouts | mode | valid runs | trained traj/s | generated tok/s | rollout idle | staleness ≤ 3 "
+            "| mixed-version traj. | repack moves | repack overhead p50 / p99 |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in record(file)["summary"]:
+        p50, p99 = r["repack_overhead_s_p50"], r["repack_overhead_s_p99"]
+        overhead = "–" if p50 is None else f"{_figure(p50, '.3f')} / {_figure(p99, '.3f')} s"
+        mode = "trajectory + repack" if r["mode"] == "trajectory_repack" else r["mode"]
+        rows.append(f"| {r['rollouts']} | {mode} | {_runs(r)} | {_figure(r['trained_trajectories_per_s'], '.1f')} "
+                    f"| {_figure(r['generated_tokens_per_s'], ',.0f')} | {_figure(r['rollout_idle_fraction'], '.2f')} "
+                    f"| {_figure(r['staleness_le3_share'], '.0f', 100, '%')} "
+                    f"| {_figure(r['mixed_version_trajectories'], ',.0f')} "
+                    f"| {'–' if r['mode'] != 'trajectory_repack' else _figure(r['repack_events'], ',.0f')} "
+                    f"| {overhead} |")
+    return "\n".join(rows)
+
+
+@filler
+def longtail_targets(record: Records, file: str) -> str:
+    """Per target, at the largest fleet size: the median ratio, each repetition's, met or missed by how much."""
+    ratios = record(file)["ratios"]
+    size = max(ratios["median"], key=int)
+    lines = []
+    for key, against, target, paper in TARGETS:
+        median = ratios["median"][size].get(key)
+        if median is None:
+            lines.append(f"- trajectory + repack over {against}: no repetition had both valid")
+            continue
+        each = ", ".join(f"{per[size][key]:.2f}" for per in ratios["by_run"].values()
+                         if size in per and key in per[size])
+        verdict = "met" if median >= target else f"**missed**, by {100 * (1 - median / target):.0f}%"
+        lines.append(f"- trajectory + repack over {against}: **{median:.2f}×** (each repetition: {each}; "
+                     f"target ≥ {target:g}×, {verdict}; {paper})")
+    return f"At {size} rollouts:\n\n" + "\n".join(lines)
+
+
+@filler
+def control_plane(record: Records, file: str) -> str:
+    """The 1,000-rollout run: valid runs, etcd writes/s, plan time, steps, CPU seconds per daemon."""
+    data = record(file)
+    runs = data["records"]
+    valid = [r for r in runs if r["valid"]]
+    void = [f"{r['invalid_because']}" for r in runs if not r["valid"]]
+    if not valid:
+        return f"no valid run of {len(runs)} ({'; '.join(void)})"
+    cpu: dict[str, list[float]] = {}
+    for r in valid:
+        for daemon, seconds in (r.get("cpu_s") or {}).items():
+            cpu.setdefault(daemon, []).append(seconds)
+    top = sorted(cpu.items(), key=lambda kv: -sorted(kv[1])[len(kv[1]) // 2])[:5]
+    parts = [f"{len(valid)} valid runs of {len(runs)}" + (f" (void: {'; '.join(void)})" if void else ""),
+             f"{span([r['steps'] for r in valid])} training steps in a "
+             f"{span([r['window_s'] for r in valid])} s window",
+             f"etcd **{span([r['etcd_writes_per_s'] for r in valid if r.get('etcd_writes_per_s') is not None])} "
+             f"writes/s**",
+             f"Algorithm 1 planned in **{span([r['repack_plan_ms_p50'] for r in valid if r['repack_plan_ms_p50']], '.1f')} ms "
+             f"p50** on the live fleet (max {span([r['repack_plan_ms_max'] for r in valid if r['repack_plan_ms_max']], '.1f')} ms)",
+             "CPU seconds over the run: " + ", ".join(f"{d} {span(v, '.1f')}" for d, v in top)]
+    return "; ".join(parts)
