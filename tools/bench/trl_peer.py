@@ -4,7 +4,13 @@
         --out runs/bench/trl-arithmetic
     python -m rlfleet.tools.bench.trl_peer --out runs/bench/trl-arithmetic --compare runs/arithmetic/<ts>
     python -m rlfleet.tools.bench.trl_peer --spec examples/arithmetic.toml --budget-s 600 \\
-        --out runs/bench/trl-arithmetic --side-by-side --json runs/bench/peer.json
+        --out runs/bench/trl-arithmetic --side-by-side --runs 3 --json tools/bench/results/peer.json
+
+``--side-by-side`` runs both sides ``--runs`` times (default 3), each side in a fresh process,
+one after the other; the side that goes first alternates (rlfleet first in runs 0, 2, ...) so
+neither always gets the cooler machine. The record keeps every run's comparison and, in
+``summary``, each side's median and range over the runs, and the median of the per-run
+ratio of trained tokens/s (a ratio of two runs minutes apart, never of pooled figures).
 
 The TRL run writes the same metrics.jsonl as rlfleet's trainer (train lines: time, step,
 reward_mean, tokens, trajectories; eval lines: time, step, eval_success), so
@@ -41,6 +47,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -50,6 +57,7 @@ from typing import Any
 
 from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import JobSpec, load_spec, parse_spec
+from rlfleet.tools.bench.output import provenance, write_json
 from rlfleet.tools.exit_codes import RUN_ENDED
 from rlfleet.tools.run.report import RunMetrics, read_metrics
 
@@ -372,7 +380,83 @@ def run_rlfleet(spec_path: str, budget_s: float) -> tuple[Path, float]:
     return Path(first.split("run dir:", 1)[1].strip()), launched
 
 
+def run_trl_process(spec_path: str, out: Path, budget_s: float, threads: int | None) -> None:
+    """The TRL side in a fresh process (this module without --side-by-side), as rlfleet's is."""
+    cmd = [sys.executable, "-m", "rlfleet.tools.bench.trl_peer", "--spec", spec_path, "--out", str(out),
+           "--budget-s", str(budget_s), *(["--threads", str(threads)] if threads else [])]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=budget_s + 300)
+    print(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "", flush=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"trl_peer: the TRL run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}")
+
+
+# ------------------------------------------------------------------ the runs side by side
+def _median_range(values: list[float]) -> dict[str, float] | None:
+    return {"median": round(statistics.median(values), 4), "min": min(values), "max": max(values),
+            "n": len(values)} if values else None
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each side's median and range over the runs (steps, train wall, tokens/s, last eval),
+    the median of the per-run rlfleet/TRL tokens/s ratio, and per milestone each side's
+    median time over the runs that reached it (and in how many runs it did)."""
+    out: dict[str, Any] = {"runs": len(results)}
+    for side in ("rlfleet", "trl"):
+        out[side] = {key: _median_range([r[side][key] for r in results if r[side].get(key) is not None])
+                     for key in ("steps", "train_wall_s", "tokens_per_s", "eval_last")}
+    ratios = [round(r["rlfleet"]["tokens_per_s"] / r["trl"]["tokens_per_s"], 3)
+              for r in results if r["trl"].get("tokens_per_s")]
+    out["tokens_per_s_ratio"] = {**(_median_range(ratios) or {}), "each": ratios}
+    levels = sorted({lv for r in results for lv in r.get("milestones", {})})
+    out["milestones"] = {lv: {side: {"reached": sum(1 for r in results if (r.get("milestones", {}).get(lv) or {})
+                                                    .get(side) is not None),
+                                     "time_s": _median_range([r["milestones"][lv][side]["time_s"] for r in results
+                                                              if (r.get("milestones", {}).get(lv) or {}).get(side)])}
+                              for side in ("rlfleet", "trl")} for lv in levels}
+    return out
+
+
+def side_by_side(spec_path: str, out: Path, budget_s: float, runs: int, threads: int | None,
+                 json_out: Path | None, made_by: dict[str, Any]) -> int:
+    """``runs`` times rlfleet and TRL, alternating which goes first; a record after each run."""
+    results: list[dict[str, Any]] = []
+    for i in range(runs):
+        trl_out = out / f"run-{i}"
+        order = ("rlfleet", "trl") if i % 2 == 0 else ("trl", "rlfleet")
+        launch: dict[str, float] = {}
+        rl_dir: Path | None = None
+        for side in order:
+            if side == "rlfleet":
+                rl_dir, launch["rlfleet"] = run_rlfleet(spec_path, budget_s)
+                print(f"run {i}: rlfleet run dir {rl_dir}", flush=True)
+            else:
+                run_trl_process(spec_path, trl_out, budget_s, threads)
+        if (trl_launch := _launch_time(trl_out)) is not None:
+            launch["trl"] = trl_launch
+        assert rl_dir is not None
+        result = compare(read_metrics(rl_dir / "metrics.jsonl"), read_metrics(trl_out / "metrics.jsonl"), launch)
+        result.update(run=i, order=list(order), rlfleet_run=str(rl_dir), trl_run=str(trl_out))
+        result["rlfleet"]["cpu_s"] = _cpu_by_daemon(rl_dir)  # where the fleet's CPU went
+        results.append(result)
+        print(f"-- run {i} ({' then '.join(order)})\n{format_table(result)}", flush=True)
+        if json_out:
+            write_json(json_out, {**made_by, "spec": spec_path, "budget_s": budget_s, "differences": DIFFERENCES,
+                                  "runs": results, "summary": summarize(results)})
+    if json_out:
+        print(f"wrote {json_out}")
+    return 0
+
+
 # ------------------------------------------------------------------ CLI
+def _cpu_by_daemon(run_dir: Path) -> dict[str, float] | None:
+    """CPU seconds per daemon of an rlfleet run (its summary.json), None when it has none."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text())["cpu_s"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _launch_time(run_dir: Path) -> float | None:
     try:
         return float(json.loads((run_dir / "run.json").read_text())["launch_time"])
@@ -400,8 +484,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="an rlfleet run folder to compare with; without --spec, --out must hold a TRL run")
     ap.add_argument("--side-by-side", action="store_true",
                     help="run rlfleet, then TRL, with the same budget, and compare")
+    ap.add_argument("--runs", type=int, default=3, help="with --side-by-side: how many times both sides run")
     ap.add_argument("--json", type=Path, default=None, help="write the comparison here")
     args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error(f"--runs {args.runs}: at least one")
     if args.side_by_side and (args.compare or not args.spec):
         ap.error("--side-by-side needs --spec and runs rlfleet itself (no --compare)")
     if args.side_by_side and (args.model or args.max_steps):
@@ -415,7 +502,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--compare: no metrics file {args.compare / 'metrics.jsonl'}")  # before training
     logging.basicConfig(level=logging.WARNING)
 
-    launch: dict[str, float] = {}
     rl_dir = args.compare
     if args.spec:
         try:
@@ -424,13 +510,18 @@ def main(argv: list[str] | None = None) -> int:
             print(exc, file=sys.stderr)
             return 2
         task_for(spec)  # refuse a multi-turn task before anything runs
+        if args.side_by_side:
+            taken = [d for d in (args.out / f"run-{i}" for i in range(args.runs)) if (d / "metrics.jsonl").exists()]
+            if taken:
+                print(f"trl_peer: {taken[0] / 'metrics.jsonl'} already holds a run; pass another --out",
+                      file=sys.stderr)
+                return 2
+            made_by = provenance("rlfleet.tools.bench.trl_peer", argv)  # before the runs: the code they start from
+            return side_by_side(args.spec, args.out, args.budget_s, args.runs, args.threads, args.json, made_by)
         if (args.out / "metrics.jsonl").exists():
             print(f"trl_peer: {args.out / 'metrics.jsonl'} already holds a run; pass another --out",
                   file=sys.stderr)
             return 2
-        if args.side_by_side:
-            rl_dir, launch["rlfleet"] = run_rlfleet(args.spec, args.budget_s)
-            print(f"rlfleet run dir: {rl_dir}", flush=True)
         stats = run_trl(spec, args.out, args.budget_s, max_steps=args.max_steps, threads=args.threads)
         print(f"trl: {stats['steps']} steps in {stats['train_wall_s']:.1f} s, eval "
               f"{stats.get('eval_first', float('nan')):.3f} -> {stats.get('eval_last', float('nan')):.3f}, "
@@ -442,10 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_file():
             print(f"trl_peer: no metrics file {path}", file=sys.stderr)
             return 2
-    trl_launch = _launch_time(args.out)
-    if trl_launch is not None and launch:
-        launch["trl"] = trl_launch
-    result = compare(read_metrics(rl_metrics), read_metrics(trl_metrics), launch or None)
+    result = compare(read_metrics(rl_metrics), read_metrics(trl_metrics))
     result.update(rlfleet_run=str(rl_dir), trl_run=str(args.out))
     _report(result, args.json)
     return 0

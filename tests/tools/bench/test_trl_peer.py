@@ -193,3 +193,79 @@ def test_two_step_grpo_run_writes_rlfleet_metrics(tmp_path):
     with pytest.raises(SystemExit, match="already holds a run"):
         trl_peer.run_trl(spec, out, budget_s=120, threads=1)
     assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_side_by_side_alternates_who_goes_first_and_records_every_run(tmp_path, monkeypatch, capsys):
+    """--runs 3: rlfleet first in runs 0 and 2, TRL first in run 1; a record after each run
+    with its provenance, every comparison, and the median of the per-run ratios."""
+    order: list[str] = []
+    speeds = [(25.0, 10.0), (20.0, 10.0), (30.0, 10.0)]  # per run: (rlfleet, trl) tokens/s
+
+    def this_run() -> int:
+        return (len(order) - 1) // 2  # two sides per run
+
+    def fake_rlfleet(spec_path, budget_s):
+        order.append("rlfleet")
+        tokens = int(speeds[this_run()][0] * 8)
+        return write_metrics(tmp_path / f"rl{len(order)}", run_lines(0.0, [(0, 0.0, 0.1), (10, 80.0, 0.9)],
+                                                                     steps=10, step_s=8.0, tokens=tokens)), -5.0
+
+    def fake_trl(spec_path, out, budget_s, threads):
+        order.append("trl")
+        write_metrics(out, run_lines(100.0, [(0, 0.0, 0.1), (10, 120.0, 0.9)], steps=10, step_s=12.0,
+                                     tokens=int(speeds[this_run()][1] * 12)))
+        (out / "run.json").write_text(json.dumps({"launch_time": 95.0}))
+
+    monkeypatch.setattr(trl_peer, "run_rlfleet", fake_rlfleet)
+    monkeypatch.setattr(trl_peer, "run_trl_process", fake_trl)
+    monkeypatch.setattr(trl_peer, "provenance", lambda module, argv: {"command": "x", "commit": "a" * 40})
+    spec = Path(__file__).resolve().parents[3] / "examples" / "arithmetic.toml"
+    out = tmp_path / "peer.json"
+    assert trl_peer.main(["--spec", str(spec), "--out", str(tmp_path / "trl"), "--side-by-side", "--runs", "3",
+                          "--json", str(out)]) == 0
+    assert order == ["rlfleet", "trl", "trl", "rlfleet", "rlfleet", "trl"]
+    record = json.loads(out.read_text())
+    assert record["commit"] == "a" * 40 and [r["run"] for r in record["runs"]] == [0, 1, 2]
+    assert [r["order"][0] for r in record["runs"]] == ["rlfleet", "trl", "rlfleet"]
+    ratio = record["summary"]["tokens_per_s_ratio"]
+    assert ratio["each"] == [2.5, 2.0, 3.0] and ratio["median"] == 2.5  # per run, then the median
+    assert record["summary"]["trl"]["tokens_per_s"]["median"] == 10.0
+    reached = record["summary"]["milestones"]["0.80"]
+    assert reached["rlfleet"]["reached"] == 3 and reached["rlfleet"]["time_s"]["median"] == 80.0
+    assert record["runs"][0]["rlfleet"]["to_level_from_launch"] == {"time_s": 85.0, "step": 10}
+    # A second invocation into the same --out is refused before anything runs.
+    assert trl_peer.main(["--spec", str(spec), "--out", str(tmp_path / "trl"), "--side-by-side"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_runs_below_one_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        trl_peer.main(["--out", "x", "--compare", "y", "--runs", "0"])
+    assert "--runs 0: at least one" in capsys.readouterr().err
+
+
+def test_the_pending_page_renders_from_a_record_of_this_bench(tmp_path, monkeypatch):
+    """The peer page's template (tools/bench/pages/pending/peer.md until peer.json is
+    committed) renders from a record shaped as --side-by-side writes it."""
+    from rlfleet.tools.bench import pages
+
+    runs = []
+    for i, (rl_s, trl_s) in enumerate([(8.0, 12.0), (9.0, 12.0), (7.0, 13.0)]):
+        rl = read_metrics(write_metrics(tmp_path / f"rl{i}", run_lines(
+            0.0, [(0, 0.0, 0.29), (10, 10 * rl_s, 0.9)], steps=10, step_s=rl_s, tokens=300)) / "metrics.jsonl")
+        trl = read_metrics(write_metrics(tmp_path / f"trl{i}", run_lines(
+            0.0, [(0, 0.0, 0.29), (10, 10 * trl_s, 0.95)], steps=10, step_s=trl_s, tokens=300)) / "metrics.jsonl")
+        result = trl_peer.compare(rl, trl)
+        result.update(run=i, order=["rlfleet", "trl"])
+        result["rlfleet"]["cpu_s"] = {"trainer": 28.0 + i, "env-host": 10.0}
+        runs.append(result)
+    record = {"command": "python -m rlfleet.tools.bench.trl_peer --side-by-side", "commit": "c" * 40,
+              "machine": "m 2 cores", "date": "2026-11-28", "spec": "examples/arithmetic.toml", "budget_s": 300.0,
+              "runs": runs, "summary": trl_peer.summarize(runs)}
+    (tmp_path / "peer.json").write_text(json.dumps(record))
+    page = pages.render((Path(pages.TEMPLATES) / "pending" / "peer.md").read_text(), "peer.md", records_dir=tmp_path)
+    assert "| trained tokens/s | 38 (33–43) | 25 (23–25) |" in page, page
+    assert "| rlfleet ÷ TRL, tokens/s (each run) | **1.50×** (1.50, 1.33, 1.86) | |" in page, page
+    assert "| time to held-out success 0.80 | 80.0 (70.0–90.0) s | 120.0 (120.0–130.0) s |" in page, page
+    assert "| 1 | 29.0 | 10.0 | 39.0 |" in page, page
+    assert "{{" not in page, page

@@ -57,7 +57,8 @@ NOT_YET_RENDERED: dict[str, str] = {
                    "its template waits in tools/bench/pages/pending/ (tested against records of the bench's "
                    "shape) until longtail.json and longtail-1000.json are committed",
     "peer.md": "the TRL side-by-side record was never committed: the peer bench must run again "
-               "(python -m rlfleet.tools.bench.trl_peer, its command on the page)",
+               "(python -m rlfleet.tools.bench.trl_peer --side-by-side --runs 3, its command on the page); "
+               "its template waits in tools/bench/pages/pending/ until peer.json is committed",
 }
 
 # Records a page outside docs/results cites (its figures still typed there): the test
@@ -86,6 +87,16 @@ def span(values: list[float], spec: str = ".0f", sep: str = "–") -> str:
     """``min–max`` of ``values`` in ``spec`` (the fillers' ranges); one figure where both read the same."""
     low, high = format(min(values), spec), format(max(values), spec)
     return low if low == high else f"{low}{sep}{high}"
+
+
+def median_span(stat: dict[str, Any] | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    """``median (min–max)`` of a summary cell ({"median", "min", "max"}) in ``spec``, each
+    figure times ``scale``; the median alone where the range reads as one figure; – for None."""
+    if stat is None:
+        return "–"
+    median = format(stat["median"] * scale, spec)
+    rng = span([stat["min"] * scale, stat["max"] * scale], spec)
+    return median + suffix if rng == median else f"{median}{suffix} ({rng})"
 
 
 def lookup(value: Any, path: str, where: str) -> Any:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlfleet.tools.bench.pages import Records, filler, span
+from rlfleet.tools.bench.pages import Records, filler, median_span, span
 
 # trajectory_repack against each mode (trained trajectories/s), and repack's generated tokens/s
 # against trajectory alone: the targets of the long-tail work and the paper's figure beside them.
@@ -15,16 +15,6 @@ TARGETS = (("over_sync", "sync", 3.0, "Laminar 2.56× on average over verl"),
            ("over_one_step_off", "one_step_off", 2.0, "ROLL Flash's asynchronous baseline"),
            ("over_partial", "partial", 1.5, "AReaL-style partial rollout"),
            ("tokens_over_trajectory", "trajectory (generated tokens/s)", 1.25, "Laminar +26%"))
-
-
-def _figure(cell: dict[str, Any] | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
-    """``median (min–max)`` of a summary cell; one figure when all runs read the same; – when none."""
-    if cell is None:
-        return "–"
-    median = format(cell["median"] * scale, spec) + suffix
-    low, high = cell["min"] * scale, cell["max"] * scale
-    rng = span([low, high], spec)
-    return median if rng == format(cell["median"] * scale, spec) else f"{median} ({rng})"
 
 
 def _runs(row: dict[str, Any]) -> str:
@@ -39,13 +29,13 @@ def longtail_table(record: Records, file: str) -> str:
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in record(file)["summary"]:
         p50, p99 = r["repack_overhead_s_p50"], r["repack_overhead_s_p99"]
-        overhead = "–" if p50 is None else f"{_figure(p50, '.3f')} / {_figure(p99, '.3f')} s"
+        overhead = "–" if p50 is None else f"{median_span(p50, '.3f')} / {median_span(p99, '.3f')} s"
         mode = "trajectory + repack" if r["mode"] == "trajectory_repack" else r["mode"]
-        rows.append(f"| {r['rollouts']} | {mode} | {_runs(r)} | {_figure(r['trained_trajectories_per_s'], '.1f')} "
-                    f"| {_figure(r['generated_tokens_per_s'], ',.0f')} | {_figure(r['rollout_idle_fraction'], '.2f')} "
-                    f"| {_figure(r['staleness_le3_share'], '.0f', 100, '%')} "
-                    f"| {_figure(r['mixed_version_trajectories'], ',.0f')} "
-                    f"| {'–' if r['mode'] != 'trajectory_repack' else _figure(r['repack_events'], ',.0f')} "
+        rows.append(f"| {r['rollouts']} | {mode} | {_runs(r)} | {median_span(r['trained_trajectories_per_s'], '.1f')} "
+                    f"| {median_span(r['generated_tokens_per_s'], ',.0f')} | {median_span(r['rollout_idle_fraction'], '.2f')} "
+                    f"| {median_span(r['staleness_le3_share'], '.0f', 100, '%')} "
+                    f"| {median_span(r['mixed_version_trajectories'], ',.0f')} "
+                    f"| {'–' if r['mode'] != 'trajectory_repack' else median_span(r['repack_events'], ',.0f')} "
                     f"| {overhead} |")
     return "\n".join(rows)
 
