@@ -57,6 +57,23 @@ def test_every_playbook_is_checked():
     assert set(PLAYBOOKS) >= {"site.yml", "job.yml", "stop.yml"}
 
 
+def test_a_run_lists_its_slowest_tasks_after_the_recap(tmp_path):
+    """ansible.cfg enables callback_plugins/task_timing.py: a real playbook on localhost ends
+    with its tasks by wall time, slowest first, which the lab test records (tools/lab/job.py)."""
+    from rlfleet.tools.lab.job import task_timing
+
+    play = tmp_path / "timed.yml"
+    play.write_text("- hosts: localhost\n  gather_facts: false\n  tasks:\n"
+                    "    - {name: quick, ansible.builtin.command: 'true'}\n"
+                    "    - {name: slow, ansible.builtin.command: sleep 1}\n")
+    out = ansible("ansible-playbook", "-i", "localhost,", "-c", "local", "-e",
+                  f"ansible_python_interpreter={sys.executable}", str(play)).stdout
+    assert out.index("PLAY RECAP") < out.index("TASK TIMING:")
+    timed = task_timing(out)
+    assert [name for _, name in timed] == ["slow", "quick"], out[-2000:]
+    assert timed[0][0] >= 1.0
+
+
 def inventory(name: str) -> dict:
     return json.loads(ansible("ansible-inventory", "-i", name, "--list").stdout)
 

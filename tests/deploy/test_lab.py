@@ -105,20 +105,6 @@ def test_five_hosts_up_time_and_memory(lab_factory, capsys):
               f"processes per host {[r['processes'] for r in status.values()]}")
 
 
-def test_host_installs_rlfleet_from_the_wheelhouse(lab_factory, capsys):
-    """What the Ansible role does on every host, with no registry: a venv and rlfleet[ml] from /srv/wheelhouse."""
-    lab = lab_factory("rltw", 1, subnet="10.214.0")
-    t0 = time.monotonic()
-    lab.ssh("h1", "python3 -m venv /opt/rlfleet/venv && /opt/rlfleet/venv/bin/pip install --quiet --no-index "
-            "--find-links /srv/wheelhouse 'rlfleet[ml]'", timeout=900)
-    took = time.monotonic() - t0
-    out = lab.ssh("h1", "/opt/rlfleet/venv/bin/python -c 'import torch, rlfleet.tools.cli; print(torch.__version__)'"
-                  " && /opt/rlfleet/venv/bin/rlfleet --help").stdout
-    assert out.splitlines()[0] == "2.13.0+cpu" and "daemon" in out
-    with capsys.disabled():
-        print(f"\n[lab numbers] pip install rlfleet[ml] from the wheelhouse on a host: {took:.0f} s")
-
-
 def _rlfleet_wheel() -> str:
     from rlfleet.tools.lab.paths import WHEELHOUSE
     wheels = sorted(p.name for p in WHEELHOUSE.glob("rlfleet-*.whl"))

@@ -57,6 +57,13 @@ def recap(stdout: str) -> dict[str, dict[str, int]]:
     return rows
 
 
+def task_timing(stdout: str) -> list[list]:
+    """The slowest tasks the task_timing callback (ansible/callback_plugins) listed after the
+    recap: [[seconds, "role : task"], ...], slowest first; [] when it listed none."""
+    return [[float(m.group(1)), m.group(2)] for m in re.finditer(r"^\s+([\d.]+) s  (.+)$", stdout.split(
+        "TASK TIMING:", 1)[1], re.M)] if "TASK TIMING:" in stdout else []
+
+
 def job_spec(tmp: Path, max_steps: int, extra: str = "") -> Path:
     """The cluster example with max_steps changed and `extra` appended (same file name:
     job.yml puts it next to the models)."""
