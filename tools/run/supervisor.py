@@ -7,7 +7,7 @@ in-process with the process backend: it starts the spec's resource-managers
 itself, and every other daemon because its `placement/<host>/...` key appeared
 (written by the elected resource-manager), so `rlfleet run` and a cluster follow
 one path. It records `nodes/<host>` for every host the spec places here, bound
-to the run's owner lease.
+to the run's owner lease (both read and written by tools/run/local_nodes.py).
 
 One loop (`Supervisor.run`) reconciles placement with what runs, samples CPU and
 watches four things that end the run: the trainer reporting `training: done`,
@@ -48,16 +48,13 @@ from rich.text import Text
 from rlfleet.common.control.etcd_auth import EtcdCredentials
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
-from rlfleet.common.control.members import members_from, placements_from
+from rlfleet.common.control.members import members_from
 from rlfleet.common.control.pause import PauseWatch
 from rlfleet.common.control.placement import Placed, placement_from_spec
 from rlfleet.common.control.store import StoreUnavailable
 from rlfleet.common.daemon import INCARNATION_ENV
-from rlfleet.common.procs import ProcessId
 from rlfleet.common.signals import route_signals
 from rlfleet.common.spec.job import JobSpec
-from rlfleet.daemons.agent import policy
-from rlfleet.daemons.agent.inventory import machine_inventory
 from rlfleet.daemons.agent.policy import CRASH_LOOP_DEATHS, CRASH_LOOP_WINDOW_S, CrashLoop
 from rlfleet.daemons.agent.process import ProcessBackend, daemon_command, tree_cpu_s
 from rlfleet.daemons.agent.reconciler import Event, Reconciler
@@ -67,6 +64,7 @@ from rlfleet.tools.run.credentials import RunSecurity
 from rlfleet.tools.run.etcd_local import EtcdCluster
 from rlfleet.tools.run.job_owner import JobOwned, JobOwner, RegistrationCheck
 from rlfleet.tools.run.layout import new_run_dir, torch_threads
+from rlfleet.tools.run.local_nodes import LocalNodes
 from rlfleet.tools.run.report import MetricsTail, RunMetrics, plot, read_metrics, summary
 from rlfleet.tools.run.run_policy import Every, RunPolicy
 from rlfleet.tools.run.summary import end_summary, eval_line, progress_line
@@ -77,7 +75,6 @@ MAX_IDLE_S = 300.0          # no training step for this long ends the run (--max
 PROGRESS_EVERY_S = 5.0      # plain mode: a progress line this often while steps advance
 STOP_GRACE_S = 10.0
 CPU_SAMPLE_S = 1.0          # how often each daemon's CPU time is read (what a kill -9 loses)
-PLACEMENT_READ_S = 0.5      # how often placement/ is read (and nodes/<host> rewritten if changed)
 
 
 class Supervisor:
@@ -100,11 +97,7 @@ class Supervisor:
         self.placed: list[Placed] = []  # what the spec places on this machine's hosts
         self.backend: ProcessBackend | None = None
         self.agent: Reconciler | None = None  # the node agent's reconcile step, for those hosts
-        self._placement: list[Placed] = []  # placement/<host>/... as last read
-        self._placement_read_at = -PLACEMENT_READ_S
-        self._nodes: dict[str, tuple[int, dict]] = {}  # host -> (lease, value) last written
-        self._nodes_written_at = 0.0
-        self._inventory: dict = {}
+        self.nodes: LocalNodes | None = None  # placement/ and nodes/ of those hosts in etcd
         self.events: deque[str] = deque(maxlen=8)
         self._stop = threading.Event()
         self.cpu_report: dict[str, float] = {}
@@ -163,56 +156,19 @@ class Supervisor:
         self.backend.log_dir.mkdir(parents=True, exist_ok=True)
         self.agent = Reconciler(self.backend, CrashLoop(self.give_up_deaths or CRASH_LOOP_DEATHS,
                                                         self.give_up_window_s))
-        self._inventory = machine_inventory("")
-
-    @property
-    def hosts(self) -> set[str]:
-        return {p.host for p in self.placed}
+        self.nodes = LocalNodes(self.spec.job.name, self.placed, self.spec.etcd.lease_ttl_s)
 
     def desired(self, store: EtcdStore) -> list[Placed]:
         """The spec's resource-managers of this machine (bootstrap), and what placement/
-        says for its hosts, read every PLACEMENT_READ_S (the last read through an outage)."""
-        now = time.monotonic()
-        if now - self._placement_read_at >= PLACEMENT_READ_S:
-            self._placement_read_at = now
-            keys = JobKeys(self.spec.job.name)
-            try:
-                self._placement = [Placed(p.host, p.role, p.id) for p in
-                                   placements_from(keys, store.get_prefix(keys.placement_prefix))
-                                   if p.host in self.hosts]
-            except StoreUnavailable:
-                pass
+        says for its hosts, read every PLACEMENT_READ_S (the last read through an outage);
+        the job's state read with it, and nodes/<host> rewritten if changed."""
+        if self.nodes.read_due():
+            self.nodes.read_placement(store)
             if said := self.job_state.read():
                 self.note(said + (": starting and stopping nothing" if self.paused else ""))
-            self.publish_nodes(store)
-        return sorted(set(policy.bootstrap(self.placed, self.hosts)) | set(self._placement))
-
-    def publish_nodes(self, store: EtcdStore) -> None:
-        """nodes/<host> for each host here, bound to the owner lease; written when it changed,
-        and once a TTL anyway (a run we took the job over from may have rebound it to its
-        own lease just before it ended, which deleted it)."""
-        lease = self.owner.lease if self.owner is not None else None
-        if lease is None or self.agent is None:
-            return
-        if time.monotonic() - self._nodes_written_at >= self.spec.etcd.lease_ttl_s:
-            self._nodes_written_at = time.monotonic()
-            self._nodes.clear()
-        try:
-            labels = policy.parse_labels(os.environ.get("RLFLEET_LABELS", ""))
-        except ValueError:
-            labels = {}
-        agent = {**ProcessId.current().to_fields(), "backend": "process"}
-        keys = JobKeys(self.spec.job.name)
-        for host in sorted(self.hosts):
-            value = policy.node_value({**self._inventory, "host": host}, labels, agent,
-                                      self.agent.report(time.monotonic(), host), self.paused)
-            if self._nodes.get(host) == (lease.id, value):
-                continue
-            try:
-                store.put(keys.node(host), value, lease=lease)
-            except StoreUnavailable:
-                return
-            self._nodes[host] = (lease.id, value)
+            self.nodes.publish(store, self.owner.lease if self.owner is not None else None, self.agent.report,
+                               self.paused)
+        return self.nodes.desired()
 
     # -- supervision ------------------------------------------------------------
     def note(self, message: str) -> None:
