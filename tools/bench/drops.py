@@ -245,14 +245,69 @@ def render(records: list[dict[str, Any]]) -> str:
                                                    f" (judged on {TARGET_TASK} only)") + ".", ""]
         else:
             out += ["", f"No valid run ({s['void']} void).", ""]
+    out += side_by_side(records)
     return "\n".join(out)
+
+
+def side_by_side(records: list[dict[str, Any]]) -> list[str]:
+    """Per comparison (records of one task whose arms name each other) and run number, each
+    arm's steps, drop share and share at the bound, and each arm's steps over the first
+    arm's in that run number (the arms took turns, so a noisy stretch hurts both alike)."""
+    groups: dict[tuple[str, frozenset[str]], dict[str, dict[str, Any]]] = {}
+    for rec in records:
+        if rec.get("tag") and rec.get("side_by_side"):
+            arms = frozenset([rec["tag"], *rec["side_by_side"]])
+            groups.setdefault((rec["task"], arms), {})[rec["tag"]] = rec
+    out: list[str] = []
+    for (task, arms), by_tag in sorted(groups.items(), key=lambda kv: (kv[0][0], sorted(kv[0][1]))):
+        if set(by_tag) != set(arms):
+            continue  # an arm's record is not committed: no comparison yet
+        tags = sorted(arms, key=lambda t: (t != "base", t))  # the base arm first
+        runs = {t: {r["run"]: r for r in by_tag[t]["runs"] if "void" not in r} for t in tags}
+        numbers = sorted(set.intersection(*(set(r) for r in runs.values())))
+        out += [f"## Side by side on {task}: {', '.join(f'`{t}`' for t in tags)}", "",
+                "Each run number ran every arm, one after the other; a run void in any arm leaves its "
+                "number out. Steps relative to `" + tags[0] + "` in the same run number.", "",
+                "| run | " + " | ".join(f"`{t}` steps, drop share, at the bound" for t in tags)
+                + "".join(f" | `{t}` steps ÷ `{tags[0]}`" for t in tags[1:]) + " |",
+                "|---|" + "---|" * (2 * len(tags) - 1)]
+        ratios: dict[str, list[float]] = {t: [] for t in tags[1:]}
+        for n in numbers:
+            cells = []
+            for t in tags:
+                r = runs[t][n]
+                median = at_bound_median(r)
+                cells.append(f"{r['steps']:,}, {r['drop_share']:.2%}, {'–' if median is None else f'{median:.1%}'}")
+            for t in tags[1:]:
+                ratio = runs[t][n]["steps"] / runs[tags[0]][n]["steps"]
+                ratios[t].append(ratio)
+                cells.append(f"{ratio:.2f}×")
+            out.append(f"| {n} | " + " | ".join(cells) + " |")
+        if numbers:
+            out += ["", "; ".join(f"`{t}` made {statistics.median(v):.2f}× the steps of `{tags[0]}` "
+                                  f"(median of {len(v)} run number(s))" for t, v in ratios.items()) + ".", ""]
+        else:
+            out += ["", "No run number has a valid run in every arm yet.", ""]
+    return out
+
+
+def committed_records() -> list[dict[str, Any]]:
+    """The drops-*.json records in tools/bench/results, in name order. An arm's record made
+    before records named their own arm gets its tag from its file name."""
+    records = []
+    for path in sorted(RECORDS.glob("drops-*.json")):
+        rec = json.loads(path.read_text())
+        if rec.get("side_by_side") and "tag" not in rec:
+            rec["tag"] = path.stem.removeprefix(f"drops-{rec['task']}-")
+        records.append(rec)
+    return records
 
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["--render"]:
-        records = [json.loads(p.read_text()) for p in sorted(RECORDS.glob("drops-*.json"))]
+        records = committed_records()
         PAGE.write_text(render(records))
         print(f"wrote {PAGE} from {len(records)} record(s)")
         return 0
@@ -283,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     # The code the runs start from, read before they start.
     head = {**provenance("rlfleet.tools.bench.drops", argv), "minutes": args.minutes, "window_min": args.window_min}
     commit, dirty = head["commit"], head["uncommitted_changes"]
-    heads = {tag: {**head, "settings": settings, **({"side_by_side": [t for t in arms if t != tag]}
+    heads = {tag: {**head, "settings": settings, **({"tag": tag, "side_by_side": [t for t in arms if t != tag]}
                                                      if len(arms) > 1 else {})} for tag, settings in arms.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     records: dict[str, list[dict[str, Any]]] = {tag: [] for tag in arms}

@@ -52,8 +52,7 @@ def test_windows_say_which_the_stop_cut_short():
 
 @pytest.mark.skipif(not list(drops.RECORDS.glob("drops-*.json")), reason="no drops record committed yet")
 def test_the_results_page_is_rendered_from_the_records():
-    records = [json.loads(p.read_text()) for p in sorted(drops.RECORDS.glob("drops-*.json"))]
-    assert drops.PAGE.read_text() == drops.render(records), \
+    assert drops.PAGE.read_text() == drops.render(drops.committed_records()), \
         "docs/results/drops.md differs from its records: python -m rlfleet.tools.bench.drops --render"
 
 
@@ -81,7 +80,7 @@ def fake_bench(monkeypatch, made: list, commit: str = "a") -> None:
     def fake_run(examples, task, run, minutes, window_min, settings):
         made.append((run, dict(settings)))
         return {"task": task, "run": run, "drop_share": 0.01, "drop_share_by_window": [0.01], "claimed": 100,
-                "steps": 10, "pacing_stalls": 0, "load_1m_before": 1.0, "load_1m_after": 1.0,
+                "steps": 12 + run if settings else 10, "pacing_stalls": 0, "load_1m_before": 1.0, "load_1m_after": 1.0,
                 "windows": [{"window": 0, "at_bound": 0.2, "full": True, "drop_share": 0.01}]}
     monkeypatch.setattr(drops, "run_once", fake_run)
     monkeypatch.setattr(drops, "provenance", lambda module, argv: {"command": "x", "commit": commit * 40,
@@ -121,6 +120,11 @@ def test_arms_take_turns_and_each_has_its_record(tmp_path, monkeypatch, capsys):
     assert (base["settings"], base["side_by_side"]) == ({}, ["lag"])
     assert (other["settings"], other["side_by_side"]) == (lag, ["base"])
     assert "Side by side with `lag`" in drops.render([base])
+    page = drops.render([base, other])
+    assert "## Side by side on arithmetic: `base`, `lag`" in page
+    assert "| 0 | 10, 1.00%, 20.0% | 12, 1.00%, 20.0% | 1.20× |" in page, page
+    assert "`lag` made 1.25× the steps of `base` (median of 2 run number(s))" in page, page
+    assert "## Side by side" not in drops.render([base])  # the other arm's record is missing
     # --append adds a run to every arm, each checked against its own record.
     assert drops.main(["--tasks", "arithmetic", "--runs", "1", "--out", str(tmp_path), "--append", *arms]) == 0
     assert made[4:] == [(2, {}), (2, lag)]
@@ -130,3 +134,13 @@ def test_arms_take_turns_and_each_has_its_record(tmp_path, monkeypatch, capsys):
         with pytest.raises(SystemExit):
             drops.main(["--out", str(tmp_path), *bad])
         assert message in capsys.readouterr().err
+
+
+def test_an_arms_record_without_its_tag_gets_it_from_its_file_name(tmp_path, monkeypatch):
+    """Records made before the arms named themselves ("tag") still pair up on the page."""
+    monkeypatch.setattr(drops, "RECORDS", tmp_path)
+    for tag, other in (("base", "paced"), ("paced", "base")):
+        (tmp_path / f"drops-arithmetic-{tag}.json").write_text(json.dumps({"task": "arithmetic",
+                                                                           "side_by_side": [other], "runs": []}))
+    (tmp_path / "drops-arithmetic.json").write_text(json.dumps({"task": "arithmetic", "runs": []}))
+    assert [r.get("tag") for r in drops.committed_records()] == [None, "base", "paced"]
