@@ -63,6 +63,7 @@ def test_site_yml_a_second_time_changes_nothing(cluster):
     rows = recap(proc.stdout)
     figures["site_yml_rerun_s"] = round(took, 1)
     figures["site_yml_rerun_slowest_tasks"] = task_timing(proc.stdout)
+    figures["site_yml_rerun_recap"] = rows
     assert set(rows) == {f"h{i}" for i in range(1, HOSTS + 1)}, proc.stdout[-3000:]
     assert all(r["changed"] == 0 and r["failed"] == 0 for r in rows.values()), rows
 

@@ -67,3 +67,31 @@ def test_placeholders_resolve_or_say_precisely_what_is_missing(tmp_path):
                            .replace("}", r"\}").replace("|", r"\|")):
             pages.render(bad, "t.md", tmp_path)
     pages.FILLERS.pop("test_only_filler")
+
+
+def test_the_pending_cluster_page_renders_from_a_record_of_the_lab_test(tmp_path):
+    """tools/bench/pages/pending/cluster.md renders from a record shaped as module_lab writes
+    runs/deploy/cluster.json (provenance first, then the test's figures)."""
+    record = {"command": "python -m pytest -m lab tests/deploy/test_cluster_job.py", "commit": "c" * 40,
+              "uncommitted_changes": [], "machine": "m 2 cores", "date": "2026-11-28 04:00:00 UTC",
+              "tests_failed": False, "site_yml_first_s": 130.2,
+              "site_yml_first_slowest_tasks": [[61.0, "rlfleet : Install rlfleet from the wheelhouse"],
+                                               [9.5, "etcd : Start etcd"], [4.0, "rlfleet : Units"]],
+              "site_yml_rerun_s": 42.0, "site_yml_rerun_recap": {f"h{i}": {"changed": 0} for i in range(1, 6)},
+              "submit_to_first_step_s": 16.5, "prometheus_targets_up": {"etcd": 3, "prometheus": 1,
+                                                                        "rlfleet-agents": 5, "rlfleet-daemons": 10},
+              "memory_per_host_while_training_mib": {"h1": 515.7, "h2": 426.7, "h3": 421.4, "h4": 455.9, "h5": 209.4},
+              "watchdog_stall_to_restart_s": 34.5, "rollout_host_poweroff_noticed_s": 3.0,
+              "trainer_reboot_to_training_s": 8.6,
+              "trainer_resumed_at_version": {"at_poweroff": 749, "checkpoint": 700, "first_seen_after_reboot": 760},
+              "accounting": {"claimed": 4766, "trained": 4436, "dropped_total": 322, "in_flight": 8, "lost_total": 0,
+                             "ok": True},
+              "eval_success_first_last": [0.234375, 1.0]}
+    (tmp_path / "cluster.json").write_text(json.dumps(record))
+    page = pages.render((pages.TEMPLATES / "pending" / "cluster.md").read_text(), "cluster.md", records_dir=tmp_path)
+    assert "| what | 2026-11-28 at `cccccccccc` |" in page, page
+    assert "| `site.yml` again | 42.0 s, changed=0 on every host |" in page, page
+    assert "rlfleet : Install rlfleet from the wheelhouse 61 s; etcd : Start etcd 10 s" in page, page
+    assert "| 4,766 = 4,436 + 322 + 8, 0 lost |" in page, page
+    assert "8.6 s; power-off at step 749, checkpoint 700" in page and "0.23 → 1.00" in page
+    assert "{{" not in page, page
