@@ -43,8 +43,7 @@ class CallbackModule(CallbackBase):
 
     def _start(self, task) -> None:
         self._close()
-        role = f"{task._role.get_name()} : " if getattr(task, "_role", None) else ""
-        self._current = (f"{role}{task.get_name().strip()}", time.monotonic())
+        self._current = (task.get_name().strip(), time.monotonic())  # "role : task" for a role's task
 
     def v2_playbook_on_task_start(self, task, is_conditional) -> None:
         self._start(task)
