@@ -69,8 +69,8 @@ def test_placeholders_resolve_or_say_precisely_what_is_missing(tmp_path):
     pages.FILLERS.pop("test_only_filler")
 
 
-def test_the_pending_cluster_page_renders_from_a_record_of_the_lab_test(tmp_path):
-    """tools/bench/pages/pending/cluster.md renders from a record shaped as module_lab writes
+def test_the_cluster_page_renders_from_a_record_of_the_lab_test(tmp_path):
+    """tools/bench/pages/cluster.md renders from a record shaped as module_lab writes
     runs/deploy/cluster.json (provenance first, then the test's figures)."""
     record = {"command": "python -m pytest -m lab tests/deploy/test_cluster_job.py", "commit": "c" * 40,
               "uncommitted_changes": [], "machine": "m 2 cores", "date": "2026-11-28 04:00:00 UTC",
@@ -88,7 +88,7 @@ def test_the_pending_cluster_page_renders_from_a_record_of_the_lab_test(tmp_path
                              "ok": True},
               "eval_success_first_last": [0.234375, 1.0]}
     (tmp_path / "cluster.json").write_text(json.dumps(record))
-    page = pages.render((pages.TEMPLATES / "pending" / "cluster.md").read_text(), "cluster.md", records_dir=tmp_path)
+    page = pages.render((pages.TEMPLATES / "cluster.md").read_text(), "cluster.md", records_dir=tmp_path)
     assert "| what | 2026-11-28 at `cccccccccc` |" in page, page
     assert "| `site.yml` again | 42.0 s, changed=0 on every host |" in page, page
     assert "rlfleet : Install rlfleet from the wheelhouse 61 s; etcd : Start etcd 10 s" in page, page

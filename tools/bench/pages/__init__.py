@@ -49,9 +49,6 @@ OWN_RENDERER = {"drops.md": "python -m rlfleet.tools.bench.drops --render",
 # Pages still written by hand, each with why: tests/tools/bench/test_pages.py fails on a
 # page that is in none of the three, and on one listed here that has a template.
 NOT_YET_RENDERED: dict[str, str] = {
-    "cluster.md": "its figures come from runs/deploy/cluster.json, which the lab test writes (provenance "
-                  "first) and nobody committed yet: its template waits in tools/bench/pages/pending/ until a "
-                  "run's record is committed to tools/bench/results",
     "longtail.md": "its record was never committed (restored from the README at 531e20e): the long-tail "
                    "bench must run again (python -m rlfleet.tools.bench.longtail, its command on the page); "
                    "its template waits in tools/bench/pages/pending/ (tested against records of the bench's "

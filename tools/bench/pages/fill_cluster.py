@@ -4,6 +4,7 @@ as tools/bench/results/cluster-<date>.json): one column per run."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -55,9 +56,13 @@ def _evals(r: dict[str, Any]) -> str:
     return f"{e[0]:.2f} → {e[1]:.2f}" if e else "–"
 
 
+TWICE = re.compile(r"^(\S+) : \1 : ")  # records before 9eb5ff6 name a role's task with its role twice
+
+
 def _slowest(r: dict[str, Any]) -> str:
     tasks = r.get("site_yml_first_slowest_tasks")
-    return "; ".join(f"{name} {seconds:.0f} s" for seconds, name in tasks[:3]) if tasks else "–"
+    once = [(seconds, TWICE.sub(r"\1 : ", name)) for seconds, name in tasks or []]
+    return "; ".join(f"{name} {seconds:.0f} s" for seconds, name in once[:3]) or "–"
 
 
 ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
