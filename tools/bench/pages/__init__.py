@@ -53,9 +53,6 @@ NOT_YET_RENDERED: dict[str, str] = {
                    "bench must run again (python -m rlfleet.tools.bench.longtail, its command on the page); "
                    "its template waits in tools/bench/pages/pending/ (tested against records of the bench's "
                    "shape) until longtail.json and longtail-1000.json are committed",
-    "peer.md": "the TRL side-by-side record was never committed: the peer bench must run again "
-               "(python -m rlfleet.tools.bench.trl_peer --side-by-side --runs 3, its command on the page); "
-               "its template waits in tools/bench/pages/pending/ until peer.json is committed",
 }
 
 # Records a page outside docs/results cites (its figures still typed there): the test

@@ -54,3 +54,18 @@ def peer_cpu(record: Records, file: str) -> str:
         rows.append(f"| {r['run']} | " + " | ".join(f"{cpu.get(d, 0):.1f}" for d in ordered)
                     + f" | {sum(cpu.values()):.1f} |")
     return "\n".join(rows)
+
+
+@filler
+def peer_highest_milestone(record: Records, file: str) -> str:
+    """The highest held-out success level both sides reached in every run, and each side's median time to it."""
+    summary = record(file)["summary"]
+    runs = summary["runs"]
+    both = [lv for lv, sides in summary["milestones"].items()
+            if all(sides[side]["reached"] == runs for side in ("rlfleet", "trl"))]
+    if not both:
+        return "no held-out level reached by both sides in every run"
+    level = max(both, key=float)
+    sides = summary["milestones"][level]
+    return (f"to held-out success {level} in {sides['rlfleet']['time_s']['median']:.1f} s against TRL's "
+            f"{sides['trl']['time_s']['median']:.1f} s (medians)")
