@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import ssl
 import subprocess
 import sys
 import threading
@@ -68,14 +69,15 @@ def run_scraped(cmd: list[str], on_line: Callable[[str], None] = lambda line: No
     ``every_s`` while it lasts: (exit code, its output lines, ``report`` between the first
     and the last scrape or None when there were fewer than two)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    endpoint: list[str] = []
+    endpoint: list[str] = []  # the metrics URL, once the run named its etcd
+    tls: list[ssl.SSLContext] = []  # a secure run's etcd: its CA and client certificate
     scrapes: list[tuple[float, dict[str, float]]] = []
 
     def scrape() -> None:
         while proc.poll() is None:
             if endpoint:
                 try:
-                    with urllib.request.urlopen(f"http://{endpoint[0]}/metrics", timeout=2) as r:
+                    with urllib.request.urlopen(endpoint[0], timeout=2, context=tls[0] if tls else None) as r:
                         scrapes.append((time.monotonic(), parse_metrics(r.read().decode())))
                 except OSError:
                     pass  # not up yet, or already stopped
@@ -88,7 +90,15 @@ def run_scraped(cmd: list[str], on_line: Callable[[str], None] = lambda line: No
         lines.append(line)
         on_line(line)
         if not endpoint and (m := re.search(r"etcd (\d+\.\d+\.\d+\.\d+:\d+)", line)):
-            endpoint.append(m.group(1))
+            secure = any("etcd over TLS" in earlier for earlier in lines)  # the run's "security on" line
+            if secure and (run_dir := run_dir_of(lines)) is not None:
+                # `rlfleet run` makes its private etcd's CA and client certificate in the run dir
+                # (tools/run/credentials.py) and keeps them until the run ends.
+                certs = run_dir / "credentials" / "etcd"
+                context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+                context.load_cert_chain(str(certs / "client.crt"), str(certs / "client.key"))
+                tls.append(context)
+            endpoint.append(f"{'https' if tls else 'http'}://{m.group(1)}/metrics")
     code = proc.wait()
     if len(scrapes) < 2:
         return code, lines, None
