@@ -52,7 +52,7 @@ NOT_YET_RENDERED: dict[str, str] = {
     "longtail.md": "its record was never committed (restored from the README at 531e20e): the long-tail "
                    "bench must run again (python -m rlfleet.tools.bench.longtail, its command on the page); "
                    "its template waits in tools/bench/pages/pending/ (tested against records of the bench's "
-                   "shape) until longtail.json and longtail-1000.json are committed",
+                   "shape) until longtail.json is committed (longtail-1000.json, the control plane, is)",
 }
 
 # Records a page outside docs/results cites (its figures still typed there): the test
