@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.tools.bench.etcd_requests import run_dir_of, run_scraped
-from rlfleet.tools.bench.output import finish, provenance, write_json
+from rlfleet.tools.bench.output import finish, median_range, provenance, write_json
 from rlfleet.tools.bench.spec_variants import to_toml
 
 MODES = ("sync", "one_step_off", "partial", "trajectory", "trajectory_repack")
@@ -288,9 +288,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         valid = [r for r in runs if r["valid"]]
         row: dict[str, Any] = {"rollouts": n, "mode": mode, "runs": len(runs), "void": len(runs) - len(valid)}
         for key in SUMMARIZED:
-            values = [r[key] for r in valid if r.get(key) is not None]
-            row[key] = ({"median": round(statistics.median(values), 4), "min": min(values), "max": max(values)}
-                        if values else None)
+            row[key] = median_range([r[key] for r in valid if r.get(key) is not None])
         out.append(row)
     return out
 

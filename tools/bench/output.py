@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -52,6 +53,14 @@ def provenance(module: str, argv: Sequence[str] | None = None) -> dict[str, Any]
     return {"command": " ".join(["python", "-m", module, *args]), "commit": _run(["git", "rev-parse", "HEAD"]).strip(),
             "uncommitted_changes": [line[3:] for line in changed], "machine": machine(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def median_range(values: Sequence[float]) -> dict[str, float] | None:
+    """A setting's figure over its runs, as records keep it (and pages.median_span shows it):
+    the median, the range and how many runs; None when no run has the figure."""
+    if not values:
+        return None
+    return {"median": round(statistics.median(values), 4), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def write_json(path: Path, payload: Any) -> None:

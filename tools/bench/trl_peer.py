@@ -47,7 +47,6 @@ import argparse
 import json
 import logging
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -57,7 +56,7 @@ from typing import Any
 
 from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import JobSpec, load_spec, parse_spec
-from rlfleet.tools.bench.output import provenance, write_json
+from rlfleet.tools.bench.output import median_range, provenance, write_json
 from rlfleet.tools.exit_codes import RUN_ENDED
 from rlfleet.tools.run.report import RunMetrics, read_metrics
 
@@ -392,26 +391,21 @@ def run_trl_process(spec_path: str, out: Path, budget_s: float, threads: int | N
 
 
 # ------------------------------------------------------------------ the runs side by side
-def _median_range(values: list[float]) -> dict[str, float] | None:
-    return {"median": round(statistics.median(values), 4), "min": min(values), "max": max(values),
-            "n": len(values)} if values else None
-
-
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Each side's median and range over the runs (steps, train wall, tokens/s, last eval),
     the median of the per-run rlfleet/TRL tokens/s ratio, and per milestone each side's
     median time over the runs that reached it (and in how many runs it did)."""
     out: dict[str, Any] = {"runs": len(results)}
     for side in ("rlfleet", "trl"):
-        out[side] = {key: _median_range([r[side][key] for r in results if r[side].get(key) is not None])
+        out[side] = {key: median_range([r[side][key] for r in results if r[side].get(key) is not None])
                      for key in ("steps", "train_wall_s", "tokens_per_s", "eval_last")}
     ratios = [round(r["rlfleet"]["tokens_per_s"] / r["trl"]["tokens_per_s"], 3)
               for r in results if r["trl"].get("tokens_per_s")]
-    out["tokens_per_s_ratio"] = {**(_median_range(ratios) or {}), "each": ratios}
+    out["tokens_per_s_ratio"] = {**(median_range(ratios) or {}), "each": ratios}
     levels = sorted({lv for r in results for lv in r.get("milestones", {})})
     out["milestones"] = {lv: {side: {"reached": sum(1 for r in results if (r.get("milestones", {}).get(lv) or {})
                                                     .get(side) is not None),
-                                     "time_s": _median_range([r["milestones"][lv][side]["time_s"] for r in results
+                                     "time_s": median_range([r["milestones"][lv][side]["time_s"] for r in results
                                                               if (r.get("milestones", {}).get(lv) or {}).get(side)])}
                               for side in ("rlfleet", "trl")} for lv in levels}
     return out

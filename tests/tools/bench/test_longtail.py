@@ -39,8 +39,8 @@ def test_a_void_run_is_kept_but_in_no_figure():
     assert ratios["median"] == {"64": {"over_trajectory": 1.1}}
     rows = {r["mode"]: r for r in longtail.summarize(records)}
     assert rows["trajectory_repack"]["runs"] == 2 and rows["trajectory_repack"]["void"] == 1
-    assert rows["trajectory_repack"]["trained_trajectories_per_s"] == {"median": 99.0, "min": 99.0, "max": 99.0}
-    assert rows["trajectory"]["trained_trajectories_per_s"] == {"median": 95.0, "min": 90.0, "max": 100.0}
+    assert rows["trajectory_repack"]["trained_trajectories_per_s"] == {"median": 99.0, "min": 99.0, "max": 99.0, "n": 1}
+    assert rows["trajectory"]["trained_trajectories_per_s"] == {"median": 95.0, "min": 90.0, "max": 100.0, "n": 2}
     assert rows["trajectory"]["generated_tokens_per_s"] is None  # no run has it
 
 
