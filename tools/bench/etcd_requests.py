@@ -90,11 +90,12 @@ def run_scraped(cmd: list[str], on_line: Callable[[str], None] = lambda line: No
         lines.append(line)
         on_line(line)
         if not endpoint and (m := re.search(r"etcd (\d+\.\d+\.\d+\.\d+:\d+)", line)):
-            secure = any("etcd over TLS" in earlier for earlier in lines)  # the run's "security on" line
-            if secure and (run_dir := run_dir_of(lines)) is not None:
-                # `rlfleet run` makes its private etcd's CA and client certificate in the run dir
-                # (tools/run/credentials.py) and keeps them until the run ends.
-                certs = run_dir / "credentials" / "etcd"
+            # A secure run (the default) makes its private etcd's CA and client certificate in
+            # its run dir before it names the etcd, and keeps them until it ends
+            # (tools/run/credentials.py); an --insecure run has none and serves plain http.
+            run_dir = run_dir_of(lines)
+            certs = run_dir / "credentials" / "etcd" if run_dir is not None else None
+            if certs is not None and (certs / "ca.crt").is_file():
                 context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
                 context.load_cert_chain(str(certs / "client.crt"), str(certs / "client.key"))
                 tls.append(context)

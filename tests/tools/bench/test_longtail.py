@@ -119,3 +119,17 @@ def test_the_pending_page_renders_from_records_of_this_bench(tmp_path):
     assert "over partial: **0.88×**" in page and "**missed**, by 41%" in page
     assert "3 valid runs of 3; 5 training steps in a 79 s window; etcd **30 writes/s**" in page
     assert "{{" not in page, page
+
+
+def test_the_control_plane_line_says_what_is_missing_instead_of_failing():
+    from rlfleet.tools.bench import pages
+
+    pages.load_fillers()
+    valid = {**run("trajectory_repack", 1000, 9.0), "steps": 4, "window_s": 52.0, "etcd_writes_per_s": None,
+             "repack_plan_ms_p50": 6.7, "repack_plan_ms_max": 8.7, "cpu_s": {"rollout-0": 70.0}}
+    void = {**run("trajectory_repack", 1000, 9.0, valid=False), "run": 1}
+    line = pages.FILLERS["control_plane"](lambda name: {"records": [valid, void]}, "longtail-1000.json")
+    assert line.startswith("1 valid runs of 2 (void: sim lag 0.080 > 0.05)"), line
+    assert "etcd **– writes/s**" in line and "**6.7 ms p50**" in line, line
+    assert pages.FILLERS["control_plane"](lambda name: {"records": [void]}, "x.json") == \
+        "no valid run of 1 (sim lag 0.080 > 0.05)"

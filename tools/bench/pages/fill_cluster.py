@@ -69,8 +69,7 @@ ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("`site.yml` on 5 bare hosts (etcd TLS cluster, 5 venvs from the wheelhouse, units, agents, Prometheus)",
      lambda r: _s(r.get("site_yml_first_s"))),
     ("its slowest tasks (wall time, all hosts)", _slowest),
-    ("`site.yml` again", lambda r: f"{_s(r.get('site_yml_rerun_s'))}, {_changed(r.get('site_yml_rerun_recap'))}"
-     if r.get("site_yml_rerun_recap") else _s(r.get("site_yml_rerun_s"))),
+    ("`site.yml` again", lambda r: f"{_s(r.get('site_yml_rerun_s'))}, {_changed(r.get('site_yml_rerun_recap'))}"),
     ("`job.yml` to the first training step", lambda r: _s(r.get("submit_to_first_step_s"))),
     ("memory per lab host while training (PSS of all its processes), h1 … h5", _memory),
     ("Prometheus targets up", _targets),

@@ -73,12 +73,14 @@ def control_plane(record: Records, file: str) -> str:
         for daemon, seconds in (r.get("cpu_s") or {}).items():
             cpu.setdefault(daemon, []).append(seconds)
     top = sorted(cpu.items(), key=lambda kv: -sorted(kv[1])[len(kv[1]) // 2])[:5]
+
+    def over_runs(key: str, spec: str = ".0f") -> str:  # – where no valid run has the figure
+        values = [r[key] for r in valid if r.get(key) is not None]
+        return span(values, spec) if values else "–"
     parts = [f"{len(valid)} valid runs of {len(runs)}" + (f" (void: {'; '.join(void)})" if void else ""),
-             f"{span([r['steps'] for r in valid])} training steps in a "
-             f"{span([r['window_s'] for r in valid])} s window",
-             f"etcd **{span([r['etcd_writes_per_s'] for r in valid if r.get('etcd_writes_per_s') is not None])} "
-             f"writes/s**",
-             f"Algorithm 1 planned in **{span([r['repack_plan_ms_p50'] for r in valid if r['repack_plan_ms_p50']], '.1f')} ms "
-             f"p50** on the live fleet (max {span([r['repack_plan_ms_max'] for r in valid if r['repack_plan_ms_max']], '.1f')} ms)",
+             f"{over_runs('steps')} training steps in a {over_runs('window_s')} s window",
+             f"etcd **{over_runs('etcd_writes_per_s')} writes/s**",
+             f"Algorithm 1 planned in **{over_runs('repack_plan_ms_p50', '.1f')} ms p50** on the live fleet "
+             f"(max {over_runs('repack_plan_ms_max', '.1f')} ms)",
              "CPU seconds over the run: " + ", ".join(f"{d} {span(v, '.1f')}" for d, v in top)]
     return "; ".join(parts)
