@@ -23,13 +23,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import cProfile
 import logging
-import os
-import sys
-import threading
-import time
-import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -47,6 +41,7 @@ from .env_modes import BatchBarrier, TurnGate
 from .groups import REDUNDANT, PromptGroup, Round
 from .journal import TrajectoryJournal
 from .loop_lag import LoopLagProbe
+from .loop_thread import LoopThread
 from .manager import EnvManager, ManagerConfig, TurnCodec
 from .routing import Router
 from .routing_policy import RoutingPolicy
@@ -91,16 +86,15 @@ class EnvRunner:
         self.journal = journal
         self.claim, self.recent_claims, self.submit = claim, recent_claims, submit
         self.name, self.routing = name, routing
-        self.loop = asyncio.new_event_loop()
+        self._loop_thread = LoopThread("env loop", self._main, self._begin_stop, self._close_router)
+        self.loop = self._loop_thread.loop
         self.router: Router | None = None
-        self._thread = threading.Thread(target=self._run, name="env-loop", daemon=True)
         self._journal_exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="journal")
         self._stopping = False
         self._rollouts: dict[str, str] = {}
         self._live: dict[int, set[str]] = {}  # prompt id -> its trajectories not yet acked
         self._tasks: set[asyncio.Task[Any]] = set()
         self._wake: asyncio.Event | None = None
-        self.error: BaseException | None = None
         # counters (read from other threads; ints are updated atomically under the GIL)
         self.running = 0
         self.claimed = 0
@@ -127,27 +121,25 @@ class EnvRunner:
 
     # -- thread-safe entry points -----------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        self._loop_thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self._begin_stop)
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                frame = sys._current_frames().get(self._thread.ident or 0)
-                stack = "".join(traceback.format_stack(frame)) if frame else "?"
-                log.error("env loop did not stop within %.0f s; it is at:\n%s", timeout_s, stack)
+        self._loop_thread.stop(timeout_s)
         self._journal_exec.shutdown(wait=True)
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._loop_thread.alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What ended the loop, if anything did."""
+        return self._loop_thread.error
 
     def set_rollouts(self, rollouts: Mapping[str, str], versions: Mapping[str, int] | None = None) -> None:
         """{rollout id: requests address} and the weight versions their records state, from etcd."""
         self._rollouts = dict(rollouts)
         self._versions = dict(versions or {})
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self._apply_rollouts)
+        self._loop_thread.call(self._apply_rollouts)
 
     def on_acked(self, acked: list[Acked]) -> None:
         """Called on the outbox thread: journal the acks, then free capacity."""
@@ -169,15 +161,14 @@ class EnvRunner:
         # flag is cleared before the deque is emptied, so a key is never left behind (a
         # spare wake-up is harmless).
         self._acked_keys.extend([k for k, _, _ in acked])
-        if not self._forget_pending and self._thread.is_alive():
+        if not self._forget_pending and self._loop_thread.alive():
             self._forget_pending = True
-            self.loop.call_soon_threadsafe(self._forget_acked)
+            self._loop_thread.call(self._forget_acked)
 
     def wake(self) -> None:
         """From any thread: look for work now (e.g. the trainer consumed groups, so the
         claim pacer allows more claims)."""
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self._poke)
+        self._loop_thread.call(self._poke)
 
     @property
     def in_flight(self) -> int:
@@ -188,40 +179,12 @@ class EnvRunner:
     def live_prompts(self) -> int:
         return self._live_prompts
 
-    # -- the loop -----------------------------------------------------------------------
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        # RLFLEET_ENV_PROFILE=<file>: cProfile this thread (tools/bench/env_scale.py --profile).
-        profile_to = os.environ.get("RLFLEET_ENV_PROFILE")
-        profiler = cProfile.Profile(time.thread_time) if profile_to else None  # CPU, not wall
-        if profiler is not None:
-            profiler.enable()
-        try:
-            self.loop.run_until_complete(self._main())
-        except BaseException as exc:  # noqa: BLE001 — reported by the daemon's cycle
-            self.error = exc
-            log.exception("env loop died")
-        finally:
-            self.loop.run_until_complete(self._shutdown())
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
-            if profiler is not None:
-                profiler.disable()
-                profiler.dump_stats(profile_to)
-
-    async def _shutdown(self) -> None:
-        """Close the rollout clients and let every task of this loop unwind."""
+    # -- the loop (on its own thread, loop_thread.py) -----------------------------------
+    def _close_router(self) -> None:
+        """Close the rollout clients before the loop's tasks unwind (loop_thread.py)."""
         if self.router is not None:
             self.router.close()
             self.router = None
-        me = asyncio.current_task()
-        for _ in range(5):  # cancelling a request spawns its Abort: a few rounds settle it
-            pending = [t for t in asyncio.all_tasks() if t is not me]
-            if not pending:
-                return
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
 
     def _begin_stop(self) -> None:
         self._stopping = True
