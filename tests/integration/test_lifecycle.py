@@ -106,14 +106,12 @@ def test_killing_the_elected_resource_manager_hands_over_within_ttl(fleet):
                          timeout_s=10).value["id"]
     pid = members(store, "life")[("resource-manager", leader_id)]["pid"]
     os.kill(pid, signal.SIGKILL)
-    killed_at = time.monotonic()
 
     def standby_leads():
         kv = store.get(keys.leader("resource-manager"))
         return kv is not None and kv.value["id"] != leader_id
+    # The deadline is the property: the leader's lease expires (TTL) and a standby's next cycle takes over.
     wait_for("a standby resource-manager to take over", standby_leads, timeout_s=TTL_S + EXPIRY_SLACK_S + 1)
-    took = time.monotonic() - killed_at
-    assert took <= TTL_S + EXPIRY_SLACK_S + 1, took
     new_id = store.get(keys.leader("resource-manager")).value["id"]
     assert members(store, "life")[("resource-manager", new_id)]["leader"] is True or wait_for(
         "new leader's registration to say leader",

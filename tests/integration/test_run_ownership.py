@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -101,11 +100,9 @@ def test_a_second_run_of_a_live_job_is_refused_and_changes_nothing(fleet):
 def test_a_sigstopped_daemon_is_replaced_within_ttl_and_a_cycle(fleet):
     pid = fleet.reward_pid()
     os.kill(pid, signal.SIGSTOP)
-    stopped_at = time.monotonic()
+    # The deadline is the property: its lease expires (TTL) and the supervisor's next cycle kills it.
     wait_for("the stopped reward-host killed", lambda: ProcessId(boot_id(), pid, 0).state() in ("dead", "zombie"),
              timeout_s=TTL_S + INTERVAL_S + EXPIRY_SLACK_S)
-    took = time.monotonic() - stopped_at
-    assert took <= TTL_S + INTERVAL_S + EXPIRY_SLACK_S, took
     wait_for("a new reward-host registered", lambda: fleet.reward_pid() not in (0, pid), timeout_s=60)
     text = fleet.log.read_text()
     assert f"replacing reward-host-0 (pid {pid}): stopped (SIGSTOP?) and its registration" in text, text[-2000:]

@@ -86,12 +86,14 @@ def pair(tmp_path, etcd, store):
 @pytest.mark.parametrize("role", ["resource-manager", "repack-manager"])
 def test_switchover_moves_leadership_to_the_standby_within_a_fraction_of_a_ttl(pair, store, etcd, tmp_path, role):
     first, second = pair(role)
+    first_lease = store.get(KEYS.member(role, first)).lease_id
     result = switchover(etcd, role, second, "--output", "json", "--timeout", "30")
     assert result.returncode == Exit.OK, result.stdout + result.stderr
     out = json.loads(result.stdout)
-    assert (out["from"], out["to"], out["ok"]) == (first, second, True)
-    # The gap a switchover leaves: far below one TTL (a failover's is up to a TTL).
-    assert 0 <= out["vacant_s"] < TTL_S / 2, out
+    assert (out["from"], out["to"], out["ok"]) == (first, second, True) and out["vacant_s"] >= 0, out
+    # Handed over, not failed over: the old leader resigned while its lease lived (a failover
+    # waits for the lease to expire). How short the gap is: tools/bench/switchover.py's figure.
+    assert store.get(KEYS.member(role, first)).lease_id == first_lease and store.lease_remaining(first_lease) > 0
     assert leader(store, role) == second
     assert store.get(KEYS.switchover(role)) is None  # the target deleted the request
     wait_for(f"{second} says it leads, {first} that it does not",

@@ -93,9 +93,8 @@ def test_a_full_queue_drops_instead_of_blocking(tmp_path):
     listener = NotifyListener(str(tmp_path / "notify"))  # never read until the end
     try:
         n = Notifier(listener.address)
-        started = time.monotonic()
+        # A blocking send would hang here (the test's timeout fails it); False says "dropped".
         results = [n.watchdog() for _ in range(10_000)]
-        assert time.monotonic() - started < 5.0
         assert results[0] and not results[-1]
         queued = len(listener.read(0))
         assert queued == results.index(False) and all(not r for r in results[queued:])

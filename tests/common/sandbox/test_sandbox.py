@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -88,11 +87,9 @@ HOSTILE = {
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_hostile_code_is_contained_and_named(sandbox, name):
     source, reason = HOSTILE[name]
-    started = time.monotonic()
     r = sandbox.run(source)
-    assert r.reason == reason, r
+    assert r.reason == reason, r  # the limit that ended it ("timeout": the wall clock's)
     assert not r.ok
-    assert time.monotonic() - started < LIMITS.wall_s + 2.0
     assert_nothing_left(r)
     # The sandbox (and this process) go on as before.
     assert sandbox.run("print(6*7)").stdout == "42\n"

@@ -211,7 +211,8 @@ def test_rollout_dying_mid_request_reissues_the_turn_to_the_other(codec, rollout
         return None
 
     dying = rollouts(hold, "dying")
-    config = ManagerConfig(turn_timeout_s=10.0, trajectory_timeout_s=20.0, max_retries=2)
+    # A turn timeout longer than the test may run: only the disconnect can re-issue the turn.
+    config = ManagerConfig(turn_timeout_s=600.0, trajectory_timeout_s=1200.0, max_retries=2)
 
     async def scenario():
         router = Router()
@@ -222,18 +223,15 @@ def test_rollout_dying_mid_request_reissues_the_turn_to_the_other(codec, rollout
         await asyncio.to_thread(stuck.wait, 5)
         healthy = rollouts(answer(prompt.answer), "healthy")
         router.update({"dying": dying.address, "healthy": healthy.address})
-        t0 = time.monotonic()
         await asyncio.to_thread(dying.die)
         traj = await run
         router.close()
-        return traj, time.monotonic() - t0, healthy
+        return traj, healthy
 
-    traj, took, healthy = asyncio.run(scenario())
+    traj, healthy = asyncio.run(scenario())
     assert traj.dropped_reason == "" and traj.env_reward == 1.0
     assert len(dying.requests) == 1 and len(healthy.requests) == 1
     assert traj.info["rollouts"] == "healthy" and traj.info["reissues"] == "1"
-    # Re-issued on the disconnect, long before the 10 s turn timeout.
-    assert took < 2.0
 
 
 def test_silent_rollout_times_out_and_is_aborted(codec, rollouts):

@@ -137,14 +137,12 @@ def reward(question, answer, completions):
     pool = UserCode.build(config(slow_or_fast, concurrency=2))
     try:
         pool.submit(job("spin", "spin"))
-        started = time.monotonic()
         for k in range(4):
             pool.submit(job(f"fast-{k}", "x"))
-        got = wait_outcomes(pool, 5)
-        fast_done = max(got[f"fast-{k}"].seconds for k in range(4))
+        got = wait_outcomes(pool, 5)  # in the order they came
         assert all(got[f"fast-{k}"].reward == 1.0 for k in range(4))
         assert got["spin"].error.startswith(("sandbox: cpu_limit", "sandbox: timeout"))
-        # The fast ones each took far less than the spinning one's CPU limit.
-        assert fast_done < 1.0 and time.monotonic() - started < 30
+        # All four fast ones were scored by the other slot while the first one still spun.
+        assert list(got)[-1] == "spin", list(got)
     finally:
         pool.close()

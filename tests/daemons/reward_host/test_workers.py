@@ -135,11 +135,10 @@ def test_a_batch_loses_only_its_looping_or_dying_job(pool_factory):
     texts = {"before": p.answer, "loop": "loop", "after": p.answer, "exit": "exit", "last": "0"}
     for key, text in texts.items():
         pool.submit(RewardJob(key, "arithmetic", {}, p, [text]))
-    t0 = time.monotonic()
     got = collect(pool, len(texts))
     assert got["loop"].error == "timeout after 1s"
     assert got["exit"].error == "reward worker died (exit code 7)"
     assert (got["before"].reward, got["after"].reward, got["last"].reward) == (1.0, 1.0, 0.0)
     assert not any(got[k].error for k in ("before", "after", "last"))
+    # One worker killed at the looping job's timeout, not one timeout per job of the batch.
     assert pool.killed == 1 and pool.died == 1 and pool.queued == 0
-    assert time.monotonic() - t0 < 1.0 + 8.0  # one timeout, not one per job of the batch

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -246,8 +245,9 @@ def test_a_squat_is_refused_and_the_real_group_trains(setup):
 
 
 def test_sigterm_during_the_resume_evaluation_stops_the_trainer_at_once(tmp_path, etcd):
-    """A trainer asked to stop while it evaluates version 0 at start-up stops within a
-    few seconds, not when the held-out evaluation is done (it ignored SIGTERM ~10 s)."""
+    """A trainer asked to stop while it evaluates version 0 at start-up abandons the
+    evaluation and exits cleanly, instead of finishing it first (it ignored SIGTERM ~10 s):
+    judged by what its log says it did, not by a wall-clock bound."""
     from tests.integration.helpers import TINY_MODEL
     spec = write_spec(tmp_path, JOB, "eval_size = 2048\n" + SPEC, model=TINY_MODEL)
     log = tmp_path / "trainer-a.log"
@@ -259,11 +259,11 @@ def test_sigterm_during_the_resume_evaluation_stops_the_trainer_at_once(tmp_path
     try:
         wait_for("the evaluation of version 0 under way",
                  lambda: "evaluating version 0 on 2048 held-out prompts" in log.read_text(), timeout_s=90)
-        asked = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-        took = time.monotonic() - asked
-        assert proc.returncode == 0, log.read_text()[-3000:]
-        assert took < 5.0, f"stopped {took:.1f} s after SIGTERM"
+        text = log.read_text()
+        assert proc.returncode == 0, text[-3000:]
+        assert "evaluation of version 0 abandoned after" in text, text[-3000:]
+        assert "eval at version 0: success" not in text, text[-3000:]
     finally:
         stop(proc)

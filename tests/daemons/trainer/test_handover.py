@@ -15,8 +15,6 @@ from tests.integration.helpers import stop, wait_for
 
 from .test_daemon import JOB, address, group, member, metrics, send_all, setup  # noqa: F401 (fixture)
 
-TTL_S = 2.0  # the test spec's lease TTL (write_spec)
-
 
 def test_switchover_checkpoints_and_the_standby_resumes_from_it(setup, etcd):  # noqa: F811
     start, store, tmp = setup
@@ -27,13 +25,18 @@ def test_switchover_checkpoints_and_the_standby_resumes_from_it(setup, etcd):  #
     assert store.get(JobKeys(JOB).trainer_checkpoint).value["version"] == 2  # version 3 is not in a checkpoint yet
     start("trainer-b")
     wait_for("trainer-b a standby", lambda: member(store, "trainer-b").get("training") == "standby", timeout_s=60)
+    a_lease = store.get(JobKeys(JOB).member("trainer", "trainer-a")).lease_id
 
     result = subprocess.run([sys.executable, "-m", "rlfleet.tools.cli", "switchover", "trainer", "--to", "trainer-b",
                              "--job", JOB, "--etcd", etcd.endpoints_arg, "--output", "json", "--timeout", "60"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == Exit.OK, result.stdout + result.stderr
     out = json.loads(result.stdout)
-    assert out["from"] == "trainer-a" and out["to"] == "trainer-b" and out["vacant_s"] < TTL_S / 2, out
+    assert out["from"] == "trainer-a" and out["to"] == "trainer-b" and out["vacant_s"] >= 0, out
+    # Handed over while trainer-a's lease lived (resigned, not expired; the gap's length is
+    # tools/bench/switchover.py's figure).
+    assert store.get(JobKeys(JOB).member("trainer", "trainer-a")).lease_id == a_lease
+    assert store.lease_remaining(a_lease) > 0
     # The handover checkpoint: version 3, written by trainer-a before it resigned.
     assert store.get(JobKeys(JOB).trainer_checkpoint).value["version"] == 3
     assert "switchover to trainer-b: finishing the step and writing a checkpoint at version 3" in (
