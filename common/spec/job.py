@@ -261,6 +261,9 @@ class EnvHostSection(Section):
     # Pacing also counts the weights the rollouts generate with: while they trail the trainer
     # by L versions, L batches fewer may be outstanding (at least one). Off until measured.
     pace_for_lag: bool = False
+    # With pace_for_lag: the versions of lag it lets pass before it takes batches off (1: the
+    # steady lag of a relay that keeps up is let pass, a spike behind it is paced for).
+    pace_lag_allowance: NonNegInt = 0
     routing: RoutingConfig = ENV_ROUTERS.field()  # which rollout gets a turn
     bind_host: Host = "127.0.0.1"
     # Agentic scheduling (docs/guide/agentic.md). "async": each trajectory steps its environment on

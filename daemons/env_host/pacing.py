@@ -72,13 +72,15 @@ def claim_limit(spec: JobSpec) -> int | None:
     return max(1, alpha or 0) * per_batch + (extra or 0)
 
 
-def lag_limit(limit: int, prompts_per_batch: int, trainer_version: int, weights_seen: int) -> int:
+def lag_limit(limit: int, prompts_per_batch: int, trainer_version: int, weights_seen: int,
+              allowance: int = 0) -> int:
     """The pacer's limit while the rollouts generate with weights ``trainer_version -
     weights_seen`` versions old (their lag): a prompt claimed now is trained about
     outstanding/batch versions later, so its staleness is that plus the lag, and each
-    version of lag takes one batch off the limit. At least one batch stays allowed: the
-    turns it brings are what tells the lag again."""
-    lag = max(0, trainer_version - weights_seen)
+    version of lag beyond ``allowance`` (env_host.pace_lag_allowance) takes one batch off
+    the limit. At least one batch stays allowed: the turns it brings are what tells the
+    lag again."""
+    lag = max(0, trainer_version - weights_seen - allowance)
     return max(min(limit, prompts_per_batch), limit - lag * prompts_per_batch)
 
 
@@ -104,7 +106,8 @@ def pacer_for(spec: JobSpec, store: Store, keys: JobKeys, on_progress: Callable[
                       prompts_per_batch=prompts_per_batch(spec),
                       rounds=spec.trainer.no_signal_drops_per_batch > 0
                       and spec.trainer.filter_schedule == "after_batch",
-                      weights_seen=weights_seen if spec.env_host.pace_for_lag and limit is not None else None)
+                      weights_seen=weights_seen if spec.env_host.pace_for_lag and limit is not None else None,
+                      lag_allowance=spec.env_host.pace_lag_allowance)
 
 
 def barrier_limit(mode: str, prompts_per_batch: int, version: int, received: int) -> int | None:
@@ -134,17 +137,18 @@ class ClaimPacer:
     def __init__(self, store: Store, keys: JobKeys, limit: int,
                  on_progress: Callable[[], None] = lambda: None, *, mode: str = "trajectory",
                  prompts_per_batch: int = 1, rounds: bool = False,
-                 weights_seen: Callable[[], int] | None = None,
+                 weights_seen: Callable[[], int] | None = None, lag_allowance: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``rounds``: claim in after_batch rounds (``round_limit``); ``weights_seen``: the
         newest weight version turns were generated with, to pace for the rollouts' lag
-        (``lag_limit``); ``clock``: seconds, for the stall (tests pass their own)."""
+        beyond ``lag_allowance`` versions (``lag_limit``); ``clock``: seconds, for the stall
+        (tests pass their own)."""
         if limit < 1:
             raise ValueError(f"limit: must be >= 1, got {limit}")
         self.store, self.keys, self.limit = store, keys, limit
         self.on_progress = on_progress
         self.mode, self.prompts_per_batch, self.rounds = mode, prompts_per_batch, rounds
-        self.weights_seen = weights_seen
+        self.weights_seen, self.lag_allowance = weights_seen, lag_allowance
         self.outstanding = 0  # at the last budget asked: claimed job-wide, not consumed
         if limit < 1 << 30:
             CLAIM_LIMIT.set(limit)
@@ -177,7 +181,7 @@ class ClaimPacer:
 
     def _paced(self, next_prompt: int) -> int:
         limit = self.limit if self.weights_seen is None else lag_limit(
-            self.limit, self.prompts_per_batch, self.version, self.weights_seen())
+            self.limit, self.prompts_per_batch, self.version, self.weights_seen(), self.lag_allowance)
         outstanding = next_prompt - self.consumed - self.written_off
         if outstanding >= limit and self._clock() - self._progress_at > STALL_S:
             log.warning("no trainer progress for %.0f s with %d prompts outstanding (limit %d): "

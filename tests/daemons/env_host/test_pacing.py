@@ -144,8 +144,13 @@ def test_the_lag_of_the_rollouts_weights_takes_batches_off_the_limit(etcd):
     version of lag takes one batch (4 prompts) off the limit of 8, down to one batch."""
     assert [pacing.lag_limit(8, 4, 10, seen) for seen in (10, 11, 9, 8, 0)] == [8, 8, 4, 4, 4]
     assert pacing.lag_limit(3, 4, 10, 0) == 3  # a limit under one batch is never raised
+    # env_host.pace_lag_allowance: that many versions of lag are let pass
+    assert [pacing.lag_limit(12, 4, 10, seen, allowance=1) for seen in (10, 9, 8, 7, 0)] == [12, 12, 8, 4, 4]
     seen = [0]
     assert pacer_for(spec(max_staleness=2), None, LAG_KEYS, lambda: None, weights_seen=lambda: seen[0]).weights_seen is None
+    allowing = parse_spec({**spec(max_staleness=2).to_dict(),
+                           "env_host": {"pace_for_lag": True, "pace_lag_allowance": 1}})
+    assert pacer_for(allowing, None, LAG_KEYS, lambda: None, weights_seen=lambda: seen[0]).lag_allowance == 1
     lagged = parse_spec({**spec(max_staleness=2).to_dict(), "env_host": {"pace_for_lag": True}})
     # (a job of its own: the module's etcd holds the other tests' trainer/progress)
     store = EtcdStore(etcd.endpoints)
