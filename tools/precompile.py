@@ -4,7 +4,7 @@
 
 The Ansible role runs this after installing rlfleet[ml] without pip's compile step. pip
 compiles every module it installs (11,389 for rlfleet[ml]: 35 of the 48 s an install takes on a
-2-core host) while the daemons load about 1,800. They run as the rlfleet user, who cannot write
+2-core host) while this writes about 2,500 (rlfleet, its daemons and a Qwen2 model's code). They run as the rlfleet user, who cannot write
 __pycache__ in the root-owned venv, so a module without bytecode would be compiled in memory at
 every start; this writes it for what they load. rlfleet is compiled whole. The libraries are
 compiled by importing them: each role's daemon module, what learners and engines import on

@@ -283,6 +283,14 @@ class EnvHostSection(Section):
                        f"got env_mode = {show(info.data.get('env_mode'))}")
         return extra
 
+    @field_validator("pace_lag_allowance")
+    @classmethod
+    def _allowance_paces_for_lag(cls, allowance: int, info: ValidationInfo) -> int:
+        if allowance and not info.data.get("pace_for_lag"):
+            raise fail("needs pace_for_lag = true (it is the lag that pacing lets pass), "
+                       f"got pace_for_lag = {show(info.data.get('pace_for_lag'))}")
+        return allowance
+
     _covers_a_turn = not_beyond("trajectory_timeout_s", "turn_timeout_s", at_least=True)
 
 

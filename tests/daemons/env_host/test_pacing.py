@@ -11,6 +11,7 @@ import pytest
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.records import TrainerProgress
+from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import parse_spec
 from rlfleet.daemons.env_host import pacing
 from rlfleet.daemons.env_host.claims import PromptClaimer
@@ -151,6 +152,8 @@ def test_the_lag_of_the_rollouts_weights_takes_batches_off_the_limit(etcd):
     allowing = parse_spec({**spec(max_staleness=2).to_dict(),
                            "env_host": {"pace_for_lag": True, "pace_lag_allowance": 1}})
     assert pacer_for(allowing, None, LAG_KEYS, lambda: None, weights_seen=lambda: seen[0]).lag_allowance == 1
+    with pytest.raises(SpecError, match=r"env_host\.pace_lag_allowance.*needs pace_for_lag = true"):
+        parse_spec({**spec(max_staleness=2).to_dict(), "env_host": {"pace_lag_allowance": 1}})
     lagged = parse_spec({**spec(max_staleness=2).to_dict(), "env_host": {"pace_for_lag": True}})
     # (a job of its own: the module's etcd holds the other tests' trainer/progress)
     store = EtcdStore(etcd.endpoints)
