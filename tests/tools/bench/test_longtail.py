@@ -83,15 +83,34 @@ def test_the_sweep_repeats_with_the_settings_taking_turns(tmp_path, monkeypatch,
     assert not list(SPEC.parent.glob(f".{SPEC.stem}-*.toml"))  # the per-run specs are removed
 
 
+def test_a_run_is_judged_by_its_lag_over_the_run_not_its_largest_sample(tmp_path):
+    def judged(final_lags: list[float], invalid_because: str | None) -> dict:
+        (tmp_path / "sim").mkdir(exist_ok=True)
+        (tmp_path / "sim" / "rollout-0.json").write_text(json.dumps(
+            {"rollouts": {f"sim-{i}": {"lag": lag} for i, lag in enumerate(final_lags)}}))
+        r = {"max_lag": 0.4, "valid": invalid_because is None,
+             **({"invalid_because": invalid_because} if invalid_because else {})}
+        longtail.judge_final_lag(r, tmp_path)
+        return r
+
+    start_up_only = judged([0.001, 0.004], "sim lag 0.406 > 0.05")
+    assert start_up_only["valid"] and "invalid_because" not in start_up_only
+    assert start_up_only["final_lag"] == 0.004 and start_up_only["max_lag"] == 0.4  # the sample is kept
+    short = judged([0.001], "sim lag 0.322 > 0.05; fewer than 3 training steps")
+    assert not short["valid"] and short["invalid_because"] == "fewer than 3 training steps"
+    behind = judged([0.01, 0.08], None)
+    assert not behind["valid"] and behind["invalid_because"] == "sim lag 0.080 > 0.05"
+
+
 def test_runs_below_one_are_refused(capsys):
     with pytest.raises(SystemExit):
         longtail.main(["--runs", "0"])
     assert "--runs 0: at least one" in capsys.readouterr().err
 
 
-def test_the_pending_page_renders_from_records_of_this_bench(tmp_path):
-    """The page's template (tools/bench/pages/pending/longtail.md, until its records are
-    committed) renders from records shaped as main() writes them."""
+def test_the_page_renders_from_records_of_this_bench(tmp_path):
+    """The page's template (tools/bench/pages/longtail.md) renders from records shaped as
+    main() writes them, whatever the committed ones hold."""
     from rlfleet.tools.bench import pages
 
     def record(mode: str, n: int, run_no: int, traj_s: float, valid: bool = True) -> dict:
@@ -111,13 +130,19 @@ def test_the_pending_page_renders_from_records_of_this_bench(tmp_path):
         {**head, "records": runs, "summary": longtail.summarize(runs), "ratios": longtail.ratios_by_run(runs)}))
     big = [record("trajectory_repack", 1000, i, 9.0) for i in range(3)]
     (tmp_path / "longtail-1000.json").write_text(json.dumps({**head, "records": big}))
-    template = (Path(pages.TEMPLATES) / "pending" / "longtail.md").read_text()
+    slow = [record("trajectory_repack", 1000, i, 9.0, valid=False) for i in range(3)]
+    (tmp_path / "longtail-1000-timescale5.json").write_text(json.dumps({**head, "records": slow}))
+    first = [record("sync", 64, 0, 0.0, valid=False), record("trajectory", 64, 0, 100.0)]
+    (tmp_path / "longtail-100s.json").write_text(json.dumps({**head, "records": first}))
+    template = (Path(pages.TEMPLATES) / "longtail.md").read_text()
     page = pages.render(template, "longtail.md", records_dir=tmp_path)
     assert "| 64 | partial | 2 (+1 void) |" in page
     assert "| 64 | trajectory + repack | 3 | 98.9 (97.0–100.9) |" in page, page
     assert "over sync: **6.47×**" in page and "target ≥ 3×, met" in page
     assert "over partial: **0.88×**" in page and "**missed**, by 41%" in page
     assert "3 valid runs of 3; 5 training steps in a 79 s window; etcd **30 writes/s**" in page
+    assert "runs are kept void: no valid run of 3 (sim lag 0.080 > 0.05;" in page, page
+    assert "1 of its 2 runs void (sync at 64: sim lag 0.080 > 0.05)" in page, page
     assert "{{" not in page, page
 
 

@@ -48,12 +48,7 @@ OWN_RENDERER = {"drops.md": "python -m rlfleet.tools.bench.drops --render",
                 "soak.md": "python -m rlfleet.tools.bench.soak --render"}
 # Pages still written by hand, each with why: tests/tools/bench/test_pages.py fails on a
 # page that is in none of the three, and on one listed here that has a template.
-NOT_YET_RENDERED: dict[str, str] = {
-    "longtail.md": "its record was never committed (restored from the README at 531e20e): the long-tail "
-                   "bench must run again (python -m rlfleet.tools.bench.longtail, its command on the page); "
-                   "its template waits in tools/bench/pages/pending/ (tested against records of the bench's "
-                   "shape) until longtail.json is committed (longtail-1000.json, the control plane, is)",
-}
+NOT_YET_RENDERED: dict[str, str] = {}  # none since the long-tail records were committed
 
 # Records a page outside docs/results cites (its figures still typed there): the test
 # fails on a record that no page reads and that is not listed here with the page that names it.

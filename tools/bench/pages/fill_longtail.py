@@ -84,3 +84,30 @@ def control_plane(record: Records, file: str) -> str:
              f"(max {over_runs('repack_plan_ms_max', '.1f')} ms)",
              "CPU seconds over the run: " + ", ".join(f"{d} {span(v, '.1f')}" for d, v in top)]
     return "; ".join(parts)
+
+
+@filler
+def void_runs(record: Records, file: str) -> str:
+    """A sweep's void runs, each with its reason: ``N of M runs void (mode at n rollouts: why; ...)``."""
+    runs = record(file)["records"]
+    void = [r for r in runs if not r["valid"]]
+    if not void:
+        return f"none of its {len(runs)} runs void"
+    mode = {"trajectory_repack": "trajectory + repack"}
+    return (f"{len(void)} of its {len(runs)} runs void ("
+            + "; ".join(f"{mode.get(r['mode'], r['mode'])} at {r['rollouts']}: {r['invalid_because']}" for r in void)
+            + ")")
+
+
+@filler
+def readme_longtail(record: Records, file: str) -> str:
+    """The README's headline: at the largest fleet, trajectory + repack over sync and over
+    partial (the median of the repetitions' ratios) against their targets."""
+    ratios = record(file)["ratios"]
+    size = max(ratios["median"], key=int)
+    median = ratios["median"][size]
+    parts = []
+    for key, against, target, _ in TARGETS[::2]:  # over sync, over partial
+        value = median.get(key)
+        parts.append(f"{'–' if value is None else f'{value:.2f}'}× {against} (target ≥ {target:g}×)")
+    return f"{size} rollouts: trajectory + repack " + ", ".join(parts)
