@@ -34,8 +34,8 @@ judged these runs until a first sweep at ``--duration-s 100`` (longtail-100s.jso
 when 512 requests arrive at once and a few late results weigh against a handful delivered;
 0.001 and 0.004 at the end).
 
-``--rollouts 1000 --modes trajectory_repack --duration-s 120`` is the control-plane
-check (etcd writes/s, CPU per daemon, repack plan time at 1,000 rollouts).
+``--rollouts 1000 --modes trajectory_repack --slots 2 --time-scale 10 --duration-s 240`` is the
+control-plane check (etcd writes/s, CPU per daemon, repack plan time at 1,000 rollouts).
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def table(records: list[dict[str, Any]]) -> str:
                      "-" if r["staleness_le3_share"] is None else f"{r['staleness_le3_share']:.2f}",
                      str(r["mixed_version_trajectories"]), str(r["repack_events"]),
                      f"{r['repack_overhead_s_p50']}/{r['repack_overhead_s_p99']}",
-                     f"{r['final_lag']:.3f} ({r['max_lag']:.3f})" if "final_lag" in r else f"– ({r['max_lag']:.3f})",
+                     f"{r['final_lag']:.3f} ({r['max_lag']:.3f})",
                      "yes" if r["valid"] else "NO"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
