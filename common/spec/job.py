@@ -259,8 +259,10 @@ class EnvHostSection(Section):
     # has consumed (docs/design/dataflow.md); false: claim as fast as max_concurrent allows.
     pace_claims: bool = True
     # Pacing also counts the weights the rollouts generate with: while they trail the trainer
-    # by L versions, L batches fewer may be outstanding (at least one). Off until measured.
-    pace_for_lag: bool = False
+    # by L versions, L batches fewer may be outstanding (at least one). On: in the drops
+    # benchmark's side-by-side runs only this arm met the target (docs/results/drops.md), for
+    # fewer steps in the same time; false gives the deeper pipeline back.
+    pace_for_lag: bool = True
     # With pace_for_lag: the versions of lag it lets pass before it takes batches off (1: the
     # steady lag of a relay that keeps up is let pass, a spike behind it is paced for).
     pace_lag_allowance: NonNegInt = 0

@@ -7,7 +7,7 @@ each run's metrics.jsonl, accounting.json and daemon logs:
     python -m rlfleet.tools.bench.drops --minutes 30 --tasks arithmetic,frozenlake \\
         --runs 3 --out tools/bench/results
     python -m rlfleet.tools.bench.drops --minutes 30 --tasks arithmetic --runs 3 \\
-        --arm base --arm lag:env_host.pace_for_lag=true --out tools/bench/results
+        --arm base --arm unpaced:env_host.pace_for_lag=false --out tools/bench/results
     python -m rlfleet.tools.bench.drops --render    # docs/results/drops.md from the records
 
 writes OUT/drops-<task>.json per task: ``task``, ``minutes``, ``drop_share`` (the mean of
@@ -15,7 +15,9 @@ the runs), ``drop_share_by_window`` (per window, the mean of the runs), every ru
 ``--arm TAG[:SECTION.KEY=VALUE;...]`` (repeated) the settings are compared side by side:
 the arms take turns within each run number (base 0, lag 0, base 1, ...), so a noisy stretch
 of the shared machine hurts every arm alike, and each arm has its record
-OUT/drops-<task>-<TAG>.json naming the others (``side_by_side``).
+OUT/drops-<task>-<TAG>.json naming the others (``side_by_side``). An arm without settings
+runs the defaults of its commit: the `base` of drops-arithmetic-base.json ran with
+``env_host.pace_for_lag`` false, the default until this benchmark's runs made it true.
 
 The figure is the **drop share**: groups dropped for ``staleness`` or ``buffer_full``
 (generation that was paid for and thrown away by the bound) over the prompts claimed

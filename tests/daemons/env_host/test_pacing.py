@@ -148,12 +148,14 @@ def test_the_lag_of_the_rollouts_weights_takes_batches_off_the_limit(etcd):
     # env_host.pace_lag_allowance: that many versions of lag are let pass
     assert [pacing.lag_limit(12, 4, 10, seen, allowance=1) for seen in (10, 9, 8, 7, 0)] == [12, 12, 8, 4, 4]
     seen = [0]
-    assert pacer_for(spec(max_staleness=2), None, LAG_KEYS, lambda: None, weights_seen=lambda: seen[0]).weights_seen is None
+    unpaced = parse_spec({**spec(max_staleness=2).to_dict(), "env_host": {"pace_for_lag": False}})
+    assert pacer_for(unpaced, None, LAG_KEYS, lambda: None, weights_seen=lambda: seen[0]).weights_seen is None
+    assert spec(max_staleness=2).env_host.pace_for_lag  # on by default (docs/results/drops.md)
     allowing = parse_spec({**spec(max_staleness=2).to_dict(),
                            "env_host": {"pace_for_lag": True, "pace_lag_allowance": 1}})
     assert pacer_for(allowing, None, LAG_KEYS, lambda: None, weights_seen=lambda: seen[0]).lag_allowance == 1
     with pytest.raises(SpecError, match=r"env_host\.pace_lag_allowance.*needs pace_for_lag = true"):
-        parse_spec({**spec(max_staleness=2).to_dict(), "env_host": {"pace_lag_allowance": 1}})
+        parse_spec({**spec(max_staleness=2).to_dict(), "env_host": {"pace_for_lag": False, "pace_lag_allowance": 1}})
     lagged = parse_spec({**spec(max_staleness=2).to_dict(), "env_host": {"pace_for_lag": True}})
     # (a job of its own: the module's etcd holds the other tests' trainer/progress)
     store = EtcdStore(etcd.endpoints)
