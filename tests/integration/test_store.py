@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.request
 
+import psutil
 import pytest
 
+from rlfleet.common.control import etcd_store
 from rlfleet.common.control.etcd_store import EtcdStore, parse_endpoints
 from rlfleet.common.control.store import LeaseExpired, StoreUnavailable
 
@@ -174,6 +177,43 @@ def test_failover_when_the_used_member_is_killed(etcd3):
     assert store.get("/f/b").value == 2
     assert store._client.endpoint_in_use.netloc != in_use
     assert store.refresh_lease(lease) == 30  # a new stream, to the member now in use
+
+
+def _etcd_connections(etcd3) -> list[int]:
+    """The client ports of the members this process holds a TCP connection to."""
+    ports = {int(m.endpoint.rsplit(":", 1)[1]) for m in etcd3.members}
+    return sorted(c.raddr.port for c in psutil.Process().net_connections(kind="tcp")
+                  if c.raddr and c.raddr.port in ports and c.status == "ESTABLISHED")
+
+
+def test_after_member_losses_only_the_members_in_use_keep_a_connection(etcd3, monkeypatch):
+    """A failover leaves a channel that reconnects to its member once it is back; unused, it
+    is closed after CHANNEL_IDLE_TIMEOUT_MS (1 s here, 60 s in use; gRPC's default of 30 min
+    made a soak's fd counts rise by one per member with etcd's faults). Six losses of the
+    member in use, each restarted: then one connection per client (the store's, the watch's)."""
+    monkeypatch.setattr(etcd_store, "CHANNEL_IDLE_TIMEOUT_MS", 1000)
+    store = EtcdStore(etcd3.endpoints, timeout_s=0.5)
+    watch = store.watch_prefix("/fd/")  # a watch stream too (its own client), as every daemon holds
+    store.put("/fd/0", 0)
+    assert watch.get(timeout=5) is not None
+    fds_before = len(os.listdir("/proc/self/fd"))
+    for loss in range(1, 7):  # each member lost twice, always the one the store uses
+        victim = next(m for m in etcd3.members if m.endpoint == store._client.endpoint_in_use.netloc)
+        etcd3.kill_member(victim)
+        wait_for(f"a write after loss {loss}", lambda: _put_or_none(store, f"/fd/{loss}", loss), 10)
+        etcd3.start_member(victim)
+    wait_for("only the members in use connected", lambda: len(_etcd_connections(etcd3)) <= 2, 15, every_s=0.2)
+    assert len(os.listdir("/proc/self/fd")) <= fds_before, (fds_before, _etcd_connections(etcd3))
+    assert [e.value for e in iter(lambda: watch.get(timeout=2), None)][-1] == 6  # the watch followed
+    watch.cancel()
+    store.close()
+
+
+def _put_or_none(store: EtcdStore, key: str, value: int) -> int | None:
+    try:
+        return store.put(key, value)
+    except StoreUnavailable:
+        return None
 
 
 def test_parse_endpoints_errors():
