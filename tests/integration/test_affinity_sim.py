@@ -6,6 +6,7 @@ kinds. The rollouts' records carry their hardware and slots; the env-host's bind
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -68,7 +69,7 @@ def test_each_tag_goes_to_its_preferred_hardware(tmp_path, etcd):
     spec = tmp_path / f"{job}.toml"
     spec.write_text(AFFINITY_JOB.format(job=job, runs=tmp_path / "runs", model=TINY_MODEL))
     proc = subprocess.Popen([sys.executable, "-m", "rlfleet.tools.cli", "run", str(spec), "--no-view",
-                             "--etcd", etcd.endpoints_arg, "--duration", "30"],
+                             "--etcd", etcd.endpoints_arg, "--duration", "120"],  # a bound: stopped below
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     store, keys = EtcdStore(etcd.endpoints_arg), JobKeys(job)
     try:
@@ -92,6 +93,7 @@ def test_each_tag_goes_to_its_preferred_hardware(tmp_path, etcd):
         wait_for("a training step", lambda: len(steps(run_dir)) >= 1, 60)
     finally:
         store.close()
+        proc.send_signal(signal.SIGTERM)
     finish(proc)
     assert published["kind"] == "affinity"
     assert published["prefer"] == {"prefill_heavy": "h800", "decode_heavy": "h20"}

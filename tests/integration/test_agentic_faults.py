@@ -75,7 +75,7 @@ def test_redundant_and_filtered_work_is_accounted_across_kill_9_of_the_env_host(
     spec = tmp_path / f"{job}.toml"
     spec.write_text(JOB.format(job=job, runs=tmp_path / "runs", model=TINY_MODEL))
     proc = subprocess.Popen([sys.executable, "-m", "rlfleet.tools.cli", "run", str(spec), "--no-view",
-                             "--etcd", etcd.endpoints_arg, "--duration", "70"],
+                             "--etcd", etcd.endpoints_arg, "--duration", "150"],  # a bound: stopped below
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     store = EtcdStore(etcd.endpoints_arg)
     try:
@@ -91,7 +91,8 @@ def test_redundant_and_filtered_work_is_accounted_across_kill_9_of_the_env_host(
         wait_for("two more training steps", lambda: len(steps(run_dir)) >= trained + 2, 60)
     finally:
         store.close()
-    run_dir, out = finish(proc)  # exit 7 (stopped by --duration) with the invariant held
+        proc.send_signal(signal.SIGTERM)
+    run_dir, out = finish(proc)  # exit 7 (stopped by SIGTERM) with the invariant held
     accounting = json.loads((run_dir / "accounting.json").read_text())
     assert accounting["dropped"].get("redundant", 0) > 0, accounting  # rounds closed early
     assert accounting["dropped"].get("no_signal", 0) > 0, accounting  # groups filtered

@@ -8,14 +8,15 @@ than the batch plus ``max_extra_prompts`` outstanding."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from .helpers import TINY_MODEL, one_host, sim_backend, sim_lengths
-from .test_longtail_sim import finish, needs_model, steps
+from .helpers import TINY_MODEL, one_host, sim_backend, sim_lengths, wait_for
+from .test_longtail_sim import finish, needs_model, run_dir_of, steps
 
 P, EXTRA = 4, 3  # prompts per batch, the queue's extra prompts
 
@@ -77,8 +78,16 @@ def test_both_schedules_train_and_drop_groups_without_signal(tmp_path, etcd, sch
                                       model=TINY_MODEL, schedule=schedule,
                                       trainer_keys=f"\nmax_extra_prompts = {EXTRA}" if schedule == "queue" else ""))
     proc = subprocess.Popen([sys.executable, "-m", "rlfleet.tools.cli", "run", str(spec), "--no-view",
-                             "--etcd", etcd.endpoints_arg, "--duration", "30"],
+                             "--etcd", etcd.endpoints_arg, "--duration", "90"],  # a bound: stopped below
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def evidence_in() -> bool:  # two steps trained; in `queue`, a dropped prompt replaced
+        run_dir = run_dir_of(tmp_path, f"filter-{schedule.replace('_', '-')}")
+        return len(steps(run_dir)) >= 2 and (schedule != "queue" or max(b for _, b in claims(run_dir)) > P + EXTRA)
+    try:
+        wait_for("two steps and, in queue, a replaced prompt", lambda: proc.poll() is not None or evidence_in(), 120)
+    finally:
+        proc.send_signal(signal.SIGTERM)
     run_dir, _ = finish(proc)  # exits STOPPED; accounting.json ok, nothing lost
     trained = steps(run_dir)
     assert len(trained) >= 2, trained

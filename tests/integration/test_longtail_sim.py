@@ -101,7 +101,8 @@ def run_dir_of(tmp_path: Path, job: str) -> Path:
 @needs_model
 def test_repack_manager_and_a_sim_rollout_process_killed_mid_migration_lose_nothing(tmp_path, etcd):
     job = "simfaults"
-    proc = start(tmp_path, etcd, job, duration_s=75, env={"RLFLEET_REPACK_FAILPOINT": "kill_mid_plan"})
+    # --duration is a bound: the test stops the run (SIGTERM, exit 7) once the evidence is in.
+    proc = start(tmp_path, etcd, job, duration_s=150, env={"RLFLEET_REPACK_FAILPOINT": "kill_mid_plan"})
     store = EtcdStore(etcd.endpoints_arg)
     try:
         run_dir = run_dir_of(tmp_path, job)
@@ -122,6 +123,7 @@ def test_repack_manager_and_a_sim_rollout_process_killed_mid_migration_lose_noth
         wait_for("2 more training steps", lambda: len(steps(run_dir)) >= trained + 2, 40)
     finally:
         store.close()
+        proc.send_signal(signal.SIGTERM)
     run_dir, _ = finish(proc)
     lines = steps(run_dir)
     assert sum(m["mixed_version"] for m in lines) == 0  # outside `partial`, never
@@ -130,22 +132,31 @@ def test_repack_manager_and_a_sim_rollout_process_killed_mid_migration_lose_noth
     assert (run_dir / "repack-failpoint-fired").exists()
 
 
-def steps_of_a_short_run(tmp_path, etcd, job: str, mode: str) -> list[dict]:
-    """The step lines of a 25 s run in rollout mode ``mode``, without repack."""
-    run_dir, _ = finish(start(tmp_path, etcd, job, mode=mode, planner="none", duration_s=25))
+def steps_of_a_short_run(tmp_path, etcd, job: str, mode: str, enough) -> list[dict]:
+    """The step lines of a run in rollout mode ``mode``, without repack, stopped (SIGTERM) once
+    ``enough(step lines)`` holds, or by --duration after 60 s."""
+    proc = start(tmp_path, etcd, job, mode=mode, planner="none", duration_s=60)
+    try:
+        run_dir = run_dir_of(tmp_path, job)
+        wait_for(f"enough steps in {mode} mode", lambda: proc.poll() is not None or (
+            (run_dir / "metrics.jsonl").exists() and enough(steps(run_dir))), 90)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    run_dir, _ = finish(proc)
     return steps(run_dir)
 
 
 @needs_model
 def test_partial_mode_mixes_versions_within_a_turn_and_loses_nothing(tmp_path, etcd):
-    lines = steps_of_a_short_run(tmp_path, etcd, "simpartial", "partial")
+    lines = steps_of_a_short_run(tmp_path, etcd, "simpartial", "partial",
+                                 lambda lines: len(lines) >= 3 and sum(m["mixed_version"] for m in lines) > 0)
     assert len(lines) >= 3
     assert sum(m["mixed_version"] for m in lines) > 0  # AReaL-style: segments of several versions
 
 
 @needs_model
 def test_sync_mode_trains_only_fresh_trajectories(tmp_path, etcd):
-    lines = steps_of_a_short_run(tmp_path, etcd, "simsync", "sync")
+    lines = steps_of_a_short_run(tmp_path, etcd, "simsync", "sync", lambda lines: len(lines) >= 2)
     assert len(lines) >= 2
     assert all(set(m["staleness"]) == {"0"} for m in lines), [m["staleness"] for m in lines]
     assert sum(m["mixed_version"] for m in lines) == 0
