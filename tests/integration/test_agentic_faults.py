@@ -89,6 +89,9 @@ def test_redundant_and_filtered_work_is_accounted_across_kill_9_of_the_env_host(
             wait_for("a new env-host", lambda: (m := _env_host(store, job)) and m.pid != victim.pid, 60)
         trained = len(steps(run_dir))
         wait_for("two more training steps", lambda: len(steps(run_dir)) >= trained + 2, 60)
+        # What the accounting is asserted to hold below, seen in the trainer's totals first.
+        wait_for("redundant and no_signal drops", lambda: all(
+            (steps(run_dir)[-1].get("dropped") or {}).get(reason, 0) > 0 for reason in ("redundant", "no_signal")), 90)
     finally:
         store.close()
         proc.send_signal(signal.SIGTERM)

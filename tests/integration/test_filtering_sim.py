@@ -81,11 +81,14 @@ def test_both_schedules_train_and_drop_groups_without_signal(tmp_path, etcd, sch
                              "--etcd", etcd.endpoints_arg, "--duration", "90"],  # a bound: stopped below
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    def evidence_in() -> bool:  # two steps trained; in `queue`, a dropped prompt replaced
+    def evidence_in() -> bool:  # two steps, a group dropped without signal; in `queue`, a dropped prompt replaced
         run_dir = run_dir_of(tmp_path, f"filter-{schedule.replace('_', '-')}")
-        return len(steps(run_dir)) >= 2 and (schedule != "queue" or max(b for _, b in claims(run_dir)) > P + EXTRA)
+        lines = steps(run_dir)
+        return (len(lines) >= 2 and (lines[-1].get("dropped") or {}).get("no_signal", 0) > 0
+                and (schedule != "queue" or max(b for _, b in claims(run_dir)) > P + EXTRA))
     try:
-        wait_for("two steps and, in queue, a replaced prompt", lambda: proc.poll() is not None or evidence_in(), 120)
+        wait_for("two steps, a no_signal drop and, in queue, a replaced prompt",
+                 lambda: proc.poll() is not None or evidence_in(), 120)
     finally:
         proc.send_signal(signal.SIGTERM)
     run_dir, _ = finish(proc)  # exits STOPPED; accounting.json ok, nothing lost

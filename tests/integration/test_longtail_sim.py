@@ -121,6 +121,9 @@ def test_repack_manager_and_a_sim_rollout_process_killed_mid_migration_lose_noth
             [m for m in rollouts(store, job) if m.address("requests") and m.pid != host.pid]) == 8, 60)
         trained = len(steps(run_dir))
         wait_for("2 more training steps", lambda: len(steps(run_dir)) >= trained + 2, 40)
+        wait_for("a plan that moved generations", lambda: any(  # asserted below, from the same file
+            o.get("moved", 0) > 0 for line in (run_dir / "repack_plans.jsonl").read_text().splitlines()
+            for o in json.loads(line)["outcomes"]), 60)
     finally:
         store.close()
         proc.send_signal(signal.SIGTERM)
