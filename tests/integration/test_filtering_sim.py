@@ -8,15 +8,14 @@ than the batch plus ``max_extra_prompts`` outstanding."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from .helpers import TINY_MODEL, one_host, sim_backend, sim_lengths, wait_for
-from .test_longtail_sim import finish, needs_model, run_dir_of, steps
+from .helpers import TINY_MODEL, one_host, sim_backend, sim_lengths
+from .test_longtail_sim import finish_when, needs_model, run_dir_of, steps
 
 P, EXTRA = 4, 3  # prompts per batch, the queue's extra prompts
 
@@ -86,12 +85,8 @@ def test_both_schedules_train_and_drop_groups_without_signal(tmp_path, etcd, sch
         lines = steps(run_dir)
         return (len(lines) >= 2 and (lines[-1].get("dropped") or {}).get("no_signal", 0) > 0
                 and (schedule != "queue" or max(b for _, b in claims(run_dir)) > P + EXTRA))
-    try:
-        wait_for("two steps, a no_signal drop and, in queue, a replaced prompt",
-                 lambda: proc.poll() is not None or evidence_in(), 120)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-    run_dir, _ = finish(proc)  # exits STOPPED; accounting.json ok, nothing lost
+    run_dir, _ = finish_when(proc, "two steps, a no_signal drop and, in queue, a replaced prompt", evidence_in, 120)
+    # exits STOPPED; accounting.json ok, nothing lost
     trained = steps(run_dir)
     assert len(trained) >= 2, trained
     assert all(m["groups"] == P for m in trained)

@@ -84,6 +84,16 @@ def finish(proc: subprocess.Popen) -> tuple[Path, str]:
     return run_dir, out
 
 
+def finish_when(proc: subprocess.Popen, what: str, evidence, timeout_s: float) -> tuple[Path, str]:
+    """Stop the run (SIGTERM, exit 7) once ``evidence()`` holds, or let its --duration end
+    it; then ``finish`` it. The tests' --duration is a bound, not the time they take."""
+    try:
+        wait_for(what, lambda: proc.poll() is not None or evidence(), timeout_s)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    return finish(proc)
+
+
 def steps(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if '"step"' in line and '"trajectories"' in line]
@@ -139,13 +149,8 @@ def steps_of_a_short_run(tmp_path, etcd, job: str, mode: str, enough) -> list[di
     """The step lines of a run in rollout mode ``mode``, without repack, stopped (SIGTERM) once
     ``enough(step lines)`` holds, or by --duration after 60 s."""
     proc = start(tmp_path, etcd, job, mode=mode, planner="none", duration_s=60)
-    try:
-        run_dir = run_dir_of(tmp_path, job)
-        wait_for(f"enough steps in {mode} mode", lambda: proc.poll() is not None or (
-            (run_dir / "metrics.jsonl").exists() and enough(steps(run_dir))), 90)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-    run_dir, _ = finish(proc)
+    run_dir, _ = finish_when(proc, f"enough steps in {mode} mode",
+                             lambda: enough(steps(run_dir_of(tmp_path, job))), 90)
     return steps(run_dir)
 
 

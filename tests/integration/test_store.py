@@ -203,7 +203,8 @@ def test_after_member_losses_only_the_members_in_use_keep_a_connection(etcd3, mo
         wait_for(f"a write after loss {loss}", lambda: _put_or_none(store, f"/fd/{loss}", loss), 10)
         etcd3.start_member(victim)
     wait_for("only the members in use connected", lambda: len(_etcd_connections(etcd3)) <= 2, 15, every_s=0.2)
-    assert len(os.listdir("/proc/self/fd")) <= fds_before, (fds_before, _etcd_connections(etcd3))
+    # Before the losses both clients used m0, one shared socket; after them they may use two members.
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 1, (fds_before, _etcd_connections(etcd3))
     assert [e.value for e in iter(lambda: watch.get(timeout=2), None)][-1] == 6  # the watch followed
     watch.cancel()
     store.close()
