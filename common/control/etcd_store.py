@@ -23,6 +23,7 @@ from pyetcd import etcdrpc
 from pyetcd import exceptions as etcd_exc
 
 from rlfleet.common.control.etcd_auth import EtcdCredentials, raise_if_refused, tls_hint
+from rlfleet.common.control.etcd_channels import UNREACHABLE, new_client, renew_failed_channels
 from rlfleet.common.control.keys import ROOT_PREFIX
 from rlfleet.common.control.store import (
     KeyValue,
@@ -39,29 +40,7 @@ log = logging.getLogger("rlfleet.store")
 
 T = TypeVar("T")
 
-# Errors that mean "this endpoint did not answer", as opposed to a logic error.
-_UNREACHABLE = (
-    etcd_exc.ConnectionFailedError,
-    etcd_exc.ConnectionTimeoutError,
-    etcd_exc.NoServerAvailableError,
-    etcd_exc.InternalServerError,
-    etcd_exc.WatchTimedOut,
-    grpc.RpcError,
-    ValueError,  # pyetcd raises ValueError when the endpoint in use was marked failed
-)
-
 _REVISION_KEY = ROOT_PREFIX.encode()  # a key nobody writes: reading it returns only the header
-
-# A failed endpoint is skipped for this long. pyetcd's default is 300 s, which
-# would keep a single-endpoint client offline for 5 minutes after one blip.
-ENDPOINT_RETRY_S = 1.0
-
-# A gRPC channel left by a failover keeps trying to reconnect to its member and, once the
-# member is back, holds an unused connection until the channel is idle this long (gRPC's
-# default: 30 min). A process then holds one socket per member it ever failed over from
-# (an fd count rising 10 -> 12 with etcd's faults in a 2-hour soak). The channel in use is
-# never idle (every daemon cycle calls etcd; a lease or watch stream counts as a call).
-CHANNEL_IDLE_TIMEOUT_MS = 60_000
 
 
 def parse_endpoints(endpoints: str | list[str]) -> list[tuple[str, int]]:
@@ -107,14 +86,7 @@ class EtcdStore(Store):
         self._keepalive: _KeepAliveStream | None = None
 
     def _new_client(self) -> pyetcd.MultiEndpointEtcd3Client:
-        opts = [("grpc.client_idle_timeout_ms", CHANNEL_IDLE_TIMEOUT_MS)]
-        eps = [pyetcd.Endpoint(h, p, secure=self._tls is not None, creds=self._tls, time_retry=ENDPOINT_RETRY_S,
-                               opts=opts) for h, p in self.endpoints]
-        client = pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=self.timeout_s, failover=True)
-        # Use endpoints in the order given (pyetcd picks one at random), so an
-        # operator's list order means "preferred first" and tests are repeatable.
-        client._current_endpoint_label = eps[0].netloc
-        return client
+        return new_client(self.endpoints, self._tls, self.timeout_s)
 
     def _logged_in_client(self) -> pyetcd.MultiEndpointEtcd3Client:
         """A new client with its auth token (for a watch, which keeps its own client)."""
@@ -123,7 +95,8 @@ class EtcdStore(Store):
             try:
                 self._login(client)
                 return client
-            except _UNREACHABLE:
+            except UNREACHABLE:
+                renew_failed_channels(client)
                 continue
         client.close()
         raise StoreUnavailable(f"etcd login: no endpoint answered ({self.describe()})")
@@ -170,8 +143,10 @@ class EtcdStore(Store):
                     continue
                 raise_if_refused(exc, what)
                 last, first = exc, first or exc
-            except _UNREACHABLE as exc:
+            except UNREACHABLE as exc:
                 last, first = exc, first or exc
+                with self._lock:
+                    renew_failed_channels(self._client)
         raise StoreUnavailable(f"etcd {what}: no endpoint answered ({self.describe()}): "
                                f"{last!r}{tls_hint(first, self._tls is not None)}")
 
@@ -461,7 +436,8 @@ class _EtcdWatch(Watch):
                         watch_id = client.add_watch_prefix_callback(
                             self._prefix, responses.put, start_revision=self._next_revision)
                         break
-                    except _UNREACHABLE:
+                    except UNREACHABLE:
+                        renew_failed_channels(client)
                         continue
                 if watch_id is None:
                     raise StoreUnavailable("no endpoint accepted the watch")
