@@ -238,6 +238,11 @@ def render(records: list[dict[str, Any]]) -> str:
                        f"{'–' if pin is None else 'yes' if pin else 'no'} | {r['pacing_stalls']} | "
                        f"{r['load_1m_before']} / {r['load_1m_after']} |"
                        f"{' ' if at == rec['commit'] else f' at `{at[:10]}` '}|")
+        no_signal = [r.get("no_signal_share") or 0 for r in rec["runs"] if "void" not in r]
+        if any(no_signal):
+            out += ["", "Counted apart, not as drops: groups filtered for no signal (every reward of the "
+                        "group equal, so no advantage to learn from), per run: "
+                        + ", ".join(f"{x:.1%}" for x in no_signal) + " of the prompts claimed."]
         s = summarise(rec["runs"])[rec["task"]]  # judged by today's rule, whatever the record kept
         if s["runs"]:
             verdict = "meets" if s["target_met"] else "misses"
