@@ -19,7 +19,7 @@ from rlfleet.common.control.store import KeyValue
 
 # Fields every daemon writes into its registration (common/daemon.py, common/control/session.py).
 MEMBER_FIELDS = frozenset({"id", "role", "host", "pid", "state", "leader", "lease", "addresses", "metrics", "started",
-                           "boot_id", "pid_start", "incarnation"})
+                           "boot_id", "pid_start", "pid_ns", "incarnation"})
 
 # Role fields (each daemon's `member_info()`) whose type is checked; others are kept as they are.
 ROLE_FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = MappingProxyType({
@@ -58,6 +58,7 @@ class Member:
     problem: str = ""
     boot_id: str = ""          # the machine's boot id (common/procs.py): where the pid can be checked
     pid_start: int = 0         # the process's start time in ticks since boot (tells a reused pid apart)
+    pid_ns: int = 0            # its pid namespace: with the boot id, where the pid means this process
     incarnation: str = ""      # the `rlfleet run` that started it (its owner key), "" if started by hand
 
     @classmethod
@@ -76,7 +77,7 @@ class Member:
                 f.problems.append(f"{f.where}.{name}: expected {'/'.join(k.__name__ for k in kinds)}, got {_short(v)}")
                 continue
             info[str(name)] = freeze(v)
-        identity = {"boot_id": f.str("boot_id"), "pid_start": f.int("pid_start"),
+        identity = {"boot_id": f.str("boot_id"), "pid_start": f.int("pid_start"), "pid_ns": f.int("pid_ns"),
                     "incarnation": f.str("incarnation")}
         return cls(role, member_id, f.str("host"), f.int("pid"), f.str("state"), f.bool("leader"),
                    f.str("lease"), lease_id, f.str_map("addresses"), f.str("metrics"), f.float("started"),
@@ -177,13 +178,14 @@ class Owner:
     started: float = 0.0
     lease_id: int = 0
     problem: str = ""
+    pid_ns: int = 0
 
     @classmethod
     def parse(cls, value: Any, lease_id: int = 0) -> Owner:
         f = _Fields(value, names.OWNER)
         fields = (f.str("incarnation", required=True), f.str("host"), f.int("pid"), f.str("boot_id"),
                   f.int("pid_start"), f.float("started"))
-        return cls(*fields, lease_id=lease_id, problem=f.problem)
+        return cls(*fields, lease_id=lease_id, problem=f.problem, pid_ns=f.int("pid_ns"))
 
     @classmethod
     def from_kv(cls, kv: KeyValue) -> Owner:
@@ -191,7 +193,7 @@ class Owner:
 
     def to_value(self) -> dict[str, Any]:
         return {"incarnation": self.incarnation, "host": self.host, "pid": self.pid, "boot_id": self.boot_id,
-                "pid_start": self.pid_start, "started": self.started}
+                "pid_start": self.pid_start, "pid_ns": self.pid_ns, "started": self.started}
 
     def describe(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started)) if self.started else "?"

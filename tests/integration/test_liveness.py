@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from rlfleet.common.control.keys import JobKeys
-from rlfleet.common.procs import ProcessId, boot_id
+from rlfleet.common.procs import ProcessId
 from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.exit_codes import Exit
 
@@ -83,7 +83,7 @@ def test_status_says_dead_at_once_after_kill_9(etcd, store, long_lease, reward_h
 def test_status_says_stopped_for_a_sigstopped_daemon(etcd, store, long_lease, reward_host):
     proc, _ = reward_host
     os.kill(proc.pid, signal.SIGSTOP)
-    wait_for("the daemon stopped", lambda: ProcessId(boot_id(), proc.pid, 0).state() == "stopped", timeout_s=5)
+    wait_for("the daemon stopped", lambda: ProcessId.local(proc.pid).state() == "stopped", timeout_s=5)
     result = status(etcd)
     assert result.returncode == Exit.FAILURE and member_health(result).startswith("stopped"), result.stdout
     os.kill(proc.pid, signal.SIGCONT)

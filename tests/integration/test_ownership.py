@@ -5,6 +5,9 @@ deleted by hand. Real etcd, real sessions (in-process), real dead processes.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -14,7 +17,7 @@ import pytest
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.session import Session
-from rlfleet.common.procs import ProcessId, boot_id
+from rlfleet.common.procs import ProcessId, boot_id, pid_namespace
 
 from .helpers import wait_for
 
@@ -170,11 +173,13 @@ def test_a_live_holder_on_another_boot_is_not_taken_over(store):
 def test_process_identity_tells_dead_stopped_and_reused_pids_apart():
     me = ProcessId.current()
     assert me.boot_id == boot_id() and me.state() == "running"
-    assert ProcessId(me.boot_id, me.pid, me.start + 1).state() == "dead"  # a reused pid
-    assert ProcessId("elsewhere", me.pid, me.start).state() == "remote"
+    assert ProcessId.local(me.pid, me.start + 1).state() == "dead"  # a reused pid
+    assert ProcessId("elsewhere", me.pid, me.start, me.pid_ns).state() == "remote"
+    assert ProcessId(me.boot_id, me.pid, me.start, me.pid_ns + 1).state() == "remote"  # a container's
+    assert ProcessId(me.boot_id, me.pid, me.start).state() == "remote"  # a record without its namespace
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        ident = ProcessId(me.boot_id, proc.pid, 0)
+        ident = ProcessId.local(proc.pid)
         wait_for("the child running", lambda: ident.state() == "running", timeout_s=5)
         proc.send_signal(19)  # SIGSTOP
         wait_for("the child stopped", lambda: ident.state() == "stopped", timeout_s=5)
@@ -184,6 +189,20 @@ def test_process_identity_tells_dead_stopped_and_reused_pids_apart():
         proc.kill()
         proc.wait()
     assert ident.state() == "dead"
+
+
+def test_a_process_in_another_pid_namespace_is_remote_on_the_same_boot():
+    """A container shares the kernel (the lab's hosts showed the VM's boot id): its pids mean
+    nothing in this process table, so its registrations are judged by their leases. On main a
+    pid from another namespace was looked up here: "dead" if free, "running" if it named ours."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs unshare(1) as root: a pid namespace of its own")
+    code = "import json; from rlfleet.common.procs import ProcessId; print(json.dumps(ProcessId.current().to_fields()))"
+    out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    theirs = ProcessId.of(json.loads(out))
+    assert theirs is not None and theirs.boot_id == boot_id() and theirs.pid == 1, out
+    assert theirs.pid_ns != pid_namespace() and theirs.state() == "remote"
 
 
 def test_put_owned_updates_only_a_key_bound_to_the_lease(store):
@@ -207,7 +226,7 @@ def test_a_run_killed_with_9_does_not_block_the_next_one(store):
     dead.wait()
     old = store.grant_lease(30)
     store.put(KEYS.owner, {"incarnation": "old", "host": "h", "pid": dead.pid, "boot_id": boot_id(),
-                           "pid_start": 0, "started": time.time()}, lease=old)
+                           "pid_ns": pid_namespace(), "pid_start": 0, "started": time.time()}, lease=old)
     owner = JobOwner(store, KEYS, TTL_S)
     assert "the previous owner incarnation old (pid" in owner.claim()
     assert store.get(KEYS.owner).value["incarnation"] == owner.incarnation

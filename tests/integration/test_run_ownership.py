@@ -17,7 +17,7 @@ import pytest
 from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.failpoints import DAEMON as DAEMON_FAILPOINT_ENV
-from rlfleet.common.procs import ProcessId, boot_id
+from rlfleet.common.procs import ProcessId
 from rlfleet.common.spec.job import load_spec
 from rlfleet.tools.exit_codes import Exit
 from rlfleet.tools.run.etcd_local import EtcdCluster
@@ -101,7 +101,7 @@ def test_a_sigstopped_daemon_is_replaced_within_ttl_and_a_cycle(fleet):
     pid = fleet.reward_pid()
     os.kill(pid, signal.SIGSTOP)
     # The deadline is the property: its lease expires (TTL) and the supervisor's next cycle kills it.
-    wait_for("the stopped reward-host killed", lambda: ProcessId(boot_id(), pid, 0).state() in ("dead", "zombie"),
+    wait_for("the stopped reward-host killed", lambda: ProcessId.local(pid).state() in ("dead", "zombie"),
              timeout_s=TTL_S + INTERVAL_S + EXPIRY_SLACK_S)
     wait_for("a new reward-host registered", lambda: fleet.reward_pid() not in (0, pid), timeout_s=60)
     text = fleet.log.read_text()
@@ -115,8 +115,8 @@ def test_a_stalled_main_loop_loses_its_lease_and_is_replaced(fleet):
     wait_for("the stalled loop to stop refreshing its lease", lambda: fleet.store.lease_remaining(lease) == -1,
              timeout_s=INTERVAL_S + TTL_S + EXPIRY_SLACK_S)
     assert not fleet.stall_file.exists()
-    assert ProcessId(boot_id(), pid, 0).state() == "running"  # alive, yet no longer registered
-    wait_for("the stalled reward-host killed", lambda: ProcessId(boot_id(), pid, 0).state() in ("dead", "zombie"),
+    assert ProcessId.local(pid).state() == "running"  # alive, yet no longer registered
+    wait_for("the stalled reward-host killed", lambda: ProcessId.local(pid).state() in ("dead", "zombie"),
              timeout_s=TTL_S + INTERVAL_S + EXPIRY_SLACK_S)
     wait_for("a new reward-host registered", lambda: fleet.reward_pid() not in (0, pid), timeout_s=60)
     assert f"replacing reward-host-0 (pid {pid}): its main loop stalled" in fleet.log.read_text()

@@ -19,7 +19,7 @@ from rlfleet.common.control.etcd_store import EtcdStore
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import Leader
 from rlfleet.common.control.operations import Switchover
-from rlfleet.common.procs import ProcessId, boot_id, start_ticks
+from rlfleet.common.procs import ProcessId, start_ticks
 from rlfleet.tools.exit_codes import Exit
 
 from .helpers import rlfleet, stop, store_with_spec, wait_for
@@ -136,7 +136,7 @@ def test_refusals_say_why(pair, store, etcd):
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         os.kill(sleeper.pid, signal.SIGSTOP)
-        ident = ProcessId(boot_id(), sleeper.pid, start_ticks(sleeper.pid))
+        ident = ProcessId.local(sleeper.pid, start_ticks(sleeper.pid))
         store.put(KEYS.member(role, "rm-stopped"), {"id": "rm-stopped", "role": role, "state": "running",
                                                     **ident.to_fields()}, lease=lease)
         assert refused("rm-stopped").startswith(f"rlfleet switchover: refused: {role} rm-stopped is not a "

@@ -139,7 +139,7 @@ def _training_problems(cluster: Cluster) -> list[str]:
 
 
 def _process_health(m: registrations.Member) -> str:
-    ident = ProcessId(m.boot_id, m.pid, m.pid_start) if m.boot_id and m.pid > 0 else None
+    ident = ProcessId(m.boot_id, m.pid, m.pid_start, m.pid_ns) if m.boot_id and m.pid > 0 else None
     state = ident.state() if ident else "remote"
     if state in ("dead", "zombie"):
         return f"dead (pid {m.pid} {'is a zombie' if state == 'zombie' else 'is gone'}; lease not expired yet)"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.members import Member, Owner
 from rlfleet.common.control.store import Lease, LeaseExpired, Store
-from rlfleet.common.procs import ProcessId, boot_id
+from rlfleet.common.procs import ProcessId
 
 
 class JobOwned(Exception):
@@ -35,7 +35,8 @@ class JobOwner:
     def __init__(self, store: Store, keys: JobKeys, ttl_s: float) -> None:
         self.store, self.keys, self.ttl_s = store, keys, ttl_s
         me = ProcessId.current()
-        self.me = Owner(uuid.uuid4().hex[:12], socket.gethostname(), me.pid, me.boot_id, me.start, time.time())
+        self.me = Owner(uuid.uuid4().hex[:12], socket.gethostname(), me.pid, me.boot_id, me.start, time.time(),
+                    pid_ns=me.pid_ns)
         self.lease: Lease | None = None
         self._refreshed_at = 0.0
 
@@ -63,7 +64,7 @@ class JobOwner:
                 return said + f"owner of job {self.keys.job}: {self.me.describe()}"
             assert current is not None
             holder = Owner.from_kv(current)
-            state = ProcessId(holder.boot_id, holder.pid, holder.pid_start).state() if holder.pid else "remote"
+            state = ProcessId(holder.boot_id, holder.pid, holder.pid_start, holder.pid_ns).state() if holder.pid else "remote"
             if state in ("dead", "zombie"):
                 # Its lease would keep the key for up to a TTL after a kill -9.
                 if current.lease_id:
@@ -149,7 +150,7 @@ class RegistrationCheck:
                     continue
             if not t.lease_id or self.store.lease_remaining(t.lease_id) > 0:
                 continue  # still starting up (or waiting for its key to be free), or deleted by hand
-            state = ProcessId(boot_id(), pid, 0).state()
+            state = ProcessId.local(pid).state()
             if state == "stopped":
                 out.append((pid, f"stopped (SIGSTOP?) and its registration (lease {t.lease_id:x}) expired"))
             elif state == "running":

@@ -37,7 +37,7 @@ def read_procs(store: Any, job: str) -> list[Proc]:
     for m in members_from(keys, store.get_prefix(keys.members_prefix)):
         if m.role == "agent" or m.pid <= 0:
             continue
-        if ProcessId(m.boot_id, m.pid, m.pid_start).state() == "running":
+        if ProcessId(m.boot_id, m.pid, m.pid_start, m.pid_ns).state() == "running":
             by_pid.setdefault(m.pid, []).append(m)
     out = []
     for pid, ms in by_pid.items():
