@@ -8,6 +8,7 @@ to SIGKILL after a grace period.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -40,10 +41,34 @@ def etcd_binary() -> str:
     return path
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+_HANDED_OUT: set[int] = set()  # never the same port twice in one process (a member's two ports)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port etcd can be told to listen on, free now and outside the kernel's ephemeral range:
+    a port found free inside it (bind to 0) can be taken by any process's outgoing connection
+    before etcd binds it (seen with two test workers: "bind: address already in use")."""
+    low, high = _ephemeral_range()
+    pool = range(10_000, low) if low - 10_000 >= 4_096 else range(high + 1, 65_536)
+    for port in random.sample(pool, min(len(pool), 200)):
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError(f"no free port in {pool.start}-{pool.stop - 1} (outside the ephemeral range {low}-{high})")
 
 
 @dataclass
