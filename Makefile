@@ -1,8 +1,8 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   train on the FrozenLake example on this machine (private etcd, all daemons, live view);
 #               about 4 minutes on 2 cores, plus about 90 s of set-up the first time
-#   make test   run the whole test suite (unit + integration with real etcd and real processes) on two
-#               workers, ~15 min (TEST_WORKERS=0: one process, ~26 min)
+#   make test   run the whole test suite (unit + integration with real etcd and real processes) in one
+#               process, ~27 min (TEST_WORKERS=2: two workers, ~15 min; not yet the default, see below)
 #   make lint   ruff's checks (seconds)
 #   make test-deploy   the cluster path on a lab of systemd-nspawn hosts (root; docs/operations/lab.md)
 #   make setup-vllm / test-vllm   the optional vLLM rollout engine in its own .venv-vllm
@@ -15,7 +15,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 DEMO_SPEC ?= examples/frozenlake.toml
 PYTEST_ARGS ?=
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 0
 
 .PHONY: setup etcd test lint test-deploy demo clean setup-vllm test-vllm
 
@@ -53,8 +53,10 @@ etcd:
 	       "or put the etcd and etcdctl binaries on PATH" >&2; exit 1; \
 	fi
 
-# Two pytest-xdist workers: the modules that run a fleet one at a time on one, the rest of the
-# suite beside them (tests/conftest.py says how it is split). TEST_WORKERS=0: one process.
+# TEST_WORKERS=2: two pytest-xdist workers, the modules that run a fleet one at a time on one, the
+# rest of the suite beside them (tests/conftest.py says how it is split). Not the default yet: two of
+# three fresh-clone runs here (2026-11-29) lost a test to a timing defect the load exposed (a
+# draining rollout's last reply; the agentic faults test's redundant drops), being fixed (issue 29).
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
