@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from rlfleet.common.wire.messages import (
 )
 from rlfleet.common.wire.reliable import ReliableReceiver, ReliableSender
 from rlfleet.common.wire.sockets import CurveKeys, PeerTimeout, RequestClient, RequestServer, bind, make_socket
+from rlfleet.tools.run.etcd_local import free_port
 
 LOCAL = "tcp://127.0.0.1:0"
 BIG = 5000  # int32 elements: 20 kB, sent as an out-of-band frame
@@ -50,12 +50,6 @@ def all_messages(n: int) -> list[wire.Message]:
     ]
     assert {type(m) for m in msgs} == set(wire.MESSAGE_TYPES.values())
     return msgs
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _traj(i: int) -> Trajectory:
@@ -132,7 +126,7 @@ def test_pipelined_requests_are_matched_by_id(echo: EchoServer) -> None:
 
 
 def test_client_times_out_when_no_server() -> None:
-    with RequestClient(f"tcp://127.0.0.1:{_free_port()}") as client:
+    with RequestClient(f"tcp://127.0.0.1:{free_port()}") as client:
         t0 = time.monotonic()
         with pytest.raises(PeerTimeout) as e:  # no server: only the timeout can end the wait
             client.request(Abort("x"), timeout_s=0.3)
@@ -245,7 +239,7 @@ def _recv_pumping(receiver: ReliableReceiver, sender: ReliableSender, timeout: f
 
 
 def test_reliable_delivery_when_receiver_starts_late() -> None:
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     with ReliableSender(address, resend_after_s=0.2) as sender:
         for i in range(200):
             sender.send(f"t{i}", _traj(i))
@@ -277,7 +271,7 @@ def test_reliable_resends_what_was_not_acked() -> None:
 
 
 def test_reliable_survives_receiver_restart() -> None:
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     seen: list[str] = []
     with ReliableSender(address, resend_after_s=0.1, max_backoff_s=0.2) as sender:
         first = ReliableReceiver(address)
@@ -368,7 +362,7 @@ def test_async_client_concurrent_requests_and_timeout(echo: EchoServer) -> None:
             assert client.late_reads == 0
         finally:
             client.close()
-        absent = AsyncRequestClient(f"tcp://127.0.0.1:{_free_port()}")
+        absent = AsyncRequestClient(f"tcp://127.0.0.1:{free_port()}")
         try:
             with pytest.raises(PeerTimeout) as e:  # no server: only the timeout can end the wait
                 await absent.request(Abort("x"), 0.2)

@@ -9,7 +9,6 @@ import concurrent.futures
 import http.client
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 
 from rlfleet.common.secret_files import write_private
 from rlfleet.daemons.tasks import get_task
+from rlfleet.tools.run.etcd_local import free_port
 
 from .test_remote import Endpoint
 
@@ -55,12 +55,6 @@ min_workers = 1
 max_workers = 8
 worker = {{ kind = "sim", median_s = {judge_s}, sigma = 0.5 }}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class SharedService:
