@@ -10,6 +10,7 @@ spec (click's own), 3 etcd unreachable, and `rlfleet run`'s own outcomes 4–8.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
@@ -72,6 +73,7 @@ def daemon(role: str, job: str, etcd: str, member_id: str | None, host: str, spe
     """Run one daemon of ROLE until SIGTERM (`agent`: this host's node agent, docs/operations/agent.md)."""
     from rlfleet.common.daemon import INCARNATION_ENV, DaemonOptions
     from rlfleet.common.logs import setup_json_logging
+    from rlfleet.common.wire.sockets import flush_before_exit
     from rlfleet.daemons import daemon_class
 
     if failpoints.daemon_exits_at_start(role):
@@ -94,7 +96,11 @@ def daemon(role: str, job: str, etcd: str, member_id: str | None, host: str, spe
     if path := failpoints.daemon_stall_file(role):
         instance.cycle = _stall_if_file(instance.cycle, path)
     instance.install_signal_handlers()
-    sys.exit(instance.run())
+    code = instance.run()
+    if not flush_before_exit():
+        logging.getLogger("rlfleet.daemon").warning(
+            "exiting with ZeroMQ sockets still open: what they held queued may not have left")
+    sys.exit(code)
 
 
 def _node_daemon_args(role: str, backend: str | None, labels: tuple[str, ...], etcd: str) -> dict:

@@ -97,7 +97,7 @@ class AsyncRequestClient(_Endpoint):
         try:
             self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
             sent = True
-        except zmq.Again:  # no connected server (IMMEDIATE) or it is full
+        except zmq.Again:  # full, or no connected server (IMMEDIATE, several addresses)
             sent = False
         # A send, even a refused one, may consume the edge of the socket's (edge-
         # triggered) descriptor: replies already queued would then wait for the next

@@ -175,6 +175,14 @@ def configure(setup: CurveSetup | None) -> None:
             _guards.clear()
 
 
+def stop_guards(ctx: zmq.Context) -> None:
+    """Stop the ZAP handler and handshake watch of ``ctx``: its process is ending it."""
+    with _lock:
+        pair = _guards.pop(id(ctx), None)
+    for thread in pair or ():
+        thread.stop()
+
+
 def configure_from_env(directory: str | None = None, role: str = "") -> CurveSetup | None:
     """From ``$RLFLEET_CURVE_DIR`` (else ``directory``, the spec's security.curve_dir),
     with ``role``'s key pair; None when neither names a directory. CurveError /

@@ -30,6 +30,7 @@ import itertools
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -124,6 +125,24 @@ _SHARED: zmq.Context | None = None
 _MAX_SOCKETS = 65536
 
 
+def flush_before_exit(timeout_s: float = REPLY_LINGER_MS / 1000 + 0.5) -> bool:
+    """Let what closed sockets left queued (a draining server's last replies) leave, then
+    end the process's context; a daemon's last step before it exits. pyzmq does not end
+    contexts at interpreter exit, so libzmq's I/O thread dies with the process and takes
+    what it had not yet written: a large last reply never left.
+    Bounded, because term() waits for every socket to be closed and one that a thread still
+    holds must not keep the process alive. True: the context ended in time."""
+    global _SHARED
+    ctx, _SHARED = _SHARED, None
+    if ctx is None:
+        return True
+    curve_setup.stop_guards(ctx)  # their threads close their sockets: term() need not wait on them
+    ender = threading.Thread(target=ctx.term, name="zmq-term", daemon=True)
+    ender.start()
+    ender.join(timeout_s)
+    return not ender.is_alive()
+
+
 def make_socket(kind: int, *, server: bool, ctx: zmq.Context | None = None,
                 curve: CurveKeys | None = None, hwm: int = DEFAULT_HWM,
                 max_bytes: int = MAX_FRAME_BYTES, edge: str = "") -> zmq.Socket:
@@ -142,7 +161,6 @@ def make_socket(kind: int, *, server: bool, ctx: zmq.Context | None = None,
         if kind == zmq.ROUTER:  # unroutable reply -> error we can see, not a silent drop
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     else:
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
     if curve is None:
@@ -202,6 +220,11 @@ class _Endpoint:
                 self.endpoint = self.address = curve_setup.publish(bind(self.sock, address), self.sock)
             else:
                 addresses = [address] if isinstance(address, str) else list(address)
+                # Over several servers, queue only on live connections, so that round-robin
+                # skips a dead one. Not with one: there is nowhere else to send, and with
+                # IMMEDIATE libzmq discards replies that arrived but were not yet read when
+                # the server disconnects (a draining daemon's last answers, lost under load).
+                self.sock.setsockopt(zmq.IMMEDIATE, int(len(addresses) > 1))
                 for a in addresses:
                     curve_setup.connect(self.sock, a)  # with the server key the address carries
                 self.address = ",".join(addresses)
@@ -329,7 +352,8 @@ class RequestClient(_Endpoint):
     def send(self, msg: Message, timeout_s: float = 10.0) -> str:
         """Send without waiting for the reply; returns the request id.
 
-        Raises PeerTimeout if no server is connected (or all are full) for timeout_s.
+        Raises PeerTimeout if the send queue stays full for timeout_s (with several
+        addresses: or no server is connected).
         """
         rid = f"{self._prefix}-{next(self._seq)}"
         frames = [rid.encode(), *encode(msg)]

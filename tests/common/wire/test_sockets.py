@@ -426,3 +426,45 @@ def test_the_shared_context_holds_more_sockets_than_zeromqs_default_1023():
     finally:
         for sock in socks:
             sock.close()
+
+
+# A server that answers one request and exits at once, the way a daemon does at the end
+# of a drain: close (with its reply linger), then flush_before_exit (tools/cli.py).
+_ANSWER_AND_EXIT = """
+import sys
+from rlfleet.common.wire.arrays import Float32Array, Int32Array
+from rlfleet.common.wire.messages import GenerateResult
+from rlfleet.common.wire.sockets import RequestServer, flush_before_exit
+n = int(sys.argv[1])
+server = RequestServer("tcp://127.0.0.1:0")
+print(server.endpoint, flush=True)
+identity, rid, _ = server.recv(30)
+server.reply(identity, rid, GenerateResult(rid, Int32Array.frombuffer(bytes(4 * n)),
+                                           Float32Array.frombuffer(bytes(4 * n)), 0, "abort"))
+server.close()
+flush_before_exit()
+"""
+
+
+@pytest.mark.parametrize("tokens", [4, 8 << 20], ids=["small", "64MB"])
+def test_a_reply_sent_as_the_server_exits_arrives_though_read_after_the_exit(tokens: int) -> None:
+    """Small: the reply is in the client's queue when the server disconnects, and read only
+    after (a busy client): with ZMQ_IMMEDIATE libzmq dropped it. 64 MB: the reply is not
+    yet written when the server's process exits: without ending the context it never was."""
+    import subprocess
+    import sys
+
+    from rlfleet.common.wire.validation import Limits
+
+    server = subprocess.Popen([sys.executable, "-c", _ANSWER_AND_EXIT, str(tokens)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        with RequestClient(server.stdout.readline().strip()) as client:
+            client.limits = Limits(max_tokens=tokens)
+            rid = client.send(Abort("x"), timeout_s=10)
+            assert server.wait(30) == 0
+            got = dict(client.poll_replies(10.0))
+            assert rid in got and len(got[rid].token_ids) == tokens
+    finally:
+        server.kill()
+        server.wait()
