@@ -62,6 +62,11 @@ class Round:
     prompts: list[int]
     needed: int
     abandoned: bool = False
+    # Remembered here: the runner forgets a group once all its trajectories are acked,
+    # often before the round's next group is whole.
+    complete: set[int] = dataclasses.field(default_factory=set)
 
-    def enough(self, groups: dict[int, PromptGroup]) -> bool:
-        return sum(1 for p in self.prompts if p in groups and groups[p].complete) >= self.needed
+    def group_complete(self, prompt_id: int) -> bool:
+        """Count ``prompt_id``'s group as whole; True once the round has enough."""
+        self.complete.add(prompt_id)
+        return len(self.complete) >= self.needed

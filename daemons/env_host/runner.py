@@ -419,7 +419,8 @@ class EnvRunner:
         group = self._groups.get(prompt_id)
         rid = self._round_of.get(prompt_id)
         rnd = self._rounds.get(rid) if rid is not None else None
-        if rnd is not None and not rnd.abandoned and rnd.enough(self._groups):
+        if (rnd is not None and not rnd.abandoned and group is not None and group.complete
+                and rnd.group_complete(prompt_id)):
             rnd.abandoned = True
             for p in rnd.prompts:
                 g = self._groups.get(p)

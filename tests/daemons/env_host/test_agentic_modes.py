@@ -58,12 +58,10 @@ def test_an_abandoned_group_hands_on_what_is_cancelled_until_it_is_whole():
 
 
 def test_a_round_has_enough_when_its_needed_groups_are_complete():
-    groups = {p: PromptGroup(2, 2, running=2) for p in range(3)}
     rnd = Round([0, 1, 2], needed=2)
-    for p in (0, 2):
-        groups[p].finished(True), groups[p].finished(True)
-    assert rnd.enough(groups)
-    assert not Round([0, 1, 2], needed=3).enough(groups)
+    assert not rnd.group_complete(0)
+    assert not rnd.group_complete(0)  # counted once
+    assert rnd.group_complete(2)
 
 
 def test_the_batch_barrier_holds_a_batch_until_every_running_member_has_stepped():
@@ -193,6 +191,7 @@ def test_redundant_prompts_close_a_round_and_drop_the_rest_as_redundant(world):
         rounds.setdefault(p // 4, []).append(p)
     whole = [r for r, ps in rounds.items() if len(ps) == 4]
     assert len(whole) >= 4
+    closed_early = 0
     for r in whole:
         complete = [p for p in rounds[r] if len(groups[p]) == G and not any(t.dropped_reason for t in groups[p])]
         redundant = [p for p in rounds[r] if any(t.dropped_reason == "redundant" for t in groups[p])]
@@ -200,6 +199,11 @@ def test_redundant_prompts_close_a_round_and_drop_the_rest_as_redundant(world):
         assert set(complete) | set(redundant) == set(rounds[r]), (r, complete, redundant)
         for p in rounds[r]:  # every prompt handed on all G (the redundant ones as dropped)
             assert sorted(t.trajectory_id for t in groups[p]) == [trajectory_id(p, k) for k in range(G)]
+        closed_early += bool(redundant)
+    # A step latency of 0.02 +- 0.3 s spreads a round's prompts far apart: it closes on its
+    # first two whole groups nearly always, not only when its last ones finish at once
+    # (1 or 2 rounds of 4 when the round forgot groups whose trajectories were acked).
+    assert closed_early >= 3 * len(whole) // 4, (closed_early, len(whole))
 
 
 def test_spares_survive_a_restart_of_the_env_host(world):
