@@ -1,8 +1,8 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   train on the FrozenLake example on this machine (private etcd, all daemons, live view);
 #               about 4 minutes on 2 cores, plus about 90 s of set-up the first time
-#   make test   run the whole test suite (unit + integration with real etcd and real processes) in one
-#               process, ~27 min (TEST_WORKERS=2: two workers, ~15 min; not yet the default, see below)
+#   make test   run the whole test suite (unit + integration with real etcd and real processes) on two
+#               pytest-xdist workers, ~15 min on 2 cores (TEST_WORKERS=0: one process, ~27 min)
 #   make lint   ruff's checks (seconds)
 #   make test-deploy   the cluster path on a lab of systemd-nspawn hosts (root; docs/operations/lab.md)
 #   make setup-vllm / test-vllm   the optional vLLM rollout engine in its own .venv-vllm
@@ -15,7 +15,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 DEMO_SPEC ?= examples/frozenlake.toml
 PYTEST_ARGS ?=
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= 2
 
 .PHONY: setup etcd test lint test-deploy demo clean setup-vllm test-vllm
 
@@ -53,10 +53,9 @@ etcd:
 	       "or put the etcd and etcdctl binaries on PATH" >&2; exit 1; \
 	fi
 
-# TEST_WORKERS=2: two pytest-xdist workers, the modules that run a fleet one at a time on one, the
-# rest of the suite beside them (tests/conftest.py says how it is split). Not the default yet: two of
-# three fresh-clone runs here (2026-11-29) lost a test to a timing defect the load exposed (a
-# draining rollout's last reply; the agentic faults test's redundant drops), being fixed (issue 29).
+# Two pytest-xdist workers: the modules that run a fleet one at a time on one, the rest of the suite
+# beside them (tests/conftest.py says how it is split). The load of two workers exposed two timing
+# defects (a draining daemon's last replies lost, 0f4ea51; rounds that never closed early, b0b0898).
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
