@@ -39,7 +39,8 @@ FLEET_MODULES = {f"tests/{m}.py" for m in (
     "integration/test_etcd_maintenance", "integration/test_filtering_sim", "integration/test_lifecycle",
     "integration/test_live_nodes", "integration/test_liveness", "integration/test_longtail_sim",
     "integration/test_pause", "integration/test_reward_pipeline", "integration/test_run_outcomes",
-    "integration/test_run_ownership", "integration/test_switchover", "integration/test_trainer_disk_full",
+    "integration/test_run_ownership", "integration/test_stop", "integration/test_switchover",
+    "integration/test_trainer_disk_full",
     "integration/test_vllm_fleet")}
 
 

@@ -383,6 +383,7 @@ from rlfleet.tools.ctl.etcd import etcd_group  # noqa: E402  (docs/operations/et
 from rlfleet.tools.ctl.node import node  # noqa: E402
 from rlfleet.tools.ctl.pause import pause, resume  # noqa: E402  (docs/operations/maintenance-mode.md)
 from rlfleet.tools.ctl.reward_service import reward_service  # noqa: E402  (docs/design/reward.md)
+from rlfleet.tools.ctl.stop import start, stop  # noqa: E402  (docs/operations/maintenance-mode.md)
 from rlfleet.tools.ctl.switchover import switchover  # noqa: E402  (docs/operations/switchover.md)
 
 main.add_command(curve_keys)
@@ -391,6 +392,8 @@ main.add_command(node)
 main.add_command(switchover)
 main.add_command(pause)
 main.add_command(resume)
+main.add_command(stop)
+main.add_command(start)
 main.add_command(etcd_group)
 main.add_command(reward_service)
 

@@ -39,7 +39,7 @@ RUN_CODES: dict[Exit, str] = {
 }
 
 
-# What the operator commands (`rlfleet node`, `switchover`, `pause`, `resume`, `etcd`) exit
+# What the operator commands (`rlfleet node`, `switchover`, `pause`, `resume`, `stop`, `start`, `etcd`) exit
 # with; docs/operations/live-fleet.md lists the same codes.
 OPERATOR_CODES: dict[Exit, str] = {
     Exit.OK: "done: the request took effect and what it waits for was seen",

@@ -1,7 +1,7 @@
 """Records of the live-fleet keys: what operators ask of the job and its hosts, and
 what the resource-manager decided about them (docs/operations/live-fleet.md).
 
-    state                 JobState     running | paused (`rlfleet pause` / `resume`)
+    state                 JobState     running | paused (`rlfleet pause` / `resume`) | stopped (`rlfleet stop` / `start`)
     node_state/<host>     NodeState    cordoned | draining | drained | removed (`rlfleet node ...`)
     admitted/<host>       Admission    the pool a host the spec does not name was admitted into
     switchover/<role>     Switchover   a requested leadership handover (`rlfleet switchover`)
@@ -20,8 +20,8 @@ from rlfleet.common.control.keys import JobKeys
 from rlfleet.common.control.records import _Fields, _KeyRecord
 from rlfleet.common.control.store import KeyValue, Store
 
-RUNNING, PAUSED = "running", "paused"
-JOB_STATES = (RUNNING, PAUSED)
+RUNNING, PAUSED, STOPPED = "running", "paused", "stopped"
+JOB_STATES = (RUNNING, PAUSED, STOPPED)
 
 # A host's life in a job, as the operator asks it (absent: schedulable).
 CORDONED = "cordoned"   # keep what runs there, place nothing new
@@ -34,8 +34,9 @@ UNPLACED_STATES = (DRAINING, DRAINED, REMOVED)  # hosts that get no placement at
 
 @dataclass(frozen=True)
 class JobState(_KeyRecord):
-    """`state`: running, or paused for maintenance (agents stop restarting and
-    re-placing, the trainer stops at a step boundary and checkpoints)."""
+    """`state`: running; paused for maintenance (agents stop restarting and re-placing,
+    the trainer stops at a step boundary and checkpoints); or stopped (agents stop what
+    they run and start nothing, across their own restarts and the hosts' reboots)."""
 
     KEY: ClassVar[str] = "state"
 
@@ -57,6 +58,10 @@ class JobState(_KeyRecord):
     @property
     def paused(self) -> bool:
         return self.state == PAUSED
+
+    @property
+    def stopped(self) -> bool:
+        return self.state == STOPPED
 
     def to_value(self) -> dict[str, Any]:
         return {"state": self.state, "since": self.since, "by": self.by, "reason": self.reason}

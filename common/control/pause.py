@@ -1,6 +1,6 @@
 """The job's maintenance state as a daemon follows it (docs/operations/maintenance-mode.md).
 
-`rlfleet pause` writes `state` = paused; the trainer, every node agent and the
+`rlfleet pause` writes `state` = paused (`rlfleet stop`: stopped); the trainer, every node agent and the
 supervisor of `rlfleet run` each read it once per cycle (one Range on one key)
 through a `PauseWatch`. An etcd outage keeps the last state read: losing etcd
 must neither pause a running job nor resume a paused one by itself.
@@ -24,22 +24,30 @@ class PauseWatch:
     def paused(self) -> bool:
         return self.state is not None and self.state.paused
 
+    @property
+    def stopped(self) -> bool:
+        return self.state is not None and self.state.stopped
+
     def read(self) -> str | None:
-        """One read of `state`; a sentence when the job was paused or resumed since the last."""
-        was = self.paused
+        """One read of `state`; a sentence when the job was paused, stopped, resumed or
+        started since the last."""
+        was = (self.paused, self.stopped)
         try:
             self.state = JobState.read(self.store, self.keys)
         except StoreUnavailable:
             return None  # keep acting on the last state read
-        if self.paused == was:
+        if (self.paused, self.stopped) == was:
             return None
-        return describe(self.state) if self.paused else "job resumed"
+        if self.paused or self.stopped:
+            return describe(self.state)
+        return "job resumed" if was[0] else "job started"
 
 
 def describe(state: JobState | None) -> str:
-    """"job paused since 12:03:04 by ann@h1: kernel upgrade" (or "job running")."""
-    if state is None or not state.paused:
+    """"job paused since 12:03:04 by ann@h1: kernel upgrade" (or "job stopped since ...",
+    or "job running")."""
+    if state is None or not (state.paused or state.stopped):
         return "job running"
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state.since)) if state.since else "?"
     reason = f": {state.reason}" if state.reason else ""
-    return f"job paused since {since} by {state.by or '?'}{reason}"
+    return f"job {state.state} since {since} by {state.by or '?'}{reason}"

@@ -8,7 +8,8 @@ everything else is placed through them); and each cycle reads
 `placement/<host>/` and reconciles it with what runs through its backend
 (reconciler.py). While the job is paused (`state`, read once per cycle: one Range)
 it observes only: deaths are recorded and reported in `nodes/<host>` (with
-`paused: true`), nothing is started or stopped (docs/operations/maintenance-mode.md). It
+`paused: true`), nothing is started or stopped (docs/operations/maintenance-mode.md);
+while it is stopped (`rlfleet stop`) it stops what it runs and starts nothing. It
 serves `/metrics` and `/targets` (http.py) on --metrics-port. Its member key is `members/agent/<host>`; "agent" is no job
 role, so no spec places one.
 """
@@ -97,7 +98,9 @@ class Agent(Daemon):
         assert self.reconciler is not None
         changed = self._job_state.read()
         if changed:
-            changed += ": observing only" if self._job_state.paused else ": acting on placement again"
+            changed += (": observing only" if self._job_state.paused else
+                        ": stopping what runs here, starting nothing" if self._job_state.stopped else
+                        ": acting on placement again")
         events = self.reconciler.step(self.desired(), time.monotonic(), self._job_state.paused)
         for event in events:
             if event.kind == "crash_loop":
@@ -115,8 +118,11 @@ class Agent(Daemon):
 
     # -- what it reads and writes ---------------------------------------------------------
     def desired(self) -> list[Placed]:
-        """The resource-managers the spec puts here, and `placement/<host>/`."""
+        """The resource-managers the spec puts here, and `placement/<host>/`; nothing while
+        the job is stopped (`rlfleet stop`), even after this host reboots."""
         assert self.spec is not None
+        if self._job_state.stopped:
+            return []
         boot = policy.bootstrap(placement_from_spec(self.spec), [self.host])
         try:
             kvs = self.store.get_prefix(self.keys.host_placement_prefix(self.host))

@@ -8,7 +8,9 @@ deployment: kill -9 of a daemon (systemd restarts it), one etcd member stopped, 
 host powered off (its relay leaves the chain, its turns are re-issued), the trainer host
 rebooted (it resumes from its checkpoint and journal). Then the operator ends the job at a
 step (the spec's max_steps, applied with `systemctl reload`): it trains to it, and the
-accounting invariant holds over the journals of every host.
+accounting invariant holds over the journals of every host. Last, `stop.yml`'s stop is
+durable: a power-cycled host starts nothing of the stopped job, and `rlfleet status` says
+STOPPED and exits 0.
 
 The tests run in file order on one lab (a cluster takes minutes to build). Figures are
 printed and saved to runs/deploy/cluster.json. Run by `make test-deploy` (root, RLFLEET_LAB=1).
@@ -25,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from rlfleet.common.control.keys import MEMBERS, JobKeys
 from rlfleet.tools.lab.job import JOB, RLFLEET, RUN_DIR, LabJob, job_spec, recap, task_timing, wait_for, with_job_env
 
 from .conftest import lab_cli, module_lab
@@ -219,3 +222,21 @@ def test_ended_at_a_step_it_trains_to_it_and_the_accounting_holds(cluster):
              .read_text().splitlines() if '"eval_success"' in line]
     figures["eval_success_first_last"] = [evals[0]["eval_success"], evals[-1]["eval_success"]]
     assert evals[-1]["eval_success"] > evals[0]["eval_success"] + 0.25, figures["eval_success_first_last"]
+
+
+def test_a_stopped_job_stays_stopped_through_a_hosts_reboot(cluster):
+    # stop.yml ran above: `rlfleet stop`, then the agents stopped. They stay enabled, so a
+    # power-cycled host brings its agent back, which must start nothing of the job.
+    assert J.etcd("state")[f"{JobKeys(JOB).prefix}state"]["state"] == "stopped"
+    booted_at = time.time()
+    lab_cli("poweroff", "--name", LAB, "h2")
+    lab_cli("start", "--name", LAB, "h2", timeout=200)
+    wait_for("h2's agent back", lambda: float((J.etcd("nodes/h2").get(f"{JobKeys(JOB).prefix}nodes/h2") or {})
+                                               .get("seen", 0)) > booted_at, timeout_s=200)
+    deadline = time.monotonic() + 10  # ten seconds of the agent's cycles (a third of the lease TTL each)
+    while time.monotonic() < deadline:
+        daemons = [k for k in J.etcd(f"{MEMBERS}/") if f"/{MEMBERS}/agent/" not in k]
+        assert daemons == [], daemons
+        time.sleep(1)
+    status = J.rlfleet(f"status --job {JOB}", check=False)
+    assert status.returncode == 0 and "STOPPED since" in status.stdout, status.stdout + status.stderr

@@ -11,7 +11,8 @@ each lease is read too (one request per lease, not per member), and a lease not
 refreshed for over half its TTL means a main loop that stalled. Members bound
 to the lease of a dead one (a sim host's rollouts) are dead with it.
 
-A paused job (`rlfleet pause`) is said first, in one banner line (`paused_banner`).
+A paused or stopped job (`rlfleet pause`, `rlfleet stop`) is said first, in one banner line
+(`paused_banner`); a stopped job's placed daemons are not expected to run.
 
 Nodes are the hosts' agents' records (docs/operations/agent.md): a placed daemon its agent
 reports `failing` (it keeps dying) is a problem, and so is an agent whose
@@ -100,8 +101,10 @@ def take_snapshot(store: Store, job: str, check_leases: bool = False) -> FleetSn
     leaders = {role: lead.id or "?" for role, lead in cluster.leaders.items()}
     nodes = {host: node.to_value() for host, node in cluster.nodes.items()}
     placed = [(p.host, p.role, p.id) for p in cluster.placement]
+    # A stopped job keeps its placement for `rlfleet start`: nothing placed is expected to run.
+    expected = [] if cluster.state is not None and cluster.state.stopped else placed
     return FleetSnapshot(job, cluster.taken_at, members, leaders, nodes, placed,
-                         _problems(members, leaders, placed) + _node_problems(cluster) + _training_problems(cluster)
+                         _problems(members, leaders, expected) + _node_problems(cluster) + _training_problems(cluster)
                          + list(cluster.problems),
                          cluster)
 
@@ -241,11 +244,15 @@ def _state_json(state: JobState | None) -> dict[str, Any]:
 
 
 def paused_banner(state: JobState | None) -> Text | None:
-    """The first line of `rlfleet status` and of `rlfleet run`'s live view while paused."""
-    if state is None or not state.paused:
-        return None
-    return Text(f"{describe(state).replace('job paused', 'PAUSED', 1)} — `rlfleet resume` to continue",
-                style="bold yellow")
+    """The first line of `rlfleet status` and of `rlfleet run`'s live view while paused
+    or stopped."""
+    if state is not None and state.paused:
+        return Text(f"{describe(state).replace('job paused', 'PAUSED', 1)} — `rlfleet resume` to continue",
+                    style="bold yellow")
+    if state is not None and state.stopped:
+        return Text(f"{describe(state).replace('job stopped', 'STOPPED', 1)} — its agents start nothing; "
+                    "`rlfleet start` to run it again", style="bold yellow")
+    return None
 
 
 def report_console() -> Console:

@@ -128,21 +128,26 @@ def _not_confirmed(command: str, timeout_s: float, seen: Seen | None, hosts_line
 
 
 def _wait(store, keys, wants_trainer: bool, done: str, timeout_s: float) -> tuple[Seen | None, float]:
-    """Poll until `Seen.<done>` holds; (the last look, seconds waited). Through an etcd
-    outage it keeps asking until the timeout."""
+    """Poll until `Seen.<done>` holds; (the last look, seconds waited)."""
+    return poll_until(lambda: look(store, keys, wants_trainer), lambda seen: getattr(seen, done), timeout_s)
+
+
+def poll_until(read: Callable[[], Any], done: Callable[[Any], bool], timeout_s: float) -> tuple[Any, float]:
+    """Read every POLL_S until ``done`` holds of what was read; (the last read, seconds
+    waited). Through an etcd outage it keeps asking until the timeout."""
     from rlfleet.common.control.store import StoreUnavailable
 
     started = time.monotonic()
-    seen = None
+    last = None
     while True:
         try:
-            seen = look(store, keys, wants_trainer)
-            if getattr(seen, done):
-                return seen, time.monotonic() - started
+            last = read()
+            if done(last):
+                return last, time.monotonic() - started
         except StoreUnavailable:
             pass
         if time.monotonic() - started >= timeout_s:
-            return seen, time.monotonic() - started
+            return last, time.monotonic() - started
         time.sleep(POLL_S)
 
 
@@ -157,14 +162,19 @@ def _write(store, keys, etcd: str, record) -> None:
 timeout_option = click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=DEFAULT_TIMEOUT_S,
                               show_default=True, metavar="S", help="How long to wait for the fleet to confirm.")
 no_wait_option = click.option("--no-wait", is_flag=True, help="Write the request and return at once.")
+job_option = click.option("--job", callback=job_name, default=None, help="Job name; optional when etcd holds only one.")
+reason_option = click.option("--reason", default="", metavar="TEXT", help="Why (shown by `rlfleet status`).")
+
+
+def state_request_options(command: Callable) -> Callable:
+    """The options of a command that writes the job's state and waits for it (pause, stop)."""
+    for option in reversed((job_option, etcd_option, reason_option, timeout_option, no_wait_option)):
+        command = option(command)
+    return command
 
 
 @click.command()
-@click.option("--job", callback=job_name, default=None, help="Job name; optional when etcd holds only one.")
-@etcd_option
-@click.option("--reason", default="", metavar="TEXT", help="Why (shown by `rlfleet status`).")
-@timeout_option
-@no_wait_option
+@state_request_options
 def pause(job: str | None, etcd: str, reason: str, timeout_s: float, no_wait: bool) -> None:
     """Maintenance mode: agents start, restart and stop nothing; the trainer finishes its
     step, checkpoints and takes no new batch (what arrives waits in its journal).
@@ -198,7 +208,7 @@ def pause(job: str | None, etcd: str, reason: str, timeout_s: float, no_wait: bo
 
 
 @click.command()
-@click.option("--job", callback=job_name, default=None, help="Job name; optional when etcd holds only one.")
+@job_option
 @etcd_option
 @timeout_option
 @no_wait_option
