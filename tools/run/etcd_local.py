@@ -28,7 +28,7 @@ INSTALL_HINT = ("etcd is not installed. On Debian/Ubuntu as root: "
                 "apt-get install -y etcd-server etcd-client (or put an etcd 3.4+ binary on PATH)")
 
 
-# The same as Ansible's etcd members (group_vars etcd_compaction_retention). A watch away
+# The same as Ansible's etcd members (ansible's cluster_defaults etcd_compaction_retention). A watch away
 # longer than this loses the events it missed (common/control/etcd_store.py logs it as an error);
 # a daemon away that long has lost its 3 s lease and registered again anyway.
 COMPACTION_RETENTION = "10m"
