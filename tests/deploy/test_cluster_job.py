@@ -3,7 +3,8 @@
 `site.yml` brings the cluster up from bare hosts (etcd on h1-h3 with TLS and client-cert
 auth, rlfleet from the wheelhouse, the units, one agent per host, Prometheus on h5), a
 second run changes nothing; `job.yml` submits the arithmetic example, and the agents start
-what the elected resource-manager places. While it trains, the faults of a bare-metal
+what the elected resource-manager places; `rlfleet status` and `switchover` work from the
+controller, a machine that is no host of the job. While it trains, the faults of a bare-metal
 deployment: kill -9 of a daemon (systemd restarts it), one etcd member stopped, a rollout
 host powered off (its relay leaves the chain, its turns are re-issued), the trainer host
 rebooted (it resumes from its checkpoint and journal). Then the operator ends the job at a
@@ -21,6 +22,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,18 @@ from typing import Any
 import pytest
 
 from rlfleet.common.control.keys import MEMBERS, JobKeys
-from rlfleet.tools.lab.job import JOB, RLFLEET, RUN_DIR, LabJob, job_spec, recap, task_timing, wait_for, with_job_env
+from rlfleet.tools.lab.job import (
+    ENV_FILE,
+    JOB,
+    RLFLEET,
+    RUN_DIR,
+    LabJob,
+    job_spec,
+    recap,
+    task_timing,
+    wait_for,
+    with_job_env,
+)
 
 from .conftest import lab_cli, module_lab
 
@@ -45,6 +59,7 @@ PLACED_DAEMONS = 10  # examples/cluster-arithmetic.toml: trainer, 2 relays, 2 ro
 RESULTS = REPO / "runs" / "deploy" / "cluster.json"
 figures: dict[str, Any] = {}
 J = LabJob(LAB, HOSTS, OBSERVER)
+LAB_HOSTS = Path(os.environ.get("RLFLEET_LAB_ROOT", "/var/lib/rlfleet-lab")) / LAB / "hosts"  # their root filesystems
 host_sh, etcd, trainer, version, advances, playbook, unit = (J.host_sh, J.etcd, J.trainer, J.version, J.advances,
                                                              J.playbook, J.unit)
 diagnostics = J.diagnostics
@@ -84,6 +99,36 @@ def test_a_submitted_job_is_placed_and_trains(cluster):
     assert all(v.get("addresses", {}) == {} or all(f"{SUBNET}." in a for a in v["addresses"].values())
                for v in members.values()), members  # published on the cluster network, not loopback
     advances(20, 240, "across five hosts")
+
+
+def controller_rlfleet(*args: str) -> subprocess.CompletedProcess:
+    """`rlfleet ARGS` on the lab's controller, a machine that is no host of the job (this
+    one, in the lab's network namespace), with the job's etcd credentials read from the
+    observer's env file."""
+    root = LAB_HOSTS / OBSERVER / "merged"
+    env = dict(os.environ)
+    for line in (root / ENV_FILE.lstrip("/")).read_text().splitlines():
+        name, sep, value = line.partition("=")
+        if sep and name.strip().startswith("RLFLEET_"):
+            value = value.strip().strip("'\"")
+            on_host = root / value.lstrip("/")
+            env[name.strip()] = str(on_host) if value.startswith("/") and on_host.exists() else value
+    return subprocess.run(["ip", "netns", "exec", LAB, sys.executable, "-m", "rlfleet.tools.cli", *args],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_status_and_switchover_work_from_the_controller(cluster):
+    """The lab's hosts share this machine's kernel, so its boot id: a member is judged by
+    its lease, never by looking its pid up here (issue 30: every member was called dead)."""
+    status = wait_for("`rlfleet status` healthy from the controller", lambda: (
+        p := controller_rlfleet("status", "--job", JOB)).returncode == 0 and p, timeout_s=120, every_s=2)
+    assert "dead" not in status.stdout, status.stdout
+    keys = JobKeys(JOB)
+    leader = J.etcd("leader/resource-manager")[keys.leader("resource-manager")]["id"]
+    standby = next(v["id"] for v in J.etcd(f"{MEMBERS}/resource-manager/").values() if v["id"] != leader)
+    moved = controller_rlfleet("switchover", "resource-manager", "--to", standby, "--job", JOB, "--timeout", "120")
+    assert moved.returncode == 0, moved.stdout + moved.stderr
+    assert J.etcd("leader/resource-manager")[keys.leader("resource-manager")]["id"] == standby
 
 
 def test_prometheus_has_every_target_up(cluster):
@@ -208,17 +253,16 @@ def test_ended_at_a_step_it_trains_to_it_and_the_accounting_holds(cluster):
     assert version() == end
     playbook("stop.yml")
     # Every journal of the job, from the hosts' disks, in one run dir on the observer.
-    lab_root = Path(os.environ.get("RLFLEET_LAB_ROOT", "/var/lib/rlfleet-lab")) / LAB / "hosts"
-    gathered = lab_root / OBSERVER / "merged" / "root" / "accounting"
+    gathered = LAB_HOSTS / OBSERVER / "merged" / "root" / "accounting"
     shutil.rmtree(gathered, ignore_errors=True)
     (gathered / "checkpoints").mkdir(parents=True)
-    shutil.copy(lab_root / "h1" / "merged" / RUN_DIR.lstrip("/") / "checkpoints" / "journal.bin",
+    shutil.copy(LAB_HOSTS / "h1" / "merged" / RUN_DIR.lstrip("/") / "checkpoints" / "journal.bin",
                 gathered / "checkpoints")
-    shutil.copytree(lab_root / "h4" / "merged" / RUN_DIR.lstrip("/") / "env-host", gathered / "env-host")
+    shutil.copytree(LAB_HOSTS / "h4" / "merged" / RUN_DIR.lstrip("/") / "env-host", gathered / "env-host")
     proc = host_sh(OBSERVER, with_job_env(f"{RLFLEET} accounting /root/accounting --job {JOB}"), check=False)
     figures["accounting"] = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else proc.stdout
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    evals = [json.loads(line) for line in (lab_root / "h1" / "merged" / RUN_DIR.lstrip("/") / "metrics.jsonl")
+    evals = [json.loads(line) for line in (LAB_HOSTS / "h1" / "merged" / RUN_DIR.lstrip("/") / "metrics.jsonl")
              .read_text().splitlines() if '"eval_success"' in line]
     figures["eval_success_first_last"] = [evals[0]["eval_success"], evals[-1]["eval_success"]]
     assert evals[-1]["eval_success"] > evals[0]["eval_success"] + 0.25, figures["eval_success_first_last"]
