@@ -71,6 +71,14 @@ def test_two_hosts_network_power_and_teardown(lab_factory):
     assert lab.status()["h2"]["system"] == "running"
     assert lab.ssh("h2", "cat /root/marker /etc/machine-id").stdout.split() == ["before-poweroff", ids["h2"]]
 
+    # a running lab gains a host (a machine added to a live job): reachable by name from the
+    # controller and from the hosts that were already up, and in the inventory
+    assert "h3 up in" in lab.cli("add-host").stdout
+    assert lab.status()["h3"]["system"] == "running"
+    assert lab.ssh("h3", "hostname").stdout.strip() == "h3"
+    assert lab.ssh("h1", "getent", "hosts", "h3").stdout.split()[0] == "10.211.0.3"
+    assert "h3 ansible_host=10.211.0.3" in (lab_dir(lab.name) / "inventory.ini").read_text()
+
     # down leaves no namespace, mount or process behind, and a second down is a no-op
     state = json.loads((lab_dir(lab.name) / "state.json").read_text())
     leaders = [h["leader_pid"] for h in state["hosts"].values()]

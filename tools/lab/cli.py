@@ -110,6 +110,22 @@ def down(name: str, timeout: float) -> None:
         sys.exit(1)
 
 
+@main.command("add-host")
+@name_option
+@click.option("--timeout", default=120.0, show_default=True, help="Seconds for the new host to boot and answer SSH.")
+def add_host(name: str, timeout: float) -> None:
+    """Boot one more host, h<N+1>, in a running lab (a machine added to a live job); the
+    inventory, ssh_config and every host's /etc/hosts name it from then on."""
+    _root()
+    from rlfleet.tools.lab.commands import CommandFailed
+    from rlfleet.tools.lab.hosts import LabError
+    try:
+        ready = _lab(name).add_host(timeout)
+    except (LabError, CommandFailed) as exc:
+        _fail(exc)
+    click.echo(f"{ready.host} up in {ready.seconds:.1f} s ({ready.system})")
+
+
 @main.command()
 @name_option
 @click.argument("host")

@@ -76,6 +76,24 @@ class Lab:
             self._boot(h)
         return [self._wait_ready(h, deadline) for h in self.state.hosts.values()]
 
+    def add_host(self, timeout: float = 120.0) -> Ready:
+        """Boot one more host, h<N+1>, beside the running ones (a machine joining a live
+        job): the lab's known_hosts, ssh_config and inventory, and every host's /etc/hosts,
+        name it from now on."""
+        if not self.state or not any(self._running(h) for h in self.state.hosts.values()):
+            raise LabError(f"lab {self.name} is not up: `up --name {self.name}` first")
+        n = max(int(name[1:]) for name in self.state.hosts) + 1
+        if n > 99:
+            raise LabError(f"lab {self.name} has h99 already: a lab holds at most 99 hosts")
+        h = self.state.hosts[f"h{n}"] = HostState(f"h{n}", f"{self.state.subnet}.{n}", host_netns(self.name, f"h{n}"))
+        self.state.save()
+        keys = {other.name: self._prepare_disk(other) for other in self.state.hosts.values()}  # rewrites /etc/hosts
+        (self.dir / "known_hosts").write_text(known_hosts(self.state, keys))
+        (self.dir / "ssh_config").write_text(ssh_config(self.state))
+        (self.dir / "inventory.ini").write_text(inventory(self.state))
+        self._boot(h)
+        return self._wait_ready(h, time.monotonic() + timeout)
+
     def start(self, host: str, timeout: float = 120.0) -> Ready:
         h = self._host(host)
         if self._running(h):
