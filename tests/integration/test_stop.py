@@ -46,7 +46,8 @@ def test_a_stopped_job_stays_stopped_when_its_host_comes_back_and_runs_again_on_
         stopped = cli("stop", *etcd_args, "--reason", "drill", "--timeout", "60")
         assert stopped.returncode == Exit.OK, stopped.stdout + stopped.stderr
         assert f"no daemon of job {JOB} registered" in stopped.stdout
-        assert not any(alive(pid) for pid in before)
+        # deregistered in their drain, then gone once it ends (the exit flush takes up to a second)
+        wait_for("the host's daemons exited", lambda: not any(alive(pid) for pid in before), timeout_s=30)
 
         status = cli("status", *etcd_args)
         assert status.returncode == Exit.OK, status.stdout + status.stderr  # the placement stays, expected down
