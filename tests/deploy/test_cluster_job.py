@@ -277,10 +277,13 @@ def test_a_stopped_job_stays_stopped_through_a_hosts_reboot(cluster):
     lab_cli("start", "--name", LAB, "h2", timeout=200)
     wait_for("h2's agent back", lambda: float((J.etcd("nodes/h2").get(f"{JobKeys(JOB).prefix}nodes/h2") or {})
                                                .get("seen", 0)) > booted_at, timeout_s=200)
-    deadline = time.monotonic() + 10  # ten seconds of the agent's cycles (a third of the lease TTL each)
-    while time.monotonic() < deadline:
-        daemons = [k for k in J.etcd(f"{MEMBERS}/") if f"/{MEMBERS}/agent/" not in k]
-        assert daemons == [], daemons
-        time.sleep(1)
+    seen: list[str] = []  # any daemon of the job registered, over ten seconds of the agent's cycles
+    watched_from = time.monotonic()
+
+    def ten_seconds_watched() -> bool:
+        seen.extend(k for k in J.etcd(f"{MEMBERS}/") if f"/{MEMBERS}/agent/" not in k)
+        return time.monotonic() - watched_from >= 10
+    wait_for("ten seconds of h2's agent watched", ten_seconds_watched, timeout_s=60, every_s=1)
+    assert seen == [], seen
     status = J.rlfleet(f"status --job {JOB}", check=False)
     assert status.returncode == 0 and "STOPPED since" in status.stdout, status.stdout + status.stderr
