@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -24,14 +24,16 @@ MEMBER_FIELDS = frozenset({"id", "role", "host", "pid", "state", "leader", "leas
 # Role fields (each daemon's `member_info()`) whose type is checked; others are kept as they are.
 ROLE_FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = MappingProxyType({
     "relay": {"shm_dir": (str,), "transport": (str,), "newest": (int,), "newest_at": (int, float),
-              "versions": (list,), "successor": (str,), "master": (bool,)},
+              "first_version_at": (int, float), "versions": (list,), "successor": (str,), "master": (bool,)},
     "trainer": {"training": (str,), "version": (int,), "checkpoint_version": (int,), "paused": (bool,),
                 "checkpoint_error": (str,), "journal_error": (str,),  # these two: docs/operations/disk-full.md
                 "non_finite_groups": (int,), "non_finite_steps": (int,), "non_finite": (str,),
                 "rewinds": (int,)},  # trainer/guard.py
-    "rollout": {"weight_version": (int,), "first_result_at": (int, float), "relay": (str,)},
+    "rollout": {"weight_version": (int,), "first_weights_at": (int, float), "first_weights_version": (int,),
+                "first_result_at": (int, float), "relay": (str,)},
     "resource-manager": {"waiting_hosts": (dict,)},
-    "env-host": {"in_flight": (int,), "claimed": (int,), "done": (int,), "claim_limit": (int,), "error": (str,)},
+    "env-host": {"in_flight": (int,), "claimed": (int,), "done": (int,), "first_done_at": (int, float),
+                 "claim_limit": (int,), "error": (str,)},
     "reward-host": {"in_flight": (int,), "scored": (int,), "reward_errors": (int,), "stages": (dict,)},
     "repack-manager": {"rollouts": (int,), "versions": (list,)},
     "agent": {"backend": (str,)},  # a host's node agent (daemons/agent/), not a job role
@@ -272,6 +274,13 @@ class Node:
     def failing(self) -> tuple[NodeDaemon, ...]:
         return tuple(d for d in self.daemons if d.failing)
 
+    @property
+    def registered(self) -> float:
+        """When this agent first wrote the record (wall time; 0.0: unknown). An agent older
+        than the field took its inventory (`seen`) just before it."""
+        at = self.agent.get("registered")
+        return float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else self.seen
+
     def to_value(self) -> dict[str, Any]:
         """The record as the agent writes it (daemons/agent/policy.py node_value)."""
         return {"host": self.host, "cpus_logical": self.cpus_logical, "cpus_physical": self.cpus_physical,
@@ -285,24 +294,28 @@ class Node:
 @dataclass(frozen=True, order=True)
 class Placement:
     """`placement/<host>/<role>/<id>`: one daemon that should run on a machine. The key
-    says which; the value repeats it for `etcdctl` readers and must agree."""
+    says which; the value repeats it for `etcdctl` readers and must agree, and says
+    `since` when the resource-manager placed it (`rlfleet node add` reports from it)."""
 
     host: str
     role: str
     id: str
     problem: str = ""
+    since: float = field(default=0.0, compare=False)  # wall time; 0.0: not said (placed by hand)
 
     @classmethod
     def from_kv(cls, keys: JobKeys, kv: KeyValue) -> Placement:
         host, role, member_id = keys.parse_placement(kv.key)
         placed = cls(host, role, member_id)
-        if kv.value != placed.to_value():
+        value = dict(kv.value) if isinstance(kv.value, Mapping) else kv.value
+        since = value.pop("since", 0.0) if isinstance(value, dict) else 0.0
+        if value != placed.to_value() or not isinstance(since, (int, float)) or isinstance(since, bool):
             return cls(host, role, member_id,
                        f"{names.PLACEMENT}/{host}/{role}/{member_id}: value {_short(kv.value)} does not repeat the key")
-        return placed
+        return cls(host, role, member_id, since=float(since))
 
-    def to_value(self) -> dict[str, str]:
-        return {"host": self.host, "role": self.role, "id": self.id}
+    def to_value(self) -> dict[str, Any]:
+        return {"host": self.host, "role": self.role, "id": self.id, **({"since": self.since} if self.since else {})}
 
 
 def placements_from(keys: JobKeys, kvs: list[KeyValue]) -> list[Placement]:

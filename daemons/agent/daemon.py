@@ -72,6 +72,7 @@ class Agent(Daemon):
         self._placed: list[Placed] = []  # the last placement read (kept through an etcd outage)
         self._targets: list[dict] = []
         self._node: dict[str, Any] | None = None
+        self._registered_at = 0.0
         self._job_state = PauseWatch(store, self.keys)  # an etcd outage keeps the last state read
 
     @property
@@ -88,6 +89,7 @@ class Agent(Daemon):
 
     def setup(self) -> None:
         self.inventory = machine_inventory(self.host)
+        self._registered_at = round(time.time(), 3)  # `rlfleet node add` times a new host from it
         if self.backend is None:
             self.backend = self.make_backend()
         self.reconciler = Reconciler(self.backend)
@@ -133,7 +135,8 @@ class Agent(Daemon):
 
     def publish_node(self) -> None:
         assert self.session is not None and self.reconciler is not None
-        agent = {**ProcessId.current().to_fields(), "backend": self.backend_kind, "metrics": self.metrics_url}
+        agent = {**ProcessId.current().to_fields(), "backend": self.backend_kind, "metrics": self.metrics_url,
+                 "registered": self._registered_at}
         value = policy.node_value(self.inventory, self.labels, agent,
                                   self.reconciler.report(time.monotonic(), self.host), self._job_state.paused)
         if value != self._node:

@@ -208,5 +208,7 @@ class EnvHost(Daemon):
         runner = self.runner
         if runner is None:
             return {"error": self.setup_error} if self.setup_error else {}
+        first = runner.first_acked_at
         return {"in_flight": runner.in_flight, "claimed": runner.claimed, "done": runner.acked,
+                **({"first_done_at": round(first, 3)} if first is not None else {}),
                 "claim_limit": self.pacer.limit if self.pacer else None}

@@ -24,6 +24,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -102,6 +103,7 @@ class EnvRunner:
         self.held_back = 0  # passes of the claim loop that found no room (back-pressure)
         self.newest_weights = 0  # the newest weight version a turn was generated with
         self.acked = 0
+        self.first_acked_at: float | None = None  # wall time: `rlfleet node add`'s first trajectory
         self.dropped: dict[str, int] = {}
         self.spares: dict[str, int] = {}  # kept, not handed on, by reason
         self.last_claim_error = ""
@@ -155,6 +157,8 @@ class EnvRunner:
             # stays live for good); a crash before the write re-sends, and receivers dedup.
             self._journal_errors.warning(log, "ack", "acks not journaled yet: %s", exc,
                                          extra={"event": "journal_full"})
+        if acked and self.first_acked_at is None:
+            self.first_acked_at = time.time()
         self.acked += len(acked)
         # One wake-up of the loop (a write to its self-pipe) per pass of the loop, not
         # per ack: keys pile up in a deque (thread-safe) while a wake-up is pending; the

@@ -60,6 +60,7 @@ class Relay(Daemon):
             secret=job_secret_from_env())).start()
         self.addresses = {"chunks": self.node.address}
         self._newest_seen: tuple[int, float] = (-2, time.time())
+        self._first_version_at: float | None = None  # when its store first held a whole version
         self._topology_stop = threading.Event()
         self._refresh = threading.Event()
         self._topology_thread = threading.Thread(target=self._watch_topology, name="relay-topology", daemon=True)
@@ -86,11 +87,14 @@ class Relay(Daemon):
         newest = -1 if newest is None else newest
         if newest != self._newest_seen[0]:  # when it changed: `rlfleet status` tells stuck from in transit
             self._newest_seen = (newest, time.time())
+            if newest >= 0 and self._first_version_at is None:  # `rlfleet node add`'s weights phase
+                self._first_version_at = self._newest_seen[1]
         return {
             "shm_dir": str(self.node.store.dir),
             "transport": self.node.transport.name,
             "newest": newest,
             "newest_at": round(self._newest_seen[1], 3),
+            **({"first_version_at": round(self._first_version_at, 3)} if self._first_version_at else {}),
             "versions": [[v, lay] for v, lay, c in self.node.store.have() if c],
             "successor": self.node.successor,
             "master": self.node.is_master,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from rlfleet.common.control.cluster import Cluster
 from rlfleet.common.control.members import Placement
@@ -93,8 +94,9 @@ class ResourceManager(Daemon):
         current = {kv.key: _placed(self.keys, kv) for kv in self.store.get_prefix(self.keys.placement_prefix)}
         added = [k for k, p in desired.items() if current.get(k) != p]
         removed = [k for k in current if k not in desired]
-        for key in added:
-            self.store.put(key, desired[key].to_value())
+        now = time.time()
+        for key in added:  # `since`: when it was placed (`rlfleet node add` reports phases from it)
+            self.store.put(key, replace(desired[key], since=now).to_value())
         for key in removed:
             self.store.delete(key)
         if added or removed:

@@ -108,7 +108,9 @@ class RolloutCore:
         self.policy = WeightUpdatePolicy(check_every_s=check_every_s, hold_max_s=hold_max_s)
         self.events: deque[str] = deque()  # one sentence per version change, read by the daemon
         self.draining = False
-        # When the first generation was answered (wall time): `rlfleet node add` waits on it.
+        # When the first weight version was loaded and the first generation answered (wall
+        # time): `rlfleet node add` reports a new host's phases from them.
+        self.first_weights: tuple[float, int] | None = None  # (when, which version)
         self.first_result_at: float | None = None
         self.clients: dict[str, Client] = {}  # engine request id -> who to answer
         self.held: deque[tuple[float, Client, GenerateRequest]] = deque()
@@ -316,6 +318,8 @@ class RolloutCore:
             return False
         self.events.append(f"loaded weight version {self.engine.weight_version} (was {old}) "
                            f"in {time.monotonic() - started:.2f} s")
+        if self.first_weights is None:
+            self.first_weights = (time.time(), self.engine.weight_version)
         return True
 
     def _admit_held(self, now: float) -> None:

@@ -211,10 +211,13 @@ class Rollout(Daemon):
             return {"simulated_rollouts": len(self.sim.cores), **reading}
         if self.loop is None:
             return {"weight_version": 0}
-        first = self.loop.core.first_result_at
+        core = self.loop.core
+        first, weights = core.first_result_at, core.first_weights
         slots = getattr(self.loop.engine, "max_batch", None)
         return {"weight_version": self.loop.engine.weight_version, "hardware": self.hardware, **reading,
                 **({"slots": slots} if isinstance(slots, int) else {}),
+                **({"first_weights_at": round(weights[0], 3), "first_weights_version": weights[1]}
+                   if weights is not None else {}),
                 **({"first_result_at": round(first, 3)} if first is not None else {})}
 
     def drain(self) -> str | None:

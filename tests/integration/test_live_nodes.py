@@ -3,7 +3,8 @@
 for a host the spec does not name ("extra", labelled kind=cpu) registers, the
 resource-manager admits it into the spec's pool, places a relay and a rollout
 there, the relay joins the chain and catches up, and the rollout serves
-(`rlfleet node add`). Then `rlfleet node drain` stops them without losing a
+(`rlfleet node add`; started again afterwards, it reports the same phases, from the
+records' own timestamps). Then `rlfleet node drain` stops them without losing a
 trajectory (the run ends with its accounting invariant checked) and `rlfleet
 node remove` takes the host out. The lab test (tests/deploy/test_live_fleet.py)
 plays the same on systemd hosts.
@@ -70,7 +71,17 @@ def test_a_host_joins_a_live_job_serves_then_drains_without_losing_work(tmp_path
         assert added.returncode == Exit.OK, added.stdout + added.stderr
         record = json.loads((tmp_path / "add.json").read_text())
         assert record["ok"] and all(v is not None and v >= 0 for v in record["phases"].values()), record
+        # Started again once the host serves (as after provisioning), it reports the same
+        # phases: they come from the records' timestamps, not from when it looks.
+        again = cli("node", "add", "extra", "--job", job, "--timeout", "30", "--json", str(tmp_path / "again.json"),
+                    etcd=etcd)
+        assert again.returncode == Exit.OK, again.stdout + again.stderr
+        later = json.loads((tmp_path / "again.json").read_text())
+        assert later["phases"] == record["phases"] and later["total_s"] == record["total_s"] >= 1.0, (record, later)
         cluster = Cluster.read(store, job)
+        assert later["milestones_at"]["registered"] == cluster.nodes["extra"].registered
+        assert later["milestones_at"]["first_trajectory"] == \
+            cluster.member("rollout", "rollout-extra-0").info["first_result_at"]
         assert cluster.admissions["extra"].pool == "cpu-workers"
         relay = cluster.member("relay", "relay-extra-0")
         rollout = cluster.member("rollout", "rollout-extra-0")

@@ -260,24 +260,31 @@ def add(host: str, job: str | None, etcd: str, timeout_s: float, no_wait: bool, 
     The host's agent must run (provision it: `ansible-playbook site.yml -l HOST`); the
     resource-manager admits it into the first pool its labels match (or it is named by
     the spec), places daemons there, its relay joins the chain and catches up, and its
-    rollouts serve. Each phase is printed with its time from the agent's registration."""
+    rollouts serve. Each phase is printed with its time from the agent's registration,
+    taken from the records' own timestamps: the same whenever the command is started."""
     from rlfleet.tools.ctl.node_ops import JoinWatch
     j = _Job(etcd, job)
     cluster = j.cluster()
     state = cluster.node_states.get(host)
+    floor = 0.0
     if state is not None:
         j.clear_state(host)
-        click.echo(f"{host}: cleared its state ({state.state})")
+        floor = time.time()  # it could not join before: its phases start here
+        click.echo(f"{host}: cleared its state ({state.state}); its phases count from now")
     if no_wait:
         click.echo(f"{host}: admitted as soon as its agent registers")
         return
-    watch = JoinWatch(host, named=host in {h.name for h in j.spec.placement.hosts})
+    watch = JoinWatch(host, named=host in {h.name for h in j.spec.placement.hosts}, floor=floor)
     t0 = time.monotonic()
     waiting_said = [""]
 
     def step() -> bool:
         c = j.cluster()
-        for name in watch.observe(c, time.monotonic()):
+        for name in watch.observe(c):
+            if name == "registered":
+                registered = time.strftime("%H:%M:%S", time.localtime(watch.at[name]))
+                click.echo(f"  {host}'s agent registered at {registered}; each phase from then:")
+                continue
             since = watch.at[name] - watch.at["registered"]
             click.echo(f"  {since:6.1f} s  {name}" + (f" (pool {c.admissions[host].pool})"
                                                        if name == "admit" and host in c.admissions else ""))
@@ -289,7 +296,7 @@ def add(host: str, job: str | None, etcd: str, timeout_s: float, no_wait: bool, 
                 waiting_said[0] = why
         return watch.done
 
-    if "registered" not in watch.at:
+    if host not in cluster.nodes:
         click.echo(f"waiting for {host}'s agent to register ...")
     ok = _wait(t0 + timeout_s, step)
     record = {**watch.to_json(), "job": j.job, "ok": ok}

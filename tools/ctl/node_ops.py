@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlfleet.common.control.cluster import Cluster
+from rlfleet.common.control.members import Member
 from rlfleet.common.spec.job import JobSpec
 from rlfleet.common.spec.placement import ROLES
 
 # The phases of `rlfleet node add`, in order: each is the time from the previous one.
 ADD_PHASES = ("admit", "place", "start", "weights", "first_trajectory")
+MILESTONES = ("registered", *ADD_PHASES)
 
 
 def known_hosts(cluster: Cluster, spec: JobSpec | None) -> set[str]:
@@ -47,46 +49,58 @@ def on_host(cluster: Cluster, host: str) -> list[str]:
 
 @dataclass
 class JoinWatch:
-    """Timestamps of each milestone of a host joining the job, taken from successive
-    snapshots (the caller's clock): registered, then the ADD_PHASES in order. A
-    milestone is never earlier than the one before it."""
+    """The milestones of a host joining the job: its agent registered, then the ADD_PHASES
+    in order, each at the wall time its own etcd record gives (the agent's `registered`,
+    the admission's and the placement's `since`, the daemons' `started`, the rollouts'
+    `first_weights_at` and `first_result_at`), so the phases are the same whenever the
+    command looks. A milestone counts only once every one before it is reached, and is
+    never earlier than the one before (the hosts' clocks may differ a little)."""
     host: str
-    named: bool = False
+    named: bool = False   # the spec names it: admitted as soon as it registers
+    floor: float = 0.0    # it could not join before this (when `node add` cleared its state)
     at: dict[str, float] = field(default_factory=dict)
-    caught_up_to: int | None = None  # the newest weight version when the host's daemons started
+    caught_up_to: int | None = None  # the first weight version its rollouts loaded
 
-    def observe(self, cluster: Cluster, now: float) -> list[str]:
-        """Record what this snapshot shows; returns the milestones newly reached."""
-        host, new = self.host, []
-        placed = [p for p in cluster.placement if p.host == host]
-        members = {p.id: cluster.member(p.role, p.id) for p in placed}
-        relays = [m for m in members.values() if m is not None and m.role == "relay"]
-        rollouts = [m for m in members.values() if m is not None and m.role == "rollout"]
-        envs = [m for m in members.values() if m is not None and m.role == "env-host"]
-        latest = cluster.weights.version if cluster.weights is not None else -1
-        reached = {
-            "registered": host in cluster.nodes,
-            "admit": self.named or host in cluster.admissions,
-            "place": bool(placed),
-            "start": bool(placed) and all(m is not None and m.running for m in members.values()),
-        }
-        if reached["start"] and self.caught_up_to is None and "start" not in self.at:
-            self.caught_up_to = latest
-        target = self.caught_up_to if self.caught_up_to is not None else latest
-        reached["weights"] = reached["start"] and all(
-            int(m.info.get("newest", -1)) >= target for m in relays) and all(
-            int(m.info.get("weight_version", -1)) >= target for m in rollouts)
-        reached["first_trajectory"] = reached["weights"] and (
-            any(m.info.get("first_result_at") for m in rollouts) if rollouts else
-            any(int(m.info.get("done", 0)) > 0 for m in envs) if envs else True)
-        for name in ("registered", *ADD_PHASES):
-            if name in self.at:
-                continue
-            if not reached[name]:
+    def observe(self, cluster: Cluster) -> list[str]:
+        """Record what this snapshot's records show; returns the milestones newly reached."""
+        raw = self._raw(cluster)
+        new, prev = [], None
+        for name in MILESTONES:
+            t = raw.get(name)
+            if t is None:
                 break
-            self.at[name] = now
-            new.append(name)
+            t = t if prev is None else max(prev, t)
+            if name not in self.at:
+                self.at[name] = t
+                new.append(name)
+            prev = self.at[name]
         return new
+
+    def _raw(self, cluster: Cluster) -> dict[str, float | None]:
+        host = self.host
+        node = cluster.nodes.get(host)
+        if node is None:
+            return {}
+        placed = [p for p in cluster.placement if p.host == host]
+        members = [cluster.member(p.role, p.id) for p in placed]
+        running = [m for m in members if m is not None and m.running]
+        admission = cluster.admissions.get(host)
+        raw: dict[str, float | None] = {"registered": max(node.registered, self.floor)}
+        raw["admit"] = raw["registered"] if self.named else admission.since if admission is not None else None
+        raw["place"] = max(p.since for p in placed) if placed else None
+        if not placed or len(running) < len(placed):
+            return raw
+        raw["start"] = max(m.started for m in running)
+        rollouts = [m for m in running if m.role == "rollout"]
+        relays = [m for m in running if m.role == "relay"]
+        envs = [m for m in running if m.role == "env-host"]
+        raw["weights"] = (_latest(rollouts, "first_weights_at") if rollouts else
+                          _latest(relays, "first_version_at") if relays else raw["start"])
+        if rollouts and raw["weights"] is not None:
+            self.caught_up_to = min(int(m.info["first_weights_version"]) for m in rollouts)
+        raw["first_trajectory"] = (_earliest(rollouts, "first_result_at") if rollouts else
+                                   _earliest(envs, "first_done_at") if envs else raw["weights"])
+        return raw
 
     @property
     def done(self) -> bool:
@@ -106,4 +120,17 @@ class JoinWatch:
         start, end = self.at.get("registered"), self.at.get("first_trajectory")
         return {"host": self.host, "phases": self.phases(),
                 "total_s": None if start is None or end is None else round(end - start, 3),
-                "caught_up_to_version": self.caught_up_to}
+                "caught_up_to_version": self.caught_up_to,
+                "milestones_at": {name: round(t, 3) for name, t in self.at.items()}}
+
+
+def _latest(members: list[Member], name: str) -> float | None:
+    """When the last of `members` reached what `info[name]` records; None until all did."""
+    times = [m.info.get(name) for m in members]
+    return None if any(t is None for t in times) else max(float(t) for t in times)  # type: ignore[arg-type]
+
+
+def _earliest(members: list[Member], name: str) -> float | None:
+    """When the first of `members` reached what `info[name]` records; None until one did."""
+    times = [float(t) for m in members if (t := m.info.get(name)) is not None]
+    return min(times) if times else None

@@ -33,6 +33,7 @@ class LocalNodes:
         self._written: dict[str, tuple[int, dict]] = {}  # host -> (lease, value) last written
         self._written_at = 0.0
         self._inventory = machine_inventory("")
+        self._registered_at = round(time.time(), 3)  # every host here registers with this run
 
     @property
     def hosts(self) -> set[str]:
@@ -74,7 +75,7 @@ class LocalNodes:
             labels = policy.parse_labels(os.environ.get("RLFLEET_LABELS", ""))
         except ValueError:
             labels = {}
-        agent = {**ProcessId.current().to_fields(), "backend": "process"}
+        agent = {**ProcessId.current().to_fields(), "backend": "process", "registered": self._registered_at}
         for host in sorted(self.hosts):
             value = policy.node_value({**self._inventory, "host": host}, labels, agent,
                                       report(time.monotonic(), host), paused)

@@ -94,6 +94,11 @@ def test_leader_node_placement():
     placed = Placement.from_kv(K, kv(K.placement("h1", "relay", "relay-0"),
                                      {"host": "h1", "role": "relay", "id": "relay-0"}))
     assert placed == Placement("h1", "relay", "relay-0") and placed.to_value()["id"] == "relay-0"
+    timed = Placement.from_kv(K, kv(K.placement("h1", "relay", "relay-0"),
+                                    {"host": "h1", "role": "relay", "id": "relay-0", "since": 12.5}))
+    assert timed == placed and timed.since == 12.5 and timed.problem == "" and timed.to_value()["since"] == 12.5
+    assert "does not repeat" in Placement.from_kv(K, kv(K.placement("h1", "relay", "relay-0"), {
+        "host": "h1", "role": "relay", "id": "relay-0", "since": "soon"})).problem
     odd = Placement.from_kv(K, kv(K.placement("h1", "relay", "relay-0"), {"host": "h2"}))
     assert odd != placed and "does not repeat the key" in odd.problem and odd.host == "h1"
     # A key with a component too many names no daemon: skipped, the others kept.
