@@ -378,7 +378,7 @@ def submit(spec_file: str, etcd: str, force: bool) -> None:
 
 
 # -- operating a live job (docs/operations/live-fleet.md): each group is its own module ----------------
-from rlfleet.tools.ctl.curve import curve_authorize, curve_keys  # noqa: E402  (docs/operations/security.md)
+from rlfleet.tools.ctl.curve import curve_authorize, curve_keys, curve_probe  # noqa: E402  (docs/operations/security.md)
 from rlfleet.tools.ctl.etcd import etcd_group  # noqa: E402  (docs/operations/etcd-maintenance.md)
 from rlfleet.tools.ctl.node import node  # noqa: E402
 from rlfleet.tools.ctl.pause import pause, resume  # noqa: E402  (docs/operations/maintenance-mode.md)
@@ -388,6 +388,7 @@ from rlfleet.tools.ctl.switchover import switchover  # noqa: E402  (docs/operati
 
 main.add_command(curve_keys)
 main.add_command(curve_authorize)
+main.add_command(curve_probe)
 main.add_command(node)
 main.add_command(switchover)
 main.add_command(pause)

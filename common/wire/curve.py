@@ -20,6 +20,13 @@ IP and key), and a client that does not speak CURVE or has the wrong server key
 Roles (common/wire/edges.py): each server socket names its edge, and its ZAP handler admits
 only keys of the roles that edge lists; a key's role is the folder it is authorized in.
 
+The authorized set is read at start and again on SIGHUP (``reload_authorized``); a key the
+set does not hold also has the ZAP thread re-read it when ``authorized/`` changed since the
+last read (its files' names, sizes and mtimes), so a host authorized after the daemon
+started is admitted at its first handshake, and a client sending unknown keys costs a
+listing of the folder, never a read. A removed key is still admitted until SIGHUP: a known
+key never looks at the disk.
+
 The directory::
 
     <dir>/<role>.key_secret         the key pair of this machine's daemons of <role> (0600)
@@ -74,6 +81,7 @@ class CurveSetup:
     secret: bytes
     roles: dict[bytes, str]  # Z85 public key of each client allowed in -> the role it speaks for ("": none)
     directory: str
+    read_from: tuple[tuple[str, int, int], ...] | None = None  # authorized/ as it was read (authorized_listing)
 
     @property
     def authorized(self) -> frozenset[bytes]:
@@ -83,10 +91,10 @@ class CurveSetup:
     def load(cls, directory: str | os.PathLike[str], role: str = "") -> CurveSetup:
         """The pair of ``role`` (``<role>.key_secret``) where there is one, else the
         directory's one pair (``daemon.key_secret``)."""
-        d = Path(directory)
-        path = d / secret_file(role) if role and (d / secret_file(role)).exists() else d / SECRET_FILE
-        public, secret = read_pair(path)
-        return cls(public, secret, load_authorized(d / AUTHORIZED_DIR), str(d))
+        public, secret = read_pair(pair_file(directory, role))
+        folder = Path(directory) / AUTHORIZED_DIR
+        listing = authorized_listing(folder)  # before the read: a change during it is seen next time
+        return cls(public, secret, load_authorized(folder), str(Path(directory)), listing)
 
 
 def read_pair(path: Path) -> tuple[bytes, bytes]:
@@ -107,6 +115,28 @@ def public_cert(public: bytes) -> bytes:
 
 def secret_file(role: str) -> str:
     return f"{role}.key_secret" if role else SECRET_FILE
+
+
+def pair_file(directory: str | os.PathLike[str], role: str = "") -> Path:
+    """The secret key file a daemon of ``role`` uses: ``<role>.key_secret`` where there is
+    one, else ``daemon.key_secret``."""
+    own = Path(directory) / secret_file(role)
+    return own if role and own.exists() else Path(directory) / SECRET_FILE
+
+
+def authorized_listing(directory: Path) -> tuple[tuple[str, int, int], ...] | None:
+    """``directory``, its folders and each ``*.key`` file in them as (relative path, mtime
+    in ns, size): what tells a re-read would find something new. None: unreadable."""
+    try:
+        folders = [directory, *sorted(p for p in directory.iterdir() if p.is_dir())]
+        found = []
+        for folder in folders:
+            for path in [folder, *sorted(folder.glob("*.key"))]:
+                st = path.stat()
+                found.append((str(path.relative_to(directory)), st.st_mtime_ns, st.st_size))
+        return tuple(found)
+    except OSError:
+        return None
 
 
 def load_authorized(directory: Path) -> dict[bytes, str]:
@@ -161,13 +191,21 @@ def create_keys(directory: str | os.PathLike[str], name: str = "daemon", role: s
 _active: CurveSetup | None = None
 _guards: dict[int, tuple[_ZapHandler, _HandshakeWatch]] = {}  # id(context) -> its threads
 _lock = threading.Lock()
+# Replacing _active: a re-read (SIGHUP, or a ZAP thread meeting an unknown key) and
+# configure() take turns, so a late re-read never brings back a setup configure() ended.
+# A ZAP thread takes only this lock: configure() joins ZAP threads while holding _lock.
+_setup_lock = threading.Lock()
+_failed_listing: tuple | None = None  # authorized/ as a failed re-read saw it: not tried again unchanged
+_reread_failure = ""      # the last failed re-read's error, logged once until it changes
 
 
 def configure(setup: CurveSetup | None) -> None:
     """Turn CURVE on for every socket made from now on (None: off, for tests)."""
-    global _active
+    global _active, _failed_listing
     with _lock:
-        _active = setup
+        with _setup_lock:
+            _active = setup
+            _failed_listing = None
         if setup is None:
             for zap, watch in _guards.values():
                 zap.stop()
@@ -200,14 +238,50 @@ def active() -> CurveSetup | None:
 
 
 def reload_authorized() -> str:
-    """Re-read ``authorized/`` (SIGHUP): new clients are checked against it at once."""
+    """Re-read ``authorized/`` (SIGHUP): new clients are checked against it at once, and
+    a removed key is refused from then on. CurveError when it cannot be read."""
+    setup = _reread()
+    return f"CURVE: {len(setup.roles)} authorized key(s)" if setup is not None else ""
+
+
+def _reread() -> CurveSetup | None:
+    """The process's setup with ``authorized/`` read again, made the active one (None:
+    CURVE is off). CurveError or OSError when it cannot be read; the current set stays."""
     global _active
-    setup = _active
-    if setup is None:
-        return ""
-    keys = load_authorized(Path(setup.directory) / AUTHORIZED_DIR)
-    _active = CurveSetup(setup.public, setup.secret, keys, setup.directory)
-    return f"CURVE: {len(keys)} authorized key(s)"
+    with _setup_lock:
+        setup = _active
+        if setup is None:
+            return None
+        folder = Path(setup.directory) / AUTHORIZED_DIR
+        listing = authorized_listing(folder)
+        keys = load_authorized(folder)
+        _active = CurveSetup(setup.public, setup.secret, keys, setup.directory, listing)
+        return _active
+
+
+def _reread_for_unknown_key() -> CurveSetup | None:
+    """The setup re-read for a client key it does not hold, or None when ``authorized/``
+    has not changed since it was last read (or since a re-read of it failed), or this
+    re-read failed (logged once per distinct error)."""
+    global _failed_listing, _reread_failure
+    with _setup_lock:
+        setup = _active
+        if setup is None:
+            return None
+        listing = authorized_listing(Path(setup.directory) / AUTHORIZED_DIR)
+        if listing is not None and listing in (setup.read_from, _failed_listing):
+            return None  # nothing new on disk: the key is not authorized
+    try:
+        fresh = _reread()
+    except (CurveError, OSError) as exc:  # a half-written folder: keep the set we have
+        _failed_listing = listing
+        if str(exc) != _reread_failure:
+            _reread_failure = str(exc)
+            log.warning("kept the authorized CURVE keys: re-reading them for an unknown key failed: %s", exc,
+                        extra={"event": "auth_reload_failed"})
+        return None
+    _reread_failure = ""
+    return fresh
 
 
 # ----------------------------------------------------------------- sockets
@@ -313,6 +387,8 @@ class _ZapHandler(threading.Thread):
         if mechanism == b"CURVE" and credentials and len(credentials[0]) == 32:
             key = z85.encode(credentials[0])
             role = setup.roles.get(key) if setup is not None else None
+            if role is None and setup is not None and (fresh := _reread_for_unknown_key()) is not None:
+                role = fresh.roles.get(key)  # authorized since the last read: a host added to the fleet
             try:
                 edge = edges.edge_of(domain)
             except ValueError as exc:

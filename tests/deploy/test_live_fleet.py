@@ -29,8 +29,9 @@ from typing import Any
 
 import pytest
 
+from rlfleet.common.wire.edges import EDGES
 from rlfleet.tools.bench.node_add import NEW, OBSERVER, add_host, lost_after_end
-from rlfleet.tools.lab.job import JOB, REPO, RUN_DIR, LabJob, job_spec, wait_for, with_job_env
+from rlfleet.tools.lab.job import JOB, REPO, RLFLEET, RUN_DIR, LabJob, job_spec, wait_for, with_job_env
 
 from .conftest import module_lab
 
@@ -70,8 +71,10 @@ def on_host(host: str) -> set[str]:
 
 def test_a_provisioned_host_joins_the_live_job(fleet):
     assert on_host(NEW) == set()  # installed, its agent not started: nothing of the job runs there
-    # `node add` runs from before h6's agent exists, so its phases start at the registration.
-    added = add_host(J, fleet / "h6.ini")
+    # `node add` runs from before h6's agent exists. The provisioning run also touches h4,
+    # whose env-host and reward-host are live (as the operator's Prometheus host was one of
+    # the cluster's): its authorized keys change under running daemons.
+    added = add_host(J, fleet / "h6.ini", limit=f"{NEW}:prometheus:reward")
     # The minute is a target the record reports (live_fleet.json, docs/results/live-fleet.md),
     # not a wall-clock bound this test asserts: a loaded machine must not fail the join.
     figures["node_add"] = {**added, "installed_before_the_job": True, "target_s": NODE_ADD_TARGET_S,
@@ -82,6 +85,25 @@ def test_a_provisioned_host_joins_the_live_job(fleet):
     chain = J.etcd("relay/chain")[f"/rlfleet/{JOB}/relay/chain"]
     assert f"relay-{NEW}-0" in chain["order"], chain
     J.advances(10, 180, "with h6 serving")
+
+
+def test_every_live_daemon_admits_the_new_hosts_keys(fleet):
+    """Each server socket of the job, on every host (those the provisioning run touched and
+    those it did not), probed from h6 with each of h6's role keys: exactly the roles its
+    edge lists are admitted (common/wire/edges.py), with no daemon restarted."""
+    sockets = {(m["id"], name): address for m in J.etcd("members/").values() if m.get("host") != NEW
+               for name, address in (m.get("addresses") or {}).items() if "?curve=" in address}
+    edge_of = {"trainer": "trainer-trajectories", "reward-host": "reward-host-trajectories",
+               "rollout": "rollout-requests"}
+    roles = {m["id"]: m["role"] for m in J.etcd("members/").values()}
+    assert {roles[i] for i, _ in sockets} == set(edge_of), sockets  # the trainer, rollouts and the reward-host
+    probe = J.host_sh(NEW, f"{RLFLEET} curve-probe /etc/rlfleet/jobs/{JOB}/curve {' '.join(sockets.values())} "
+                           "--timeout 20 --json", timeout=120)
+    seen = json.loads(probe.stdout)
+    wrong = {(member, role): result for (member, _), address in sockets.items()
+             for role, result in seen[address].items()
+             if result != ("admitted" if role in EDGES[edge_of[roles[member]]] else "refused (auth)")}
+    assert not wrong, wrong
 
 
 def test_drain_stops_the_hosts_daemons_and_its_relay_leaves_the_chain(fleet):

@@ -1,13 +1,17 @@
 """CURVE for a whole process (common/wire/curve.py): real sockets over loopback TCP. The
-process-wide setup is switched on per test and off again after it."""
+process-wide setup is switched on per test and off again after it. A host's keys authorized
+while a server runs, and `rlfleet curve-probe` (tools/ctl/curve.py), which reads each
+handshake's outcome from the client's side."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
 import pytest
 import zmq
+from click.testing import CliRunner
 
 from rlfleet.common.secret_files import SecretFileError
 from rlfleet.common.spec.placement import ROLES
@@ -15,6 +19,8 @@ from rlfleet.common.wire import curve
 from rlfleet.common.wire.edges import EDGES
 from rlfleet.common.wire.messages import Abort
 from rlfleet.common.wire.sockets import CurveKeys, PeerTimeout, RequestClient, RequestServer
+from rlfleet.tools.cli import main
+from rlfleet.tools.ctl.curve import authorize, probe
 
 LOCAL = "tcp://127.0.0.1:0"
 
@@ -181,3 +187,111 @@ def test_a_key_authorized_under_two_roles_or_a_folder_that_is_no_role_is_refused
 def test_an_unknown_edge_is_an_error_at_bind():
     with pytest.raises(ValueError, match="unknown socket edge 'trainer'"):
         RequestServer(LOCAL, edge="trainer")
+
+
+# ----------------------------------------------------------------- a host authorized while the server runs
+def _new_host_pair(directory, role: str) -> dict[str, tuple[bytes, bytes]]:
+    """A key pair of ``role`` made on another host (``directory``), as curve-probe holds it."""
+    curve.create_keys(directory, name="new-host", role=role)
+    return {role: curve.read_pair(directory / curve.secret_file(role))}
+
+
+def _authorize_without_reload(job_dir, role: str, pair: dict[str, tuple[bytes, bytes]]) -> None:
+    """What `rlfleet curve-authorize` writes on the server's host; nobody sends SIGHUP."""
+    assert authorize(job_dir, {"new-host": {role: pair[role][0].decode()}})
+
+
+def test_a_key_authorized_after_start_is_admitted_at_its_next_handshake(role_keys, tmp_path):
+    new = _new_host_pair(tmp_path / "new", "env-host")
+    with RequestServer(LOCAL, edge="rollout-requests") as server:
+        assert new["env-host"][0] not in curve.active().roles
+        _authorize_without_reload(tmp_path / "job", "env-host", new)
+        assert probe(new, [server.endpoint], 10.0) == {server.endpoint: {"env-host": "admitted"}}
+    assert curve.active().roles[new["env-host"][0]] == "env-host"
+
+
+class _CountedReads:
+    """load_authorized, counting its calls."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls = 0
+        self._load = curve.load_authorized
+        monkeypatch.setattr(curve, "load_authorized", self)
+
+    def __call__(self, directory):
+        self.calls += 1
+        return self._load(directory)
+
+
+def test_a_key_authorized_after_start_for_another_role_is_refused_by_its_edge(role_keys, tmp_path, monkeypatch,
+                                                                              caplog):
+    caplog.set_level(logging.WARNING, logger="rlfleet.auth")
+    reads, by_role = _CountedReads(monkeypatch), _refused("role")
+    new = _new_host_pair(tmp_path / "new", "reward-host")
+    _authorize_without_reload(tmp_path / "job", "reward-host", new)
+    with RequestServer(LOCAL, edge="rollout-requests") as server:
+        assert probe(new, [server.endpoint], 10.0) == {server.endpoint: {"reward-host": "refused (auth)"}}
+    assert reads.calls == 1 and _refused("role") == by_role + 1
+    key = new["reward-host"][0].decode()
+    assert any(f"key {key} speaks for reward-host; rollout-requests admits env-host, repack-manager" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_unknown_keys_re_read_authorized_only_when_it_changed(role_keys, tmp_path, monkeypatch):
+    """Strangers' keys (on no server's disk) cost a listing of authorized/, never a read;
+    a key authorized between two of them is read at its own handshake."""
+    reads, unknown = _CountedReads(monkeypatch), _refused("unknown_key")
+    strangers = [_new_host_pair(tmp_path / f"stranger{i}", "env-host") for i in range(2)]
+    new = _new_host_pair(tmp_path / "new", "env-host")
+    with RequestServer(LOCAL, edge="rollout-requests") as server:
+        for stranger in strangers:
+            assert probe(stranger, [server.endpoint], 10.0) == {server.endpoint: {"env-host": "refused (auth)"}}
+        assert reads.calls == 0
+        _authorize_without_reload(tmp_path / "job", "env-host", new)
+        assert probe(new, [server.endpoint], 10.0) == {server.endpoint: {"env-host": "admitted"}}
+        assert probe(strangers[0], [server.endpoint], 10.0) == {server.endpoint: {"env-host": "refused (auth)"}}
+        assert probe({"env-host": (role_keys["env-host"].public, role_keys["env-host"].secret)},
+                     [server.endpoint], 10.0) == {server.endpoint: {"env-host": "admitted"}}  # known: no read
+    assert reads.calls == 1 and _refused("unknown_key") == unknown + 3
+
+
+def test_a_failed_re_read_keeps_the_current_keys_and_is_logged_once(role_keys, tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="rlfleet.auth")
+    reads = _CountedReads(monkeypatch)
+    before = curve.active()
+    (tmp_path / "job" / curve.AUTHORIZED_DIR / "admins").mkdir()  # not a role: the folder cannot be read
+    new = _new_host_pair(tmp_path / "new", "env-host")
+    _authorize_without_reload(tmp_path / "job", "env-host", new)
+    env_host = {"env-host": (role_keys["env-host"].public, role_keys["env-host"].secret)}
+    with RequestServer(LOCAL, edge="rollout-requests") as server:
+        for _ in range(2):  # the second finds the folder as the failed read left it: no read
+            assert probe(new, [server.endpoint], 10.0) == {server.endpoint: {"env-host": "refused (auth)"}}
+        assert probe(env_host, [server.endpoint], 10.0) == {server.endpoint: {"env-host": "admitted"}}
+        assert reads.calls == 1 and curve.active() is before
+        (tmp_path / "job" / curve.AUTHORIZED_DIR / "admins").rmdir()  # repaired: the key's next handshake reads
+        assert probe(new, [server.endpoint], 10.0) == {server.endpoint: {"env-host": "admitted"}}
+    assert reads.calls == 2
+    failures = [r.getMessage() for r in caplog.records if "re-reading them for an unknown key failed" in r.getMessage()]
+    assert len(failures) == 1 and "admins: not a role" in failures[0], failures
+
+
+# ----------------------------------------------------------------- rlfleet curve-probe
+def test_curve_probe_reports_each_roles_handshake_on_each_address(role_keys, tmp_path):
+    job = tmp_path / "job"
+    with RequestServer(LOCAL, edge="rollout-requests") as rollout, \
+            RequestServer(LOCAL, edge="trainer-trajectories") as trainer:
+        addresses = {rollout.endpoint: "rollout-requests", trainer.endpoint: "trainer-trajectories"}
+        result = CliRunner().invoke(main, ["curve-probe", str(job), *addresses, "--json", "--timeout", "10"],
+                                    catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output) == {
+            address: {role: "admitted" if role in EDGES[edge] else "refused (auth)" for role in ROLES}
+            for address, edge in addresses.items()}
+        table = CliRunner().invoke(main, ["curve-probe", str(job), rollout.endpoint, "--role", "env-host",
+                                          "--role", "trainer"], catch_exceptions=False)
+    assert table.exit_code == 0, table.output
+    rows = [line.split() for line in table.output.splitlines()]
+    assert rows == [["ADDRESS", "ROLE", "RESULT"], [rollout.endpoint, "env-host", "admitted"],
+                    [rollout.endpoint, "trainer", "refused", "(auth)"]]
+    keyless = CliRunner().invoke(main, ["curve-probe", str(job), "tcp://127.0.0.1:9"])
+    assert keyless.exit_code == 2 and "carries no CURVE server key" in keyless.output, keyless.output

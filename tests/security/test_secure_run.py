@@ -8,14 +8,15 @@ security such a message was accepted, journaled and counted; here both are refus
 the trainer logs each refusal, and nothing of them reaches the journal.
 
 Then it plays a compromised daemon: with each role's own key pair (from the run's
-credentials), a client process of its own tries every server socket of the running
-daemons (trainer, reward-host, rollout). Exactly the edges of common/wire/edges.py are
-admitted; the reward-host's key, which the trainer admits, injects a trajectory of a
+credentials), one `rlfleet curve-probe` process tries every server socket of the running
+daemons (trainer, reward-host, rollout) at once. Exactly the edges of common/wire/edges.py
+are admitted; the reward-host's key, which the trainer admits, injects a trajectory of a
 prompt nobody claimed, and it is refused with the reason.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -137,12 +138,14 @@ def _every_role_against_every_socket(run_dir: Path, endpoints: str, creds: EtcdC
     finally:
         store.close()
     assert set(addresses) == set(EDGES)
-    probes = {(edge, role): subprocess.Popen(
-        [sys.executable, "-m", "tests.security.edge_probe", str(keys_dir / curve.secret_file(role)), address, "20"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=_clean_env())
-        for edge, address in addresses.items() for role in ROLES}
-    seen = {pair: proc.communicate(timeout=60)[0].strip() for pair, proc in probes.items()}
-    expected = {(edge, role): "admitted" if role in EDGES[edge] else "refused (auth)" for edge, role in probes}
+    # One process probes every pair at once, each with that role's own pair from the run's keys.
+    probed = subprocess.run([sys.executable, "-m", "rlfleet.tools.cli", "curve-probe", str(keys_dir),
+                             *addresses.values(), "--json", "--timeout", "20"],
+                            capture_output=True, text=True, timeout=60, cwd=REPO, env=_clean_env())
+    assert probed.returncode == 0, probed.stderr[-2000:]
+    seen = json.loads(probed.stdout)
+    expected = {address: {role: "admitted" if role in EDGES[edge] else "refused (auth)" for role in ROLES}
+                for edge, address in addresses.items()}
     assert seen == expected
     logs = {edge: run_dir / "logs" / f"{role}-0.log" for edge, (role, _) in SOCKETS.items()}
     env_key = curve.CurveSetup.load(keys_dir, "env-host").public.decode()

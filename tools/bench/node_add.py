@@ -39,11 +39,12 @@ def lab(*args: str, timeout: float = 400) -> None:
         raise SystemExit(f"lab {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
 
 
-def add_host(j: LabJob, extra_inventory: Path) -> dict[str, Any]:
+def add_host(j: LabJob, extra_inventory: Path, limit: str = f"{NEW}:prometheus") -> dict[str, Any]:
+    """Start `node add` on the observer, then provision the new host (`site.yml -l LIMIT`)."""
     j.host_sh(OBSERVER, f"rm -f /root/add.json; setsid nohup bash -c '{with_job_env(RLFLEET)} node add {NEW} "
                         "--timeout 600 --json /root/add.json > /root/add.log 2>&1' > /dev/null 2>&1 < /dev/null &")
     t0 = time.monotonic()
-    _, provision_s = j.playbook("site.yml", "-l", f"{NEW}:prometheus", inventories=(str(extra_inventory),))
+    _, provision_s = j.playbook("site.yml", "-l", limit, inventories=(str(extra_inventory),))
     raw = wait_for("rlfleet node add to finish", lambda: j.host_sh(OBSERVER, "cat /root/add.json", check=False)
                    .stdout.strip() or None, timeout_s=600, every_s=2)
     print(j.host_sh(OBSERVER, "cat /root/add.log").stdout, flush=True)
