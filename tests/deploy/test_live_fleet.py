@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -97,8 +98,9 @@ def test_every_live_daemon_admits_the_new_hosts_keys(fleet):
                "rollout": "rollout-requests"}
     roles = {m["id"]: m["role"] for m in J.etcd("members/").values()}
     assert {roles[i] for i, _ in sockets} == set(edge_of), sockets  # the trainer, rollouts and the reward-host
-    probe = J.host_sh(NEW, f"{RLFLEET} curve-probe /etc/rlfleet/jobs/{JOB}/curve {' '.join(sockets.values())} "
-                           "--timeout 20 --json", timeout=120)
+    addresses = " ".join(shlex.quote(a) for a in sockets.values())  # Z85 keys hold shell characters
+    probe = J.host_sh(NEW, f"{RLFLEET} curve-probe /etc/rlfleet/jobs/{JOB}/curve {addresses} --timeout 20 --json",
+                      timeout=120)
     seen = json.loads(probe.stdout)
     wrong = {(member, role): result for (member, _), address in sockets.items()
              for role, result in seen[address].items()
