@@ -302,6 +302,7 @@ class Placement:
     id: str
     problem: str = ""
     since: float = field(default=0.0, compare=False)  # wall time; 0.0: not said (placed by hand)
+    gpus: tuple[int, ...] | None = None  # the host's GPU indices it is given (None: the job assigns none)
 
     @classmethod
     def from_kv(cls, keys: JobKeys, kv: KeyValue) -> Placement:
@@ -309,13 +310,18 @@ class Placement:
         placed = cls(host, role, member_id)
         value = dict(kv.value) if isinstance(kv.value, Mapping) else kv.value
         since = value.pop("since", 0.0) if isinstance(value, dict) else 0.0
+        gpus = value.pop("gpus", None) if isinstance(value, dict) else None
+        where = f"{names.PLACEMENT}/{host}/{role}/{member_id}"
         if value != placed.to_value() or not isinstance(since, (int, float)) or isinstance(since, bool):
-            return cls(host, role, member_id,
-                       f"{names.PLACEMENT}/{host}/{role}/{member_id}: value {_short(kv.value)} does not repeat the key")
-        return cls(host, role, member_id, since=float(since))
+            return cls(host, role, member_id, f"{where}: value {_short(kv.value)} does not repeat the key")
+        if gpus is not None and not (isinstance(gpus, list) and all(
+                isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus)):
+            return cls(host, role, member_id, f"{where}: gpus {_short(gpus)} is not a list of GPU indices")
+        return cls(host, role, member_id, since=float(since), gpus=None if gpus is None else tuple(gpus))
 
     def to_value(self) -> dict[str, Any]:
-        return {"host": self.host, "role": self.role, "id": self.id, **({"since": self.since} if self.since else {})}
+        return {"host": self.host, "role": self.role, "id": self.id, **({"since": self.since} if self.since else {}),
+                **({"gpus": list(self.gpus)} if self.gpus is not None else {})}
 
 
 def placements_from(keys: JobKeys, kvs: list[KeyValue]) -> list[Placement]:

@@ -42,9 +42,34 @@ def _check_host_name(name: str) -> str:
     return name
 
 
+def check_gpus(where: str, roles: dict[str, int], gpus_per_daemon: dict[str, int], gpus: int | None) -> None:
+    """A role asking for GPUs must be placed there, and (where the host's count is known)
+    what its daemons ask for together must fit: the error names the host and the key."""
+    for role, n in gpus_per_daemon.items():
+        if n and not roles.get(role):
+            raise fail(f"{where}: gpus_per_daemon.{role} = {n}, but it places no {role}")
+    wanted = sum(roles.get(role, 0) * n for role, n in gpus_per_daemon.items())
+    if gpus is None or wanted <= gpus:
+        return
+    asked = " + ".join(f"{roles[r]} {r} x {n}" for r, n in gpus_per_daemon.items() if n)
+    if gpus == 0:
+        raise fail(f"{where}: gpus_per_daemon asks for {wanted} GPU(s) ({asked}) on a host without one "
+                   "(gpus = 0; set gpus to the number the host has)")
+    raise fail(f"{where}: gpus_per_daemon asks for {wanted} GPU(s) ({asked}), more than its gpus = {gpus}")
+
+
 class HostPlacement(Section):
     name: Annotated[StrictStr, Field(min_length=1), AfterValidator(_check_host_name)]
     roles: dict[Role, NonNegInt]
+    # GPUs the host has, and how many each daemon of a role is given (CUDA_VISIBLE_DEVICES,
+    # assigned in placement order): docs/operations/gpus.md.
+    gpus: NonNegInt = 0
+    gpus_per_daemon: dict[Role, NonNegInt] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _gpus_fit(self) -> HostPlacement:
+        check_gpus(f"host {self.name!r}", dict(self.roles), dict(self.gpus_per_daemon), self.gpus)
+        return self
 
 
 def _check_pool_name(name: str) -> str:
@@ -61,12 +86,20 @@ class Pool(Section):
     labels: dict[StrictStr, StrictStr] = Field(default_factory=dict)
     roles: dict[PoolRole, NonNegInt]
     capacity: NonNegInt = 0  # hosts at most; 0: no limit
+    # GPUs each daemon of a role is given; a host is admitted only if its agent reports that many.
+    gpus_per_daemon: dict[PoolRole, NonNegInt] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _places_something(self) -> Pool:
         if not any(self.roles.values()):
             raise fail(f"pool {self.name!r} places nothing: give roles, e.g. {{ relay = 1, rollout = 1 }}")
+        check_gpus(f"pool {self.name!r}", dict(self.roles), dict(self.gpus_per_daemon), None)
         return self
+
+    @property
+    def gpus_wanted(self) -> int:
+        """GPUs a host needs to be admitted into this pool."""
+        return sum(self.roles.get(role, 0) * n for role, n in self.gpus_per_daemon.items())
 
     def matches(self, labels: dict[str, str]) -> bool:
         return all(labels.get(k) == v for k, v in self.labels.items())
@@ -79,6 +112,13 @@ def _default_hosts() -> tuple[HostPlacement, ...]:
 class PlacementSection(Section):
     hosts: tuple[HostPlacement, ...] = Field(default_factory=_default_hosts)
     pools: tuple[Pool, ...] = ()  # empty: only the named hosts run the job
+
+    @property
+    def assigns_gpus(self) -> bool:
+        """Whether any daemon is given GPUs: then every daemon's CUDA_VISIBLE_DEVICES is set
+        (empty for one given none, so it never takes another's GPU)."""
+        return any(any(h.gpus_per_daemon.values()) for h in self.hosts) or \
+            any(any(p.gpus_per_daemon.values()) for p in self.pools)
 
     @model_validator(mode="after")
     def _complete(self) -> PlacementSection:

@@ -128,7 +128,7 @@ class Agent(Daemon):
         boot = policy.bootstrap(placement_from_spec(self.spec), [self.host])
         try:
             kvs = self.store.get_prefix(self.keys.host_placement_prefix(self.host))
-            self._placed = [Placed(p.host, p.role, p.id) for p in placements_from(self.keys, kvs)]
+            self._placed = [Placed(p.host, p.role, p.id, p.gpus) for p in placements_from(self.keys, kvs)]
         except StoreUnavailable:
             pass  # keep acting on the last placement read: an outage stops nothing
         return sorted(set(boot) | set(self._placed))
@@ -158,7 +158,8 @@ def _process_backend(agent: Agent) -> ProcessBackend:
     run_dir = Path(os.environ.get("RLFLEET_RUN_DIR") or Path("runs") / job).resolve()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RLFLEET_RUN_DIR": str(run_dir),
            **{k: v for k, v in agent.etcd_env.items() if v}}
-    return ProcessBackend(lambda p: daemon_command(job, agent.etcd, p), lambda p: env, run_dir / "logs")
+    return ProcessBackend(lambda p: daemon_command(job, agent.etcd, p), lambda p: {**env, **p.environment()},
+                          run_dir / "logs")
 
 
 def _systemd_backend(agent: Agent) -> SystemdBackend:

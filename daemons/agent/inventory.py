@@ -21,8 +21,11 @@ def gpus() -> list[dict[str, Any]]:
         return []
     found = []
     for line in out.strip().splitlines():
-        index, name, mem_mib = (x.strip() for x in line.split(","))
-        found.append({"index": int(index), "name": name, "memory_bytes": int(float(mem_mib)) * 2**20})
+        try:
+            index, name, mem_mib = (x.strip() for x in line.split(","))
+            found.append({"index": int(index), "name": name, "memory_bytes": int(float(mem_mib)) * 2**20})
+        except ValueError:  # a line this query does not print ("No devices were found"): not a GPU
+            continue
     return found
 
 

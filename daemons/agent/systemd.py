@@ -4,10 +4,11 @@ A daemon is the instance `rlfleet@<job>:<id>.service` of the template unit in
 systemd/ (ExecStart runs `rlfleet daemon ${RLFLEET_ROLE} --job ${RLFLEET_JOB}
 --id ${RLFLEET_MEMBER_ID}`). Before starting it the agent writes its
 environment file `/run/rlfleet/units/<job>:<id>.env`: the agent's own job
-variables (RLFLEET_*, from the job's env file), RLFLEET_ROLE and
-RLFLEET_MEMBER_ID. systemd restarts a unit that dies (Restart=on-failure); the
-agent reads `NRestarts` to count those deaths, and starts again (after
-`reset-failed`, with its own backoff) a unit systemd gave up on.
+variables (RLFLEET_*, from the job's env file), RLFLEET_ROLE,
+RLFLEET_MEMBER_ID, and CUDA_VISIBLE_DEVICES where the job assigns GPUs. systemd
+restarts a unit that dies (Restart=on-failure); the agent reads `NRestarts` to
+count those deaths, and starts again (after `reset-failed`, with its own
+backoff) a unit systemd gave up on.
 
 `start` and `stop` pass --no-block: a trainer may take a minute to be ready
 (Type=notify) or to drain, and the agent's loop must go on refreshing its lease.
@@ -95,7 +96,8 @@ class SystemdBackend:
         return self.env_dir / f"{self.job}:{member_id}.env"
 
     def write_env(self, placed: Placed) -> Path:
-        env = {**self.env, "RLFLEET_ROLE": placed.role, "RLFLEET_MEMBER_ID": placed.member_id}
+        env = {**self.env, "RLFLEET_ROLE": placed.role, "RLFLEET_MEMBER_ID": placed.member_id,
+               **placed.environment()}  # its GPUs (CUDA_VISIBLE_DEVICES), where the job assigns them
         path = self.env_path(placed.member_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from rlfleet.common.control.operations import DRAINING, REMOVED, Admission, NodeState
-from rlfleet.common.control.placement import Placed, placement_from_spec
+from rlfleet.common.control.placement import Placed, assign_gpus, placement_from_spec
 from rlfleet.common.spec.job import JobSpec
 from rlfleet.common.spec.placement import Pool
 
@@ -31,6 +31,7 @@ from rlfleet.common.spec.placement import Pool
 class Fleet:
     """What the resource-manager reads before deciding (one snapshot of the job)."""
     nodes: Mapping[str, Mapping[str, str]]           # registered host -> its labels
+    gpus: Mapping[str, int] = field(default_factory=dict)  # registered host -> GPUs its agent reports
     admissions: Mapping[str, Admission] = field(default_factory=dict)
     node_states: Mapping[str, NodeState] = field(default_factory=dict)
     busy_hosts: frozenset[str] = frozenset()        # hosts where a daemon of the job still runs
@@ -45,27 +46,34 @@ class Decision:
     waiting: Mapping[str, str] = field(default_factory=dict)  # registered host -> why it is not admitted
 
 
-def pool_placement(pool: Pool, host: str) -> list[Placed]:
+def pool_placement(pool: Pool, host: str, assigns_gpus: bool = False) -> list[Placed]:
     """The daemons a pool puts on one admitted host. Ids name the host, so they are
-    stable across the host's reboots and unique however many hosts join."""
-    return [Placed(host, role, f"{role}-{host}-{i}")
-            for role, n in pool.roles.items() for i in range(n)]
+    stable across the host's reboots and unique however many hosts join; where the job
+    assigns GPUs (`assigns_gpus`), each is given its own."""
+    placed = [Placed(host, role, f"{role}-{host}-{i}") for role, n in pool.roles.items() for i in range(n)]
+    return assign_gpus(placed, pool.gpus_per_daemon) if assigns_gpus else placed
 
 
 def describe_labels(labels: Mapping[str, str]) -> str:
     return "{" + ", ".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
 
 
-def choose_pool(pools: Iterable[Pool], labels: Mapping[str, str], members: Mapping[str, int]) -> tuple[Pool | None, str]:
-    """The first pool whose labels the host carries and which has room; else None and why."""
+def choose_pool(pools: Iterable[Pool], labels: Mapping[str, str], members: Mapping[str, int],
+                gpus: int = 0) -> tuple[Pool | None, str]:
+    """The first pool whose labels the host carries, whose daemons' GPUs it has, and which
+    has room; else None and why."""
     matching = [p for p in pools if p.matches(dict(labels))]
-    for pool in matching:
-        if not pool.capacity or members.get(pool.name, 0) < pool.capacity:
-            return pool, ""
     if not matching:
         return None, f"no pool matches its labels {describe_labels(labels)}"
+    fitting = [p for p in matching if p.gpus_wanted <= gpus]
+    if not fitting:
+        return None, f"it has {gpus} GPU(s); every matching pool needs more: " + ", ".join(
+            f"{p.name} ({p.gpus_wanted})" for p in matching)
+    for pool in fitting:
+        if not pool.capacity or members.get(pool.name, 0) < pool.capacity:
+            return pool, ""
     return None, "every matching pool is full: " + ", ".join(
-        f"{p.name} ({members.get(p.name, 0)}/{p.capacity})" for p in matching)
+        f"{p.name} ({members.get(p.name, 0)}/{p.capacity})" for p in fitting)
 
 
 def decide(spec: JobSpec, fleet: Fleet, now: float) -> Decision:
@@ -91,7 +99,7 @@ def decide(spec: JobSpec, fleet: Fleet, now: float) -> Decision:
         if not pools:
             waiting[host] = "the spec has no [[placement.pools]]: only its named hosts run the job"
             continue
-        pool, why = choose_pool(pools.values(), fleet.nodes[host], members)
+        pool, why = choose_pool(pools.values(), fleet.nodes[host], members, fleet.gpus.get(host, 0))
         if pool is None:
             waiting[host] = why
             continue
@@ -103,6 +111,6 @@ def decide(spec: JobSpec, fleet: Fleet, now: float) -> Decision:
     placed = [p for p in placement_from_spec(spec) if not unplaced(p.host)]
     for host, admission in sorted(kept.items()):
         if not unplaced(host):
-            placed += pool_placement(pools[admission.pool], host)
+            placed += pool_placement(pools[admission.pool], host, spec.placement.assigns_gpus)
     drained = tuple(sorted(h for h, s in states.items() if s.state == DRAINING and h not in fleet.busy_hosts))
     return Decision(tuple(placed), tuple(admit), forget, drained, waiting)

@@ -37,7 +37,8 @@ def _placed(keys, kv: KeyValue) -> Placement | None:
 def fleet_of(cluster: Cluster) -> Fleet:
     busy = {m.host for m in cluster.all_members if m.host and m.role in ROLES}  # a host's agent stays
     busy |= {host for host, node in cluster.nodes.items() if node.daemons}
-    return Fleet(nodes={h: dict(n.labels) for h, n in cluster.nodes.items()}, admissions=dict(cluster.admissions),
+    return Fleet(nodes={h: dict(n.labels) for h, n in cluster.nodes.items()},
+                 gpus={h: len(n.gpus) for h, n in cluster.nodes.items()}, admissions=dict(cluster.admissions),
                  node_states=dict(cluster.node_states), busy_hosts=frozenset(busy))
 
 
@@ -88,7 +89,7 @@ class ResourceManager(Daemon):
             self.store.put(self.keys.admitted(admission.host), admission.to_value())
             said.append(f"admitted {admission.host} into pool {admission.pool} "
                         f"(labels {describe_labels(admission.labels or {})})")
-        desired = {self.keys.placement(p.host, p.role, p.member_id): Placement(p.host, p.role, p.member_id)
+        desired = {self.keys.placement(p.host, p.role, p.member_id): Placement(p.host, p.role, p.member_id, gpus=p.gpus)
                    for p in decision.placed}
         # Read raw: a key under placement/ that names no daemon is not desired, so it goes.
         current = {kv.key: _placed(self.keys, kv) for kv in self.store.get_prefix(self.keys.placement_prefix)}

@@ -28,6 +28,7 @@ import os
 from typing import Any
 
 from rlfleet.common.daemon import Daemon
+from rlfleet.common.devices import torch_device
 from rlfleet.common.wire.messages import Abort, GenerateRequest, RepackOrder, RolloutStats
 from rlfleet.common.wire.sockets import RequestServer
 
@@ -82,7 +83,7 @@ class Rollout(Daemon):
             pass  # already set in this process
         rs = self.spec.rollout
         engine = ROLLOUT_ENGINES.build(rs.engine, model_path=self.spec.model.path,
-                                       dtype=self.spec.model.dtype)
+                                       dtype=self.spec.model.dtype, device=torch_device())  # its GPUs, if given
         self.server = RequestServer(f"tcp://{rs.bind_host}:0",
                                     expect=EXPECT,
                                     name=f"{self.options.member_id}-requests", edge="rollout-requests")

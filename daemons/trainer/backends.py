@@ -97,6 +97,7 @@ class TorchBackend(TrainerBackend):
 
     @classmethod
     def build(cls, config: TorchBackendConfig, /, *, spec: Any, **_: Any) -> Any:
+        from rlfleet.common.devices import torch_device
         from rlfleet.common.spec.seams import POLICY_LOSSES
 
         from .learner import Learner  # torch: imported only by a leader
@@ -106,7 +107,7 @@ class TorchBackend(TrainerBackend):
         if not raw.isdigit() or int(raw) < 1:
             raise ValueError(f"RLFLEET_TORCH_THREADS must be an integer >= 1, got {raw!r}")
         return Learner(spec.model.path, lr=t.learning_rate, loss=POLICY_LOSSES.build(t.loss),
-                       seed=spec.job.seed, threads=int(raw),
+                       seed=spec.job.seed, threads=int(raw), device=torch_device(),  # its GPU, if given
                        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
                        total_steps=t.max_steps,
                        # The rollout reports behaviour log-probs at temperature 1 (the

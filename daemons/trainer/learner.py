@@ -42,8 +42,9 @@ class Learner(GroupStep):
                  aggregate: grpo.Aggregate = "token", max_grad_norm: float = 1.0,
                  weight_decay: float = 0.0, micro_batch_tokens: int = 16384,
                  lr_schedule: str = "constant", warmup_steps: int = 0,
-                 total_steps: int | None = None) -> None:
+                 total_steps: int | None = None, device: str = "cpu") -> None:
         self.model_dir = Path(model_dir)
+        self.device = torch.device(device)  # "cuda": the GPU its placement gave it
         self.set_step_options(lr=lr, loss=loss, seed=seed, temperature=temperature, aggregate=aggregate,
                               max_grad_norm=max_grad_norm, weight_decay=weight_decay,
                               micro_batch_tokens=micro_batch_tokens, lr_schedule=lr_schedule,
@@ -66,7 +67,7 @@ class Learner(GroupStep):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # stderr is the daemon's JSON log
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(self.device)
         model.train()
         # fused: one kernel for all parameters instead of ~10 Python-dispatched ops per
         # tensor; at this model size that is 2.7x less optimizer time per step (TRL's
@@ -80,24 +81,29 @@ class Learner(GroupStep):
         """The batch's rows packed (prompts shared by a group's rows, packing.py), in
         micro-batches of packed rows; per micro-batch the rows' log-probs."""
         packed = packing.pack(batch, batch.prompt_lengths, pad_id=self.pad_id, hidden_size=self.hidden_size)
+        dev = self.device
         for prows in micro_batches(packed.widths, self.micro_batch_tokens):
             rows = [n for p in prows for n in packed.source[p]]
             pw = max(packed.widths[p] for p in prows)
             width = max(packed.lengths[n] for n in rows)
-            logits = self.model(input_ids=packed.input_ids[prows, :pw],
-                                position_ids=packed.position_ids[prows, :pw],
-                                attention_mask=packed.attention[prows, :, :pw, :pw]).logits
+            logits = self.model(input_ids=packed.input_ids[prows, :pw].to(dev),
+                                position_ids=packed.position_ids[prows, :pw].to(dev),
+                                attention_mask=packed.attention[prows, :, :pw, :pw].to(dev)).logits
             logp, entropy = packing.token_logprobs(logits, packed, prows, rows,
-                                                   batch.input_ids[rows, 1:width], self.temperature,
+                                                   batch.input_ids[rows, 1:width].to(dev), self.temperature,
                                                    entropy_grad=self.loss.needs_entropy_grad)
             yield rows, width, logp, entropy
 
     @torch.no_grad()
     def sequence_logprob(self, prompt: Sequence[int], completion: Sequence[int]) -> float:
         """log p(completion | prompt) under the current policy (for tests and evals)."""
-        ids = torch.tensor([list(prompt) + list(completion)], dtype=torch.long)
+        ids = torch.tensor([list(prompt) + list(completion)], dtype=torch.long, device=self.device)
         logp, _ = grpo.token_logprobs(self.model(input_ids=ids).logits, ids, self.temperature)
         return float(logp[0, len(prompt) - 1:].sum())
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- publishing -------------------------------------------------------------------
     def hf_state(self) -> dict[str, torch.Tensor]:
@@ -134,7 +140,7 @@ class Learner(GroupStep):
             part = "model"
             model, optimizer = self._build(path)
             part = "optimizer.pt"
-            optimizer.load_state_dict(torch.load(path / part, weights_only=True))
+            optimizer.load_state_dict(torch.load(path / part, weights_only=True, map_location=self.device))
             part = "rng.pt"
             rng = torch.load(path / part, weights_only=True)
         except Exception as exc:  # torch.load raises anything from IndexError to UnpicklingError

@@ -137,8 +137,8 @@ def token_logprobs(logits: torch.Tensor, packed: PackedRows, prows: Sequence[int
     local = torch.full((len(packed.widths),), -1, dtype=torch.long)
     local[list(prows)] = torch.arange(len(prows))
     index = torch.tensor(list(rows), dtype=torch.long)
-    prow = local[packed.row[index]][:, None]
-    pos = packed.position[index, :targets.shape[1]]
+    prow = local[packed.row[index]][:, None].to(logits.device)  # the layout is built on the CPU
+    pos = packed.position[index, :targets.shape[1]].to(logits.device)
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
     logp = logp_all[prow, pos].gather(-1, targets[..., None]).squeeze(-1)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):

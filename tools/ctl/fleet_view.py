@@ -70,6 +70,12 @@ class FleetSnapshot:
     problems: list[str] = field(default_factory=list)
     cluster: Cluster | None = field(default=None, compare=False)  # everything else etcd said (progress, weights...)
 
+    @property
+    def gpus(self) -> dict[str, tuple[int, ...]]:
+        """Member id -> the GPU indices its placement gives it (only where the job assigns GPUs)."""
+        placement = self.cluster.placement if self.cluster is not None else ()
+        return {p.id: p.gpus for p in placement if p.gpus is not None}
+
     def by_role(self) -> dict[str, list[MemberRow]]:
         out: dict[str, list[MemberRow]] = {r: [] for r in ROLES}
         for m in self.members:
@@ -83,7 +89,8 @@ class FleetSnapshot:
             "members": [vars(m) for m in self.members],
             "leaders": self.leaders,
             "nodes": self.nodes,
-            "placement": [{"host": h, "role": r, "id": i} for h, r, i in self.placed],
+            "placement": [{"host": h, "role": r, "id": i, **({"gpus": list(g)} if (g := self.gpus.get(i)) is not None
+                                                              else {})} for h, r, i in self.placed],
             "problems": self.problems,
             "state": _state_json(self.cluster.state if self.cluster is not None else None),
         }
@@ -186,7 +193,8 @@ def _problems(members: list[MemberRow], leaders: dict[str, str], placed: list[tu
 
 def members_table(snap: FleetSnapshot, restarts: dict[str, int] | None = None) -> Table:
     table = Table(title=f"job {snap.job}", expand=False)
-    for col in ("role", "id", "host", "pid", "state", "leader", "up", "addresses"):
+    gpus = snap.gpus
+    for col in ("role", "id", "host", "pid", "state", "leader", "up", *(("gpus",) if gpus else ()), "addresses"):
         table.add_column(col, overflow="fold")  # a narrow terminal wraps an id, never cuts it
     if restarts is not None:
         table.add_column("restarts", justify="right")
@@ -194,7 +202,7 @@ def members_table(snap: FleetSnapshot, restarts: dict[str, int] | None = None) -
     for role in by_role:
         members = sorted(by_role[role], key=lambda m: m.member_id)
         if not members:
-            row = [role, "—", "", "", "[red]none live[/red]", "", "", ""]
+            row = [role, "—", "", "", "[red]none live[/red]", "", "", *([""] if gpus else []), ""]
             table.add_row(*row, *([""] if restarts is not None else []))
             continue
         for m in members:
@@ -204,7 +212,9 @@ def members_table(snap: FleetSnapshot, restarts: dict[str, int] | None = None) -
                 state = f"[red]{m.health.split(' (')[0]}[/red]"
             up = f"{snap.taken_at - m.started:.0f}s" if m.started else ""
             addrs = " ".join(f"{k}={v}" for k, v in sorted(m.addresses.items()))
-            row = [role, m.member_id, m.host, str(m.pid), state, leader, up, addrs]
+            given = gpus.get(m.member_id)
+            held = [("" if given is None else ",".join(map(str, given)) or "none")] if gpus else []
+            row = [role, m.member_id, m.host, str(m.pid), state, leader, up, *held, addrs]
             if restarts is not None:
                 row.append(str(restarts.get(m.member_id, 0)))
             table.add_row(*row)

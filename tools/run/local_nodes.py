@@ -50,7 +50,7 @@ class LocalNodes:
     def read_placement(self, store: EtcdStore) -> None:
         """placement/ for this machine's hosts; the last read stays through an outage."""
         try:
-            self.placement = [Placed(p.host, p.role, p.id) for p in
+            self.placement = [Placed(p.host, p.role, p.id, p.gpus) for p in
                               placements_from(self.keys, store.get_prefix(self.keys.placement_prefix))
                               if p.host in self.hosts]
         except StoreUnavailable:

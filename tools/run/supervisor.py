@@ -150,7 +150,7 @@ class Supervisor:
                 INCARNATION_ENV: self.owner.incarnation, **self.security.daemon_env()}
 
         def env(p: Placed) -> dict[str, str]:
-            return {**base, "RLFLEET_TORCH_THREADS": str(torch_threads(self.placed, p.host))}
+            return {**base, "RLFLEET_TORCH_THREADS": str(torch_threads(self.placed, p.host)), **p.environment()}
         self.backend = ProcessBackend(lambda p: daemon_command(self.spec.job.name, endpoints, p), env,
                                       self.run_dir / "logs")
         self.backend.log_dir.mkdir(parents=True, exist_ok=True)

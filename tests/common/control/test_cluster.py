@@ -99,6 +99,11 @@ def test_leader_node_placement():
     assert timed == placed and timed.since == 12.5 and timed.problem == "" and timed.to_value()["since"] == 12.5
     assert "does not repeat" in Placement.from_kv(K, kv(K.placement("h1", "relay", "relay-0"), {
         "host": "h1", "role": "relay", "id": "relay-0", "since": "soon"})).problem
+    gpus = Placement.from_kv(K, kv(K.placement("h1", "relay", "relay-0"),
+                                   {"host": "h1", "role": "relay", "id": "relay-0", "gpus": [0, 1]}))
+    assert gpus.gpus == (0, 1) and gpus != placed and gpus.to_value()["gpus"] == [0, 1] and placed.gpus is None
+    assert "not a list of GPU indices" in Placement.from_kv(K, kv(K.placement("h1", "relay", "relay-0"), {
+        "host": "h1", "role": "relay", "id": "relay-0", "gpus": [-1]})).problem
     odd = Placement.from_kv(K, kv(K.placement("h1", "relay", "relay-0"), {"host": "h2"}))
     assert odd != placed and "does not repeat the key" in odd.problem and odd.host == "h1"
     # A key with a component too many names no daemon: skipped, the others kept.

@@ -175,6 +175,44 @@ roles = { resource-manager = 1, trainer = 1, relay = 1, rollout = 4, env-host = 
     assert spec.all_roles()["resource-manager"] == 2
 
 
+GPU_HOSTS = """
+[[placement.hosts]]
+name = "cpu-1"
+roles = { resource-manager = 1, repack-manager = 1, env-host = 1, reward-host = 1 }
+[[placement.hosts]]
+name = "gpu-1"
+roles = { trainer = 1, relay = 1, rollout = 2 }
+"""
+
+
+def test_gpus_are_given_per_daemon_in_placement_order(tree):
+    from rlfleet.common.control.placement import placement_from_spec
+
+    Path("examples/gpus.toml").write_text(MINIMAL + GPU_HOSTS + "gpus = 8\ngpus_per_daemon = { trainer = 4, rollout = 2 }\n")
+    spec = load_spec("examples/gpus.toml")
+    given = {p.member_id: p.gpus for p in placement_from_spec(spec)}
+    assert given == {"resource-manager-0": (), "repack-manager-0": (), "env-host-0": (), "reward-host-0": (),
+                     "trainer-0": (0, 1, 2, 3), "relay-0": (), "rollout-0": (4, 5), "rollout-1": (6, 7)}
+    assert all(p.gpus is None for p in placement_from_spec(load_spec("examples/arithmetic.toml")))
+
+
+@pytest.mark.parametrize(("gpus", "message"), [
+    ("gpus_per_daemon = { rollout = 1 }",
+     "placement.hosts[1]: host 'gpu-1': gpus_per_daemon asks for 2 GPU(s) (2 rollout x 1) on a host without one"),
+    ("gpus = 4\ngpus_per_daemon = { trainer = 2, rollout = 2 }",
+     "placement.hosts[1]: host 'gpu-1': gpus_per_daemon asks for 6 GPU(s) (1 trainer x 2 + 2 rollout x 2), "
+     "more than its gpus = 4"),
+    ("gpus = 4\ngpus_per_daemon = { env-host = 1 }",
+     "placement.hosts[1]: host 'gpu-1': gpus_per_daemon.env-host = 1, but it places no env-host"),
+    ("gpus = 4\ngpus_per_daemon = { rollot = 1 }", "placement.hosts[1].gpus_per_daemon.rollot"),
+])
+def test_gpus_a_host_cannot_give_are_refused_naming_the_host_and_key(tree, gpus, message):
+    Path("examples/gpus.toml").write_text(MINIMAL + GPU_HOSTS + gpus + "\n")
+    with pytest.raises(SpecError) as info:
+        load_spec("examples/gpus.toml")
+    assert any(message in e for e in info.value.errors), info.value.errors
+
+
 # ------------------------------------------------------------------- bad specs
 def test_misspelled_key(tree):
     assert_one_error(

@@ -103,6 +103,16 @@ def test_start_writes_the_env_file_then_starts_the_unit_without_blocking(fake, t
     assert not list((tmp_path / "units").glob("*.tmp"))
 
 
+def test_a_daemon_given_gpus_gets_them_in_its_env_file_and_one_given_none_gets_none(fake, tmp_path):
+    b = backend(tmp_path, {"RLFLEET_JOB": "arith"})
+    b.start(Placed("h1", "rollout", "rollout-0", gpus=(2, 3)))
+    b.start(Placed("h1", "relay", "relay-0", gpus=()))  # the job assigns GPUs, this daemon none
+    b.start(Placed("h1", "env-host", "env-host-0"))  # a job that assigns none: left alone
+    read = {m: read_env_file(tmp_path / "units" / f"arith:{m}.env") for m in ("rollout-0", "relay-0", "env-host-0")}
+    assert read["rollout-0"]["CUDA_VISIBLE_DEVICES"] == "2,3" and read["relay-0"]["CUDA_VISIBLE_DEVICES"] == ""
+    assert "CUDA_VISIBLE_DEVICES" not in read["env-host-0"]
+
+
 def test_env_file_quotes_what_systemd_would_otherwise_split():
     text = env_file_text({"A": "plain/path:1,2", "B": 'two words "quoted" \\ back', "C": ""})
     assert "A=plain/path:1,2\n" in text and 'B="two words \\"quoted\\" \\\\ back"\n' in text and "C=\n" in text

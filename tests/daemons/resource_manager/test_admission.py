@@ -92,7 +92,27 @@ def test_named_hosts_are_never_admitted_into_a_pool():
     assert d.admit == () and d.waiting == {}
 
 
+def test_a_pool_that_gives_gpus_admits_only_hosts_with_that_many_and_assigns_each_daemon_its_own():
+    pools = [{"name": "gpu", "labels": {"kind": "gpu"}, "roles": {"relay": 1, "rollout": 2},
+              "gpus_per_daemon": {"rollout": 2}}, {"name": "any", "roles": {"env-host": 1}}]
+    fleet = Fleet(nodes={"g1": {"kind": "gpu"}, "g2": {"kind": "gpu"}}, gpus={"g1": 4, "g2": 2})
+    d = decide(spec(pools), fleet, now=0)
+    assert {a.host: a.pool for a in d.admit} == {"g1": "gpu", "g2": "any"}  # g2 has 2 GPUs, the pool needs 4
+    assert {p.member_id: p.gpus for p in d.placed if p.host == "g1"} == {
+        "relay-g1-0": (), "rollout-g1-0": (0, 1), "rollout-g1-1": (2, 3)}
+    assert {p.member_id: p.gpus for p in d.placed if p.host == "g2"} == {"env-host-g2-0": ()}
+    assert all(p.gpus is not None for p in d.placed)  # every daemon of the job: CUDA_VISIBLE_DEVICES set
+    d = decide(spec(pools[:1]), Fleet(nodes={"c1": {"kind": "gpu"}}), now=0)
+    assert d.waiting == {"c1": "it has 0 GPU(s); every matching pool needs more: gpu (4)"}
+
+
+def test_a_job_that_gives_no_gpus_leaves_every_daemons_devices_alone():
+    assert all(p.gpus is None for p in decide(spec(), Fleet(nodes={"g1": {"kind": "gpu"}}), now=0).placed)
+
+
 @pytest.mark.parametrize("pools, message", [
+    ([{"name": "a", "roles": {"rollout": 1}, "gpus_per_daemon": {"relay": 1}}],
+     "pool 'a': gpus_per_daemon.relay = 1, but it places no relay"),
     ([{"name": "a", "roles": {"rollout": 1}}, {"name": "b", "labels": {"k": "v"}, "roles": {"rollout": 1}}],
      "put the fallback pool last"),
     ([{"name": "a", "labels": {"k": "v"}, "roles": {"rollout": 1}},
