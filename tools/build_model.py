@@ -29,6 +29,9 @@ tool-use skill sharing its 0.42M parameters, FrozenLake's recipe collapsed on on
 
 Deterministic: one thread, seeded torch and Python RNGs, no data-loader workers; the
 same seed gives the same weights and numbers. About 3 minutes of CPU on one core.
+
+Random models of real architectures (qwen2-100m, qwen2-0.5b), for memory and step-time
+costs rather than learning: tools/model_shapes.py (`python -m rlfleet.tools.model_shapes --list`).
 """
 
 from __future__ import annotations
