@@ -80,7 +80,8 @@ def look(store, keys, wants_trainer: bool) -> Seen:
     return Seen(trainer, wants_trainer, nodes)
 
 
-def _who() -> str:
+def operator_name() -> str:
+    """Who asked, for the state record: user@host of this command."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError):  # no passwd entry (a container)
@@ -88,7 +89,7 @@ def _who() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def _open(etcd: str, job: str | None):
+def open_job(etcd: str, job: str | None):
     """(store, keys, spec, its JobState or None) of the job; exit 9 when etcd holds no
     spec for it, 3 when etcd cannot be reached."""
     from rlfleet.common.control.cluster import read_spec
@@ -151,8 +152,10 @@ def poll_until(read: Callable[[], Any], done: Callable[[Any], bool], timeout_s: 
         time.sleep(POLL_S)
 
 
-def _write(store, keys, etcd: str, record) -> None:
+def write_state(store, keys, etcd: str, record) -> None:
+    """Write the job's `state` record (pause, resume, stop, start); exit 3 when etcd cannot be reached."""
     from rlfleet.common.control.store import StoreUnavailable
+
     try:
         store.put(keys.state, record.to_value())
     except StoreUnavailable as exc:
@@ -185,13 +188,13 @@ def pause(job: str | None, etcd: str, reason: str, timeout_s: float, no_wait: bo
     from rlfleet.common.control.operations import PAUSED, JobState
     from rlfleet.common.control.pause import describe
 
-    store, keys, spec, current = _open(etcd, job)
+    store, keys, spec, current = open_job(etcd, job)
     if current is not None and current.paused:
         click.echo(f"{describe(current).replace('job', f'job {keys.job} is already', 1)}; "
                    "`rlfleet resume` to continue")
         return
-    record = JobState(PAUSED, round(time.time(), 3), _who(), reason)
-    _write(store, keys, etcd, record)
+    record = JobState(PAUSED, round(time.time(), 3), operator_name(), reason)
+    write_state(store, keys, etcd, record)
     click.echo(f"{describe(record).replace('job', f'job {keys.job}', 1)}")
     if no_wait:
         return
@@ -221,12 +224,12 @@ def resume(job: str | None, etcd: str, timeout_s: float, no_wait: bool) -> None:
     stays in effect)."""
     from rlfleet.common.control.operations import RUNNING, JobState
 
-    store, keys, spec, current = _open(etcd, job)
+    store, keys, spec, current = open_job(etcd, job)
     if current is None or not current.paused:
         click.echo(f"job {keys.job} is not paused")
         return
-    _write(store, keys, etcd, JobState(RUNNING, round(time.time(), 3), _who(), ""))
-    click.echo(f"job {keys.job} resumed by {_who()} (paused since "
+    write_state(store, keys, etcd, JobState(RUNNING, round(time.time(), 3), operator_name(), ""))
+    click.echo(f"job {keys.job} resumed by {operator_name()} (paused since "
                f"{time.strftime('%H:%M:%S', time.localtime(current.since))})")
     if no_wait:
         return

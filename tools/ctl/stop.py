@@ -23,12 +23,12 @@ import click
 
 from rlfleet.tools.ctl.etcd_options import etcd_option
 from rlfleet.tools.ctl.pause import (
-    _open,
-    _who,
-    _write,
     job_option,
+    open_job,
+    operator_name,
     poll_until,
     state_request_options,
+    write_state,
 )
 from rlfleet.tools.exit_codes import Exit
 
@@ -53,13 +53,13 @@ def stop(job: str | None, etcd: str, reason: str, timeout_s: float, no_wait: boo
     from rlfleet.common.control.operations import STOPPED, JobState
     from rlfleet.common.control.pause import describe
 
-    store, keys, _, current = _open(etcd, job)
+    store, keys, _, current = open_job(etcd, job)
     if current is not None and current.stopped:
         click.echo(f"{describe(current).replace('job', f'job {keys.job} is already', 1)}; "
                    "`rlfleet start` to run it again")
     else:
-        record = JobState(STOPPED, round(time.time(), 3), _who(), reason)
-        _write(store, keys, etcd, record)
+        record = JobState(STOPPED, round(time.time(), 3), operator_name(), reason)
+        write_state(store, keys, etcd, record)
         click.echo(describe(record).replace("job", f"job {keys.job}", 1))
     if no_wait:
         return
@@ -85,13 +85,13 @@ def start(job: str | None, etcd: str) -> None:
     (`rlfleet resume`)."""
     from rlfleet.common.control.operations import RUNNING, JobState
 
-    store, keys, _, current = _open(etcd, job)
+    store, keys, _, current = open_job(etcd, job)
     if current is None or not current.stopped:
         state = current.state if current is not None else "running"
         click.echo(f"job {keys.job} is not stopped ({state})" + ("; `rlfleet resume` ends a pause"
                                                                    if state == "paused" else ""))
         return
-    _write(store, keys, etcd, JobState(RUNNING, round(time.time(), 3), _who(), ""))
-    click.echo(f"job {keys.job} started by {_who()} (stopped since "
+    write_state(store, keys, etcd, JobState(RUNNING, round(time.time(), 3), operator_name(), ""))
+    click.echo(f"job {keys.job} started by {operator_name()} (stopped since "
                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(current.since))}); its agents start "
                "the placed daemons")
