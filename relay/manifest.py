@@ -92,6 +92,10 @@ class TensorEntry:
     def np_dtype(self) -> np.dtype:
         if self.dtype_name and self.dtype.lstrip("<|=").startswith("V"):
             try:
+                import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy; rlfleet[ml])
+            except ImportError:  # a relay without it moves the bytes all the same (void of the same size)
+                pass
+            try:
                 return np.dtype(self.dtype_name)
             except TypeError:
                 pass

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from rlfleet.common.tensors import to_torch
+
 from . import grpo
 from . import megatron_weights as mw
 from .checkpointing import STATE_FILE, CheckpointError, write_checkpoint
@@ -242,7 +244,7 @@ class MegatronLearner(GroupStep):
 
             self._eval_model = AutoModelForCausalLM.from_pretrained(
                 str(self.model_dir), dtype=torch.float32).to(self.device).eval()
-        state = {name: torch.from_numpy(a) for name, a in self.state_tensors().items()}
+        state = {name: to_torch(a) for name, a in self.state_tensors().items()}
         result = self._eval_model.load_state_dict(state, strict=False)
         if result.missing_keys or result.unexpected_keys:
             raise mw.UnsupportedModel(f"HF model and megatron weights disagree: missing "

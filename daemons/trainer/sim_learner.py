@@ -137,8 +137,9 @@ class SimLearner:
         }
 
     # -- publishing -------------------------------------------------------------------
-    def state_tensors(self) -> dict[str, np.ndarray]:
-        """``weight_mib`` MiB of float32 stamped with the version: fresh arrays, never reused.
+    def state_tensors(self, dtype: str = "float32") -> dict[str, np.ndarray]:
+        """``weight_mib`` MiB of float32 stamped with the version: fresh arrays, never reused
+        (whatever ``dtype``: the sim's size is its own setting, weight_mib).
 
         Tensor i holds the value ``version + i / 1024`` throughout (exact in float32 up to
         version 2**13 with 1024 tensors; beyond that the bytes still change per version).

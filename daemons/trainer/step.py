@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlfleet.common.tensors import to_numpy
 from rlfleet.common.wire.messages import ScoredTrajectory
 
 from . import grpo
@@ -102,17 +103,18 @@ class GroupStep:
         """The weights under the HF model's state_dict names (views, not copies)."""
         raise NotImplementedError
 
-    def state_tensors(self) -> dict[str, np.ndarray]:
-        """HF names -> float32 numpy copies (training may go on meanwhile): what the relay
-        and every rollout engine load. A tensor under two names (a tied lm_head.weight is the
-        embedding) is copied once and shared; views of one tensor with their own shape
-        (megatron's gate and up halves of fc1) are copied apart."""
+    def state_tensors(self, dtype: str = "float32") -> dict[str, np.ndarray]:
+        """HF names -> numpy copies in ``dtype``, the published one (`[model] dtype`; training
+        may go on meanwhile): what the relay and every rollout engine load. A tensor under
+        two names (a tied lm_head.weight is the embedding) is copied once and shared; views
+        of one tensor with their own shape (megatron's gate and up halves of fc1) are copied
+        apart."""
         out: dict[str, np.ndarray] = {}
         copies: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
         for name, t in self.hf_state().items():
             key = (t.data_ptr(), tuple(t.shape))
             if key not in copies:
-                copies[key] = t.detach().to(torch.float32).cpu().numpy().copy()
+                copies[key] = to_numpy(t, dtype)
             out[name] = copies[key]
         return out
 

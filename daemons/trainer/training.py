@@ -332,7 +332,7 @@ class TrainingLoop:
         if self.publisher is None or not self.replay.may_publish(self.state.version):
             return 0.0  # a re-trained version the relays hold already (resume.py)
         started = time.monotonic()
-        self.publisher.submit(self.state.version, self.learner.state_tensors())
+        self.publisher.submit(self.state.version, self.learner.state_tensors(self.spec().model.dtype))
         failpoints.trainer_kill_at("mid_publish", self.state.version)
         return time.monotonic() - started
 

@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlfleet.common.tensors import is_float, to_torch
 from rlfleet.common.wire.arrays import Float32Array, Int32Array
 from rlfleet.common.wire.messages import EngineStats, GenerateRequest, GenerateResult
 from rlfleet.daemons.rollout.engines import api, lean_model
@@ -372,14 +373,14 @@ class TorchEngine(api.Engine):
             if name in tensors:
                 plan.append((buf, tensors[name]))
         for dst, arr in plan:
-            if tuple(arr.shape) != tuple(dst.shape) or np.asarray(arr).dtype.kind != "f":
+            if tuple(arr.shape) != tuple(dst.shape) or not is_float(arr):
                 name = next(n for n, a in tensors.items() if a is arr)
                 raise ValueError(f"{name}: shape {tuple(arr.shape)} dtype {np.asarray(arr).dtype}, "
                                  f"model has shape {tuple(dst.shape)} (floating point)")
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # from_numpy of a read-only view: we only read it
             for param, arr in plan:
-                param.copy_(torch.from_numpy(np.asarray(arr)))
+                param.copy_(to_torch(arr))  # to the engine's dtype (a bfloat16 version into float32, too)
         self.weight_version = version
 
 

@@ -269,6 +269,8 @@ class VllmEngine(api.Engine):
     # -- weights ----------------------------------------------------------------------
     def load_weights(self, version: int, tensors: Mapping[str, np.ndarray]) -> None:
         """A full state dict (HF names) into vLLM's model; all-or-nothing, as TorchEngine."""
+        from rlfleet.common.tensors import is_float, to_torch  # torch
+
         if self.running:
             raise RuntimeError(f"load_weights with {len(self.running)} running request(s): "
                                "a version may change only between requests")
@@ -282,16 +284,15 @@ class VllmEngine(api.Engine):
             if src is None:
                 raise ValueError(f"missing tensor {name!r} for version {version}")
             arr = np.asarray(tensors[src])
-            if tuple(arr.shape) != shape or arr.dtype.kind != "f":
+            if tuple(arr.shape) != shape or not is_float(arr):
                 raise ValueError(f"{src}: shape {tuple(arr.shape)} dtype {arr.dtype}, "
                                  f"model has shape {shape} (floating point)")
             plan[name] = arr
-        import torch
 
         self._same_threads()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # from_numpy of a read-only view: only read
-            weights = [(name, torch.from_numpy(np.asarray(arr)))
+            weights = [(name, to_torch(arr))
                        for name, arr in self.layout.convert(plan)]
         # The worker's in-place reload, not model.load_weights: on CPU vLLM repacks some
         # layers' weights after loading (their checkpoint-shaped parameters are emptied),

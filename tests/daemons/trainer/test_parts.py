@@ -95,7 +95,7 @@ class FakeLearner:
         return {"reward_mean": 0.5, "reward_std": 0.5, "loss": 0.1, "trajectories": 4,
                 "groups": 2, "tokens": 8, "step_s": 0.01, "grad_norm": 1.0}
 
-    def state_tensors(self):
+    def state_tensors(self, dtype="float32"):
         return {"w": self.version}
 
 
