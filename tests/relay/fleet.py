@@ -59,7 +59,11 @@ def blob_tensors(seed: int, mib: int) -> dict[str, np.ndarray]:
 def assert_holds(fleet: RelayFleet, rid: str, version: int, tensors: dict[str, np.ndarray], layout: int = 1) -> None:
     """Relay ``rid`` serves ``version`` (waited for), with exactly ``tensors`` in it."""
     reader = WeightReader(fleet.store, fleet.job, f"host-{rid}", layout=layout)
-    wait_for(f"{rid} to serve version {version}", lambda: version in reader.versions(), 30)
+    try:
+        wait_for(f"{rid} to serve version {version}", lambda: version in reader.versions(), 30)
+    except AssertionError as exc:  # say what each relay did (a one-off under load is otherwise a guess)
+        logs = {p.name: p.read_text()[-2500:] for p in sorted(fleet.tmp.glob("relay-*.log"))}
+        raise AssertionError(f"{exc}\n" + "\n".join(f"--- {n}\n{t}" for n, t in logs.items())) from None
     with reader.open(version) as view:
         assert view.version == version and set(view.tensors) == set(tensors)
         for name, arr in tensors.items():
