@@ -41,7 +41,7 @@ FLEET_MODULES = {f"tests/{m}.py" for m in (
     "integration/test_live_nodes", "integration/test_liveness", "integration/test_longtail_sim",
     "integration/test_pause", "integration/test_reward_pipeline", "integration/test_run_outcomes",
     "integration/test_run_ownership", "integration/test_stop", "integration/test_switchover",
-    "integration/test_trainer_disk_full",
+    "integration/test_trainer_disk_full", "tools/bench/test_gpu_check",
     "integration/test_vllm_fleet")}
 
 

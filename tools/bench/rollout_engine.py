@@ -52,6 +52,11 @@ def _prompts(batch: int, length: int, vocab: int, bos: int, seed: int) -> list[l
 def bench_engine(model: Any, prompts: list[list[int]], new: int) -> int:
     engine = TorchEngine(model, max_batch=len(prompts), max_len=len(prompts[0]) + new,
                          eos_token_ids=set(), seed=0)
+    return generate_all(engine, prompts, new)
+
+
+def generate_all(engine: TorchEngine, prompts: list[list[int]], new: int) -> int:
+    """Every prompt in flight at once, ``new`` tokens each, stepped until done; tokens made."""
     for i, p in enumerate(prompts):
         engine.add(GenerateRequest(request_id=f"b{i}", trajectory_id="bench",
                                    prompt_token_ids=Int32Array(p), max_new_tokens=new,
