@@ -283,7 +283,12 @@ def add(host: str, job: str | None, etcd: str, timeout_s: float, no_wait: bool, 
         for name in watch.observe(c):
             if name == "registered":
                 registered = time.strftime("%H:%M:%S", time.localtime(watch.at[name]))
-                click.echo(f"  {host}'s agent registered at {registered}; each phase from then:")
+                if watch.registered_again is not None:
+                    again = time.strftime("%H:%M:%S", time.localtime(watch.registered_again))
+                    click.echo(f"  {host}'s agent registered again at {again}, after its daemons started: the first "
+                               f"registration is not in the records; each phase from its first record, {registered}:")
+                else:
+                    click.echo(f"  {host}'s agent registered at {registered}; each phase from then:")
                 continue
             since = watch.at[name] - watch.at["registered"]
             click.echo(f"  {since:6.1f} s  {name}" + (f" (pool {c.admissions[host].pool})"

@@ -60,6 +60,9 @@ class JoinWatch:
     floor: float = 0.0    # it could not join before this (when `node add` cleared its state)
     at: dict[str, float] = field(default_factory=dict)
     caught_up_to: int | None = None  # the first weight version its rollouts loaded
+    # When its agent registered again after the host's daemons had started (an agent
+    # restart): the registration the join began with is no longer in the records.
+    registered_again: float | None = None
 
     def observe(self, cluster: Cluster) -> list[str]:
         """Record what this snapshot's records show; returns the milestones newly reached."""
@@ -91,6 +94,14 @@ class JoinWatch:
         if not placed or len(running) < len(placed):
             return raw
         raw["start"] = max(m.started for m in running)
+        if node.registered > raw["start"] and node.registered > self.floor:
+            # Counting from this registration would make every phase 0 s: count from the
+            # first milestone the records still hold (the admission; a named host's first start).
+            self.registered_again = node.registered
+            first = min(m.started for m in running) if self.named or admission is None else admission.since
+            raw["registered"] = max(first, self.floor)
+            if self.named:
+                raw["admit"] = raw["registered"]
         rollouts = [m for m in running if m.role == "rollout"]
         relays = [m for m in running if m.role == "relay"]
         envs = [m for m in running if m.role == "env-host"]
@@ -121,7 +132,9 @@ class JoinWatch:
         return {"host": self.host, "phases": self.phases(),
                 "total_s": None if start is None or end is None else round(end - start, 3),
                 "caught_up_to_version": self.caught_up_to,
-                "milestones_at": {name: round(t, 3) for name, t in self.at.items()}}
+                "milestones_at": {name: round(t, 3) for name, t in self.at.items()},
+                **({"agent_registered_again_at": round(self.registered_again, 3)}
+                   if self.registered_again is not None else {})}
 
 
 def _latest(members: list[Member], name: str) -> float | None:

@@ -65,3 +65,25 @@ def test_phases_count_from_when_the_command_cleared_the_hosts_state():
 
 def test_nothing_is_reached_before_the_agent_registers():
     assert JoinWatch("h7").observe(snapshot()) == []
+
+
+def test_an_agent_registered_again_after_the_join_does_not_turn_every_phase_to_zero():
+    c = snapshot()
+    node = KeyValue(K.node("h6"), {"host": "h6", "seen": 499.0, "agent": {"registered": 500.0}}, 1, 1, 0)
+    restarted = Cluster.from_kvs(K, [node, *(KeyValue(k, v, 1, 1, 0) for k, v in _kvs(c))], taken_at=600.0)
+    watch = JoinWatch("h6")
+    watch.observe(restarted)
+    assert watch.registered_again == 500.0 and watch.at["registered"] == 103.0  # from the admission
+    assert watch.to_json()["total_s"] == 9.0 and watch.to_json()["agent_registered_again_at"] == 500.0
+    named = JoinWatch("h6", named=True)
+    named.observe(restarted)
+    assert named.at["registered"] == 106.0 and named.phases()["admit_s"] == 0.0  # the first daemon's start
+
+
+def _kvs(cluster: Cluster):
+    """The snapshot's records but its node, as (key, value)."""
+    out = [(K.admitted(h), a.to_value()) for h, a in cluster.admissions.items()]
+    out += [(K.placement(p.host, p.role, p.id), p.to_value()) for p in cluster.placement]
+    out += [(K.member(m.role, m.id), {"id": m.id, "role": m.role, "host": m.host, "pid": m.pid, "state": m.state,
+                                      "started": m.started, **m.info}) for m in cluster.all_members]
+    return out
