@@ -48,12 +48,18 @@ class _Loop:
                 cls._instance = _Loop()
             return cls._instance
 
-    def run(self, coro: Any, timeout: float | None = None) -> Any:
+    def run(self, coro: Any, timeout: float | None = None, *, late: Any = None) -> Any:
+        """Run ``coro`` on the UCX loop; TimeoutError after ``timeout``. The operation is
+        never cancelled: cancelling ucxx mid-operation (an endpoint half created on a starved
+        CPU) crashed the process with a segmentation fault. It finishes on the loop instead,
+        and ``late`` is called with its result if it succeeds after all (to close it)."""
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
-            fut.cancel()
+            if late is not None:
+                fut.add_done_callback(lambda f: late(f.result()) if not f.cancelled() and f.exception() is None
+                                      else None)
             raise TimeoutError("UCX operation timed out") from None
 
 
@@ -222,12 +228,22 @@ class UcxTransport(Transport):
     def listen(self, host: str, port: int = 0) -> Listener:
         return UcxListener(host, port, self._loop)
 
+    def _close_late(self, ep: Any) -> None:
+        """An endpoint whose creation finished after connect() gave up: nobody uses it."""
+        async def _close() -> None:
+            try:
+                await ep.close()
+            except Exception:  # noqa: BLE001 - closing a dead endpoint
+                pass
+        # From the loop's thread, or the caller's when it finished just as connect() gave up.
+        self._loop.loop.call_soon_threadsafe(lambda: self._loop.loop.create_task(_close()))
+
     def connect(self, address: str, timeout: float = 5.0) -> Conn:
         import ucxx
 
         host, port = _split(address, "ucx")
         try:
-            ep = self._loop.run(ucxx.create_endpoint(host, port), timeout=timeout)
+            ep = self._loop.run(ucxx.create_endpoint(host, port), timeout=timeout, late=self._close_late)
         except Exception as exc:  # noqa: BLE001
             raise ConnectionError(f"cannot connect to {address}: {exc!r}") from exc
         return UcxConn(ep, address, self._loop)
