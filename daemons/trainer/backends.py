@@ -10,7 +10,7 @@
 
     [trainer.backend]
     kind = "megatron"    # the policy as a megatron-core GPTModel on one GPU:
-    tensor_parallel = 1  # megatron_backend.MegatronLearner (HF weights in and out);
+    tensor_parallel = 1  # megatron.learner.MegatronLearner (HF weights in and out);
     pipeline_parallel = 1  # both must be 1 (one process, one GPU) until multi-GPU is built
 
 Each builds an object with the learner interface the rest of the trainer uses
@@ -177,7 +177,7 @@ class MegatronBackendConfig(KindConfig):
 
 
 class MegatronBackend(TrainerBackend):
-    """``megatron_backend.MegatronLearner``: a megatron-core GPTModel on one CUDA GPU,
+    """``megatron.learner.MegatronLearner``: a megatron-core GPTModel on one CUDA GPU,
     built from the HF model and publishing HF-named tensors, trained with [trainer.loss]."""
 
     Config = MegatronBackendConfig
@@ -186,7 +186,7 @@ class MegatronBackend(TrainerBackend):
     def build(cls, config: MegatronBackendConfig, /, *, spec: Any, **_: Any) -> Any:
         from rlfleet.common.spec.seams import POLICY_LOSSES
 
-        from .megatron_backend import MegatronLearner  # torch, megatron-core
+        from .megatron.learner import MegatronLearner  # torch, megatron-core
 
         t = spec.trainer
         return MegatronLearner(spec.model.path, lr=t.learning_rate,
@@ -204,9 +204,9 @@ class MegatronBackend(TrainerBackend):
 
     @classmethod
     def prewarm(cls, config: MegatronBackendConfig, /, *, model_path: str) -> None:
-        from . import megatron_backend
+        from .megatron import learner as megatron_learner
 
-        megatron_backend.megatron_version()
+        megatron_learner.megatron_version()
 
     @classmethod
     def check(cls, config: MegatronBackendConfig, sections: Mapping[str, BaseModel]) -> list[Problem]:
@@ -220,7 +220,7 @@ class MegatronBackend(TrainerBackend):
         model = sections.get("model")
         read = getattr(model, "config", None)
         if callable(read):
-            from .megatron_weights import UnsupportedModel, shape_from_hf  # torch-free
+            from .megatron.weights import UnsupportedModel, shape_from_hf  # torch-free
 
             try:
                 shape_from_hf(read())

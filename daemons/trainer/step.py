@@ -1,5 +1,5 @@
 """One optimizer step on whole GRPO groups, shared by the torch learners (the HF model's,
-learner.py, and megatron-core's, megatron_backend.py): the batch, its micro-batches, the
+learner.py, and megatron-core's, megatron/learner.py): the batch, its micro-batches, the
 loss with its masking and denominator, the accumulation into ONE update, the update's
 guard (guard.py), the learning rate of the step and the step's stats.
 

@@ -4,7 +4,7 @@ one identical step, and step times (python -m rlfleet.tools.bench.megatron_check
 Both learners start from the same HF folder (default models/tiny-qwen2) and take the same
 GRPO batch with the same loss ([trainer.loss] default, PPO-clip 0.2), lr and clipping:
 
-- the megatron backend (daemons/trainer/megatron_backend.py) on the GPU (--device cuda),
+- the megatron backend (daemons/trainer/megatron/learner.py) on the GPU (--device cuda),
   float32 parameters, TF32 off (the figures compare arithmetic, not precision modes);
 - the torch backend (daemons/trainer/learner.py) where it runs in the fleet: on the CPU.
 
@@ -117,7 +117,7 @@ def grad_diff(ref, mega) -> dict[str, float]:
     """Step 1's gradients (still on the parameters after the step) under HF names: the
     mapping's check before Adam, whose first update is about lr x sign(gradient) and so
     turns float noise in near-zero gradients into differences of up to 2 x lr."""
-    from rlfleet.daemons.trainer import megatron_weights as mw
+    from rlfleet.daemons.trainer.megatron import weights as mw
 
     theirs = {n: p.grad for n, p in ref.model.named_parameters()}
     named = {n: p.grad for n, p in mega.gpt.named_parameters()}
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rlfleet.daemons.trainer.learner import Learner
     from rlfleet.daemons.trainer.losses import PPOClipLoss
-    from rlfleet.daemons.trainer.megatron_backend import MegatronLearner
+    from rlfleet.daemons.trainer.megatron.learner import MegatronLearner
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

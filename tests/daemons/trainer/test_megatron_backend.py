@@ -28,10 +28,10 @@ from rlfleet.common.spec.job import load_spec, parse_spec  # noqa: E402
 from rlfleet.common.spec.seams import TRAINER_BACKENDS  # noqa: E402
 from rlfleet.common.wire.arrays import Float32Array, Int32Array  # noqa: E402
 from rlfleet.common.wire.messages import ScoredTrajectory, Trajectory, Turn  # noqa: E402
-from rlfleet.daemons.trainer import megatron_backend as mb  # noqa: E402
-from rlfleet.daemons.trainer import megatron_weights as mw  # noqa: E402
 from rlfleet.daemons.trainer.checkpointing import STATE_FILE, CheckpointError  # noqa: E402
 from rlfleet.daemons.trainer.learner import Learner  # noqa: E402
+from rlfleet.daemons.trainer.megatron import learner as mb  # noqa: E402
+from rlfleet.daemons.trainer.megatron import weights as mw  # noqa: E402
 from tests.tiny_qwen2 import save_random_qwen2  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]

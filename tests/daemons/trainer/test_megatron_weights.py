@@ -15,7 +15,7 @@ import torch
 
 from rlfleet.common.spec.errors import SpecError
 from rlfleet.common.spec.job import parse_spec
-from rlfleet.daemons.trainer import megatron_weights as mw
+from rlfleet.daemons.trainer.megatron import weights as mw
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "models" / "tiny-qwen2"

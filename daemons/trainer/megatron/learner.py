@@ -5,7 +5,7 @@ interface of ``learner.Learner`` (backends.py) and differs only in the model it 
 
 - in: the HF Qwen2 folder (spec ``model.path``); its config.json becomes a megatron-core
   ``TransformerConfig`` (``transformer_config``) and its safetensors the GPTModel's
-  weights through ``megatron_weights.hf_to_mcore`` (fused qkv, fused gate/up);
+  weights through ``weights.hf_to_mcore`` (fused qkv, fused gate/up);
 - the model: ``GPTModel`` with the *local* layer spec (plain torch modules: no
   TransformerEngine, no apex), RoPE, RMSNorm, SwiGLU, the qkv bias, tied embeddings as
   the config has them; float32 parameters, like the torch learner;
@@ -13,7 +13,7 @@ interface of ``learner.Learner`` (backends.py) and differs only in the model it 
   ``[trainer.loss]`` (POLICY_LOSSES), the same clipping and lr schedule, AdamW; so one
   step from the same weights on the same batch gives the torch learner's result up to
   float summation order (tools/bench/megatron_check.py measures how close);
-- out: ``state_tensors()`` are HF-named (``megatron_weights.mcore_to_hf``), so the relay
+- out: ``state_tensors()`` are HF-named (``weights.mcore_to_hf``), so the relay
   and every rollout engine load them as they load the torch learner's; a checkpoint is an
   HF model folder like the torch learner's (config.json + model.safetensors + tokenizer),
   loadable by any backend and engine, plus this backend's optimizer state.
@@ -45,12 +45,12 @@ import torch
 
 from rlfleet.common.tensors import to_torch
 
-from . import grpo
-from . import megatron_weights as mw
-from .checkpointing import STATE_FILE, CheckpointError, write_checkpoint
-from .learner import _TOKENIZER_FILES
-from .losses import PolicyLoss
-from .step import GroupStep, MicroBatch, micro_batches
+from .. import grpo
+from ..checkpointing import STATE_FILE, CheckpointError, write_checkpoint
+from ..learner import _TOKENIZER_FILES
+from ..losses import PolicyLoss
+from ..step import GroupStep, MicroBatch, micro_batches
+from . import weights as mw
 
 BACKEND_NAME = "megatron"
 OPTIMIZER_FILE = "optimizer-megatron.pt"  # megatron parameter order: no other backend's file
