@@ -9,9 +9,10 @@
     weight_mib = 64
 
     [trainer.backend]
-    kind = "megatron"    # the policy as a megatron-core GPTModel on one GPU:
-    tensor_parallel = 1  # megatron.learner.MegatronLearner (HF weights in and out);
-    pipeline_parallel = 1  # both must be 1 (one process, one GPU) until multi-GPU is built
+    kind = "megatron"    # the policy as a megatron-core GPTModel:
+    tensor_parallel = 1  # megatron.learner.MegatronLearner (HF weights in and out); the
+    pipeline_parallel = 1  # learner takes tensor x data parallel ranks (one process each),
+    data_parallel = 1    # the daemon runs one rank until its trainer group is built
 
 Each builds an object with the learner interface the rest of the trainer uses
 (worker.py, training.py, checkpointing.py): ``version``, ``vocab_size``,
@@ -169,11 +170,13 @@ class SimBackend(TrainerBackend):
 
 class MegatronBackendConfig(KindConfig):
     kind: Literal["megatron"] = "megatron"
-    # Model parallelism inside the trainer. The backend runs one process on one GPU, so
-    # check() refuses anything but 1 x 1 with the reason; the keys are where a multi-GPU
-    # build (one process per GPU) will take its sizes.
+    # The trainer's parallel layout (megatron/layout.py): one process per rank. check()
+    # says what the model cannot take, and refuses more than one rank until the daemon
+    # forms a trainer group (the learner itself runs TP x DP; tests/daemons/trainer/
+    # test_megatron_parallel.py).
     tensor_parallel: PosInt = 1
     pipeline_parallel: PosInt = 1
+    data_parallel: PosInt = 1
 
 
 class MegatronBackend(TrainerBackend):
@@ -194,7 +197,8 @@ class MegatronBackend(TrainerBackend):
                                lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
                                total_steps=t.max_steps, temperature=1.0,  # as TorchBackend
                                tensor_parallel=config.tensor_parallel,
-                               pipeline_parallel=config.pipeline_parallel)
+                               pipeline_parallel=config.pipeline_parallel,
+                               data_parallel=config.data_parallel)
 
     @classmethod
     def unavailable(cls, config: MegatronBackendConfig, /) -> str:
@@ -210,22 +214,26 @@ class MegatronBackend(TrainerBackend):
 
     @classmethod
     def check(cls, config: MegatronBackendConfig, sections: Mapping[str, BaseModel]) -> list[Problem]:
+        from .megatron.layout import Layout  # torch-free
+        from .megatron.weights import UnsupportedModel, shape_from_hf  # torch-free
+
         problems: list[Problem] = []
-        if config.tensor_parallel * config.pipeline_parallel != 1:
-            field = "tensor_parallel" if config.tensor_parallel != 1 else "pipeline_parallel"
-            problems.append(((field,), (
-                f"tensor_parallel x pipeline_parallel = {config.tensor_parallel} x "
-                f"{config.pipeline_parallel}: the megatron backend runs one process on one GPU "
-                "(model parallelism needs one process per GPU, not implemented); both must be 1")))
+        layout = Layout(config.tensor_parallel, config.pipeline_parallel, config.data_parallel)
+        shape = None
         model = sections.get("model")
         read = getattr(model, "config", None)
         if callable(read):
-            from .megatron.weights import UnsupportedModel, shape_from_hf  # torch-free
-
             try:
-                shape_from_hf(read())
+                shape = shape_from_hf(read())
             except UnsupportedModel as exc:
                 problems.append(((), f"model.path {getattr(model, 'path', '?')}: {exc}"))
+        problems += [((key,), why) for key, why in layout.problems(shape)]
+        if layout.world > 1 and not problems:
+            key = next(k for k, v in (("tensor_parallel", config.tensor_parallel),
+                                      ("data_parallel", config.data_parallel)) if v > 1)
+            problems.append(((key,), (
+                f"{layout.describe()}: the trainer daemon runs one rank until it forms a trainer "
+                "group across processes (not built yet); use 1")))
         return problems
 
 

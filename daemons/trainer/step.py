@@ -99,6 +99,19 @@ class GroupStep:
     def synchronize(self) -> None:
         """Wait for the device (step_s is the step's time, not its launch's)."""
 
+    # The parts a learner of several ranks replaces (megatron/learner.py): one rank's are
+    # the whole step's.
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def apply_update(self, losses: list[torch.Tensor], lr: float) -> tuple[float, float]:
+        """The guarded update (guard.apply_update): (loss, grad_norm) or NonFiniteStep."""
+        return apply_update(self.optimizer, losses, self.max_grad_norm, lr)
+
+    def gather_stats(self, parts: list[dict[str, float]]) -> list[dict[str, float]]:
+        """Every micro-batch's stats of the step (here: this process's)."""
+        return parts
+
     def hf_state(self) -> Mapping[str, torch.Tensor]:
         """The weights under the HF model's state_dict names (views, not copies)."""
         raise NotImplementedError
@@ -122,7 +135,7 @@ class GroupStep:
         """One optimizer step on whole GRPO groups; returns stats, version advanced by one."""
         started = time.perf_counter()
         batch = grpo.batch_of_groups(groups, self.pad_id, self.vocab_size)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         denominator = batch.n_tokens if self.aggregate == "token" else float(len(batch.row_trajectory))
         parts, losses = [], []
         for rows, width, logp, entropy in self.forward_micro_batches(batch):
@@ -142,11 +155,11 @@ class GroupStep:
         lr = scheduled_lr(self.lr, self.version + 1, self.lr_schedule, self.warmup_steps, self.total_steps)
         # Refuses a non-finite loss or gradient before the update, and non-finite weights
         # after it (guard.py): a NaN never reaches a published version.
-        loss_total, grad_norm = apply_update(self.optimizer, losses, self.max_grad_norm, lr)
+        loss_total, grad_norm = self.apply_update(losses, lr)
         self.synchronize()
         self.version += 1
         return {
-            **grpo.merge_stats(parts),
+            **grpo.merge_stats(self.gather_stats(parts)),
             "loss": loss_total,
             "grad_norm": grad_norm,
             "lr": lr,

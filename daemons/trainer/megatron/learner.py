@@ -9,19 +9,32 @@ interface of ``learner.Learner`` (backends.py) and differs only in the model it 
 - the model: ``GPTModel`` with the *local* layer spec (plain torch modules: no
   TransformerEngine, no apex), RoPE, RMSNorm, SwiGLU, the qkv bias, tied embeddings as
   the config has them; float32 parameters, like the torch learner;
+- the parallel layout (layout.py): this process is one rank of tensor x data parallel
+  ranks (megatron-core's ``parallel_state``); it loads its tensor-parallel slice of the HF
+  weights (weights.hf_slice), trains through megatron-core's ``DistributedDataParallel``
+  (gradients reduced across data-parallel ranks) and its distributed optimizer (Adam
+  state and float32 master weights sharded across them), with gradient clipping by the
+  global norm (megatron's). With one rank all of it is the identity;
 - a step: the same batch (``grpo.build_batch``), the same per-token log-probs, the same
   ``[trainer.loss]`` (POLICY_LOSSES), the same clipping and lr schedule, AdamW; so one
   step from the same weights on the same batch gives the torch learner's result up to
-  float summation order (tools/bench/megatron_check.py measures how close);
+  float summation order (tools/bench/megatron_check.py measures how close). Each
+  data-parallel rank takes its share of the batch's rows; the loss keeps the whole
+  batch's denominator, so the summed gradients are the one-rank step's;
 - out: ``state_tensors()`` are HF-named (``weights.mcore_to_hf``), so the relay
   and every rollout engine load them as they load the torch learner's; a checkpoint is an
   HF model folder like the torch learner's (config.json + model.safetensors + tokenizer),
   loadable by any backend and engine, plus this backend's optimizer state.
 
-Not done: tensor or pipeline parallelism above 1 (one process, one GPU: build refuses it),
-megatron's distributed optimizer and DDP wrapper (a torch AdamW over the parameters is the
-same update on one GPU), shared-prompt packing (megatron's RoPE takes positions from the
-sequence index, not position ids, so rows stay unpacked: one row per turn, causal mask).
+Not done: pipeline parallelism (layout.py refuses it); checkpoints of more than one
+rank (torch.distributed.checkpoint, to come); the daemon forming a group of ranks (to
+come): a multi-rank learner is built today by processes that formed their
+torch.distributed group themselves (the tests, torchrun). Shared-prompt packing: megatron's
+RoPE takes positions from the sequence index, not position ids, so rows stay unpacked (one
+row per turn, causal mask). Logits are gathered across tensor-parallel ranks (the full
+vocabulary per rank, as one rank has; a vocabulary-parallel log-softmax would save it).
+Weight decay, when set, skips biases and norms (megatron's default; the torch learner
+decays every parameter).
 
 Rows are right-padded and the mask is causal, so a padding position never feeds a real
 one. The mask is passed explicitly: megatron-core's default causal mask is built on
@@ -46,11 +59,15 @@ import torch
 from rlfleet.common.tensors import to_torch
 
 from .. import grpo
+from ..batching import NonFiniteStep
 from ..checkpointing import STATE_FILE, CheckpointError, write_checkpoint
+from ..guard import require_finite, weights_finite
 from ..learner import _TOKENIZER_FILES
 from ..losses import PolicyLoss
 from ..step import GroupStep, MicroBatch, micro_batches
+from . import on_cpu
 from . import weights as mw
+from .layout import Layout
 
 BACKEND_NAME = "megatron"
 OPTIMIZER_FILE = "optimizer-megatron.pt"  # megatron parameter order: no other backend's file
@@ -85,13 +102,12 @@ def megatron_version() -> str:
     return str(getattr(megatron.core, "__version__", "unknown"))
 
 
-def check_device(device: str, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
-    """Refuse what this single-process backend cannot run, before megatron is touched."""
-    if tensor_parallel * pipeline_parallel != 1:
-        raise MegatronUnavailable(
-            f"trainer.backend kind 'megatron': tensor_parallel x pipeline_parallel = "
-            f"{tensor_parallel} x {pipeline_parallel}; this backend runs one process on one GPU "
-            f"(model parallelism needs one process per GPU, not implemented), so both must be 1")
+def check_device(device: str, layout: Layout, shape: mw.ModelShape | None = None) -> None:
+    """Refuse what this backend cannot run, before megatron is touched."""
+    problems = layout.problems(shape)
+    if problems:
+        raise MegatronUnavailable("trainer.backend kind 'megatron': " + "; ".join(
+            f"{key} {why}" for key, why in problems))
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         reason = ("torch was built without CUDA" if torch.version.cuda is None
                   else "no CUDA device is visible")
@@ -116,33 +132,72 @@ def transformer_config(shape: mw.ModelShape, *, tensor_parallel: int = 1,
         add_bias_linear=False, add_qkv_bias=True,  # Qwen2: bias on q, k, v only
         hidden_dropout=0.0, attention_dropout=0.0,  # Qwen2 trains without dropout
         tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
+        # The loss is already divided by the whole batch's denominator (step.py), so the
+        # data-parallel ranks' gradients are summed, not averaged (DDP's scaling factor 1).
+        calculate_per_token_loss=True,
         params_dtype=dtype, use_cpu_initialization=True, perform_initialization=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False)
 
 
 def build_gpt_model(shape: mw.ModelShape, config: Any) -> Any:
-    """A GPTModel with the local layer spec (needs the model-parallel state initialised)."""
+    """A GPTModel with the local layer spec (needs the model-parallel state initialised);
+    its logits are whole (gathered across tensor-parallel ranks: ``parallel_output``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                    vocab_size=shape.vocab, max_sequence_length=shape.max_positions,
-                    share_embeddings_and_output_weights=shape.tied,
-                    position_embedding_type="rope", rotary_base=int(shape.rope_theta),
-                    rotary_percent=1.0)
+    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                   vocab_size=shape.vocab, max_sequence_length=shape.max_positions,
+                   share_embeddings_and_output_weights=shape.tied,
+                   position_embedding_type="rope", rotary_base=int(shape.rope_theta),
+                   rotary_percent=1.0, parallel_output=False)
+    mark_tensor_parallel(gpt)
+    return gpt
 
 
-def ensure_parallel_state(device: str, seed: int, tensor_parallel: int = 1,
-                          pipeline_parallel: int = 1) -> None:
-    """A process group of one (nccl on a GPU, gloo on CPU) and megatron's parallel state.
+def mark_tensor_parallel(gpt: Any) -> None:
+    """Tag each split weight as megatron's initialisers would have. megatron-core 0.16.1
+    tags a parallel layer's weight only when it initialises it; built without
+    (``perform_initialization=False``, the HF weights are loaded instead), the gradient
+    norm took every untagged weight for a copy and counted it on tensor-parallel rank 0
+    only (TP 2 reported 0.81 of the true norm, found by test_megatron_parallel.py)."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in gpt.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or getattr(weight, "tensor_model_parallel", False):
+            continue
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=0, stride=1)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=1, stride=1)
+
+
+def ensure_parallel_state(device: str, seed: int, layout: Layout | None = None) -> None:
+    """Megatron's parallel state over this process's torch.distributed group; a group of
+    one (nccl on a GPU, gloo on CPU) made here when the layout is one rank and there is none.
 
     Idempotent: a second learner in the process (a checkpoint load, a test) reuses both."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as tp
 
-    if not dist.is_initialized():
+    layout = layout or Layout()
+    if torch.device(device).type == "cpu":
+        on_cpu.install()
+    if dist.is_initialized():
+        if dist.get_world_size() != layout.world:
+            raise MegatronUnavailable(f"the layout {layout.describe()}, but this process group has "
+                                      f"{dist.get_world_size()} ranks")
+    elif layout.world != 1:
+        raise MegatronUnavailable(f"the layout {layout.describe()}: this process must join the "
+                                  f"trainer's torch.distributed group first (one process per rank)")
+    else:
         # A file rendezvous: no port to pick or collide with for a group of one.
         fd, store = tempfile.mkstemp(prefix="rlfleet-megatron-pg-")
         os.close(fd)
@@ -150,7 +205,7 @@ def ensure_parallel_state(device: str, seed: int, tensor_parallel: int = 1,
         backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
+        parallel_state.initialize_model_parallel(layout.tensor, layout.pipeline)
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device).index or 0)
         if not tp.get_cuda_rng_tracker().is_initialized():
@@ -186,7 +241,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 
 class MegatronLearner(GroupStep):
-    """learner.Learner's interface over a megatron-core GPTModel (module docstring)."""
+    """learner.Learner's interface over one rank of a megatron-core GPTModel (module docstring)."""
 
     def __init__(self, model_dir: str | os.PathLike[str], lr: float = 1e-4,
                  loss: PolicyLoss | None = None, seed: int = 0, *, temperature: float = 1.0,
@@ -194,18 +249,18 @@ class MegatronLearner(GroupStep):
                  weight_decay: float = 0.0, micro_batch_tokens: int = 16384,
                  lr_schedule: str = "constant", warmup_steps: int = 0,
                  total_steps: int | None = None, tensor_parallel: int = 1,
-                 pipeline_parallel: int = 1, device: str = "cuda") -> None:
-        check_device(device, tensor_parallel, pipeline_parallel)
-        self.megatron_version = megatron_version()
+                 pipeline_parallel: int = 1, data_parallel: int = 1, device: str = "cuda") -> None:
         self.model_dir = Path(model_dir)
+        hf_config = json.loads((self.model_dir / "config.json").read_text())
+        self.shape = mw.shape_from_hf(hf_config)
+        self.layout = Layout(tensor_parallel, pipeline_parallel, data_parallel)
+        check_device(device, self.layout, self.shape)
+        self.megatron_version = megatron_version()
         self.set_step_options(lr=lr, loss=loss, seed=seed, temperature=temperature, aggregate=aggregate,
                               max_grad_norm=max_grad_norm, weight_decay=weight_decay,
                               micro_batch_tokens=micro_batch_tokens, lr_schedule=lr_schedule,
                               warmup_steps=warmup_steps, total_steps=total_steps)
         self.device = torch.device(device)
-        self.tensor_parallel, self.pipeline_parallel = tensor_parallel, pipeline_parallel
-        hf_config = json.loads((self.model_dir / "config.json").read_text())
-        self.shape = mw.shape_from_hf(hf_config)
         self.vocab_size: int = self.shape.vocab
         pad = hf_config.get("pad_token_id")
         self.pad_id: int = int(pad) if pad is not None else 0
@@ -214,31 +269,52 @@ class MegatronLearner(GroupStep):
         self._eval_model: Any = None
         torch.manual_seed(seed)
         with quiet():
-            ensure_parallel_state(device, seed, tensor_parallel, pipeline_parallel)
-        self.version = 0
-        self.gpt, self.optimizer = self._build(_read_hf_weights(self.model_dir))
+            ensure_parallel_state(device, seed, self.layout)
+        from megatron.core import parallel_state as ps
 
-    def _build(self, hf: dict[str, torch.Tensor]) -> tuple[Any, torch.optim.Optimizer]:
-        config = transformer_config(self.shape, tensor_parallel=self.tensor_parallel,
-                                    pipeline_parallel=self.pipeline_parallel)
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group()
+        self.version = 0
+        self.gpt, self.ddp, self.optimizer = self._build(_read_hf_weights(self.model_dir))
+
+    def _build(self, hf: dict[str, torch.Tensor]) -> tuple[Any, Any, Any]:
+        """This rank's slice of the HF weights in a GPTModel, wrapped in megatron-core's DDP,
+        with megatron-core's distributed optimizer over it."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        tp = self.layout.tensor
+        config = transformer_config(self.shape, tensor_parallel=tp, pipeline_parallel=self.layout.pipeline)
         with quiet():
             gpt = build_gpt_model(self.shape, config)
-        result = gpt.load_state_dict(mw.hf_to_mcore(hf, self.shape), strict=False)
+        mine = mw.hf_to_mcore(mw.hf_slice(hf, tp, self.tp_rank), mw.local_shape(self.shape, tp))
+        result = gpt.load_state_dict(mine, strict=False)
         # _extra_state entries (TransformerEngine's FP8 metadata slots) stay None here.
         missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
         if missing or result.unexpected_keys:
             raise mw.UnsupportedModel(f"megatron model and mapped weights disagree: missing "
                                       f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}")
         gpt.to(self.device).train()
-        # fused: one kernel for all parameters, as the torch learner (same update rule).
-        optimizer = torch.optim.AdamW(gpt.parameters(), lr=self.lr, weight_decay=self.weight_decay,
-                                      fused=True)
-        return gpt, optimizer
+        # Gradients reduced once per step after every micro-batch (no overlap: the step's
+        # time is honest, and gloo has no streams to overlap on); in float32 always.
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+                                                   overlap_grad_reduce=False)
+        with quiet(), on_cpu.cuda_type_names():
+            ddp = DistributedDataParallel(config, ddp_config, gpt)
+            # Adam is torch's AdamW where apex/TransformerEngine are absent (megatron's
+            # fallback), the update rule of the torch learner; the lr is set per step.
+            optimizer = get_megatron_optimizer(OptimizerConfig(
+                optimizer="adam", lr=self.lr, weight_decay=self.weight_decay, adam_beta1=0.9,
+                adam_beta2=0.999, adam_eps=1e-8, clip_grad=self.max_grad_norm,
+                use_distributed_optimizer=True, bf16=False, fp16=False), [ddp])
+        return gpt, ddp, optimizer
 
     def eval_policy(self) -> Any:
         """An HF model with the current weights, for held-out evaluation (evaluation.py):
         generation is HF's. Built once from the model folder, refreshed from state_tensors()
         at each call (the same tensors the relay sends, so it is what rollouts would run)."""
+        self._require_one_rank("held-out evaluation")
         if self._eval_model is None:
             from transformers import AutoModelForCausalLM
 
@@ -251,9 +327,14 @@ class MegatronLearner(GroupStep):
                                       f"{result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]}")
         return self._eval_model
 
+    def _require_one_rank(self, what: str) -> None:
+        if self.layout.world != 1:
+            raise MegatronUnavailable(f"{what} of a multi-rank megatron trainer ({self.layout.describe()}) "
+                                      "is not built yet")
+
     def close(self) -> None:
         """The trainer's worker calls it when it stops (leadership lost, daemon stopping)."""
-        self.gpt = self.optimizer = self._eval_model = None
+        self.gpt = self.ddp = self.optimizer = self._eval_model = None
         release_parallel_state()
 
     # -- training -------------------------------------------------------------------
@@ -263,19 +344,67 @@ class MegatronLearner(GroupStep):
         ids = input_ids.to(self.device)
         width = ids.shape[1]
         positions = torch.arange(width, device=self.device)[None].expand(ids.shape[0], -1)
-        logits = self.gpt(input_ids=ids, position_ids=positions,
+        logits = self.ddp(input_ids=ids, position_ids=positions,
                           attention_mask=causal_mask(width, self.device))
         return token_logprobs(logits, ids[:, 1:], self.temperature, entropy_grad)
 
     # -- training (the step itself: step.py) -----------------------------------------
     def forward_micro_batches(self, batch: grpo.TokenBatch) -> Iterator[MicroBatch]:
-        """Unpacked rows in micro-batches; per micro-batch the rows' log-probs on the device."""
+        """This data-parallel rank's rows (rows_of_rank) in micro-batches; per micro-batch
+        the rows' log-probs on the device."""
         lengths = batch.attention_mask.sum(dim=1).tolist()
-        for rows in micro_batches(lengths, self.micro_batch_tokens):
+        mine = rows_of_rank(lengths, self.layout.data, self.dp_rank)
+        for chunk in micro_batches([lengths[n] for n in mine], self.micro_batch_tokens):
+            rows = [mine[i] for i in chunk]
             width = max(lengths[n] for n in rows)
             logp, entropy = self.forward_logprobs(batch.input_ids[rows, :width],
                                                   entropy_grad=self.loss.needs_entropy_grad)
             yield rows, width, logp, entropy
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def apply_update(self, losses: list[torch.Tensor], lr: float) -> tuple[float, float]:
+        """guard.apply_update's contract over every rank at once: the gradients reduced
+        across data-parallel ranks, the whole batch's loss and the global gradient norm
+        checked (the same verdict on every rank: both are reduced first), megatron's
+        clipped update, then the weights checked on every rank."""
+        import torch.distributed as dist
+
+        local = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
+        total = local.to(self.device).reshape(1)
+        dist.all_reduce(total, group=self.dp_group)  # tensor-parallel ranks share their loss
+        self.ddp.finish_grad_sync()
+        try:
+            require_finite("loss", total)
+            self.optimizer.prepare_grads()
+            grad_norm = torch.tensor([float(self.optimizer.get_grad_norm())])
+            require_finite("gradient norm", grad_norm)
+        except NonFiniteStep:
+            self.zero_grad()
+            raise
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        with on_cpu.cuda_type_names():
+            self.optimizer.step()  # clips by the global norm, updates, gathers the new weights
+        finite = torch.tensor([1.0 if weights_finite(list(self.gpt.parameters())) else 0.0],
+                              device=self.device)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not bool(finite.item()):
+            raise NonFiniteStep(f"weights not finite after the update (loss {float(total)!r}, "
+                                f"gradient norm {float(grad_norm)!r})", weights_touched=True)
+        return float(total), float(grad_norm)
+
+    def gather_stats(self, parts: list[dict[str, float]]) -> list[dict[str, float]]:
+        """Every data-parallel rank's micro-batch stats (each rank saw its rows only)."""
+        if self.layout.data == 1:
+            return parts
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * self.layout.data
+        dist.all_gather_object(everyone, parts, group=self.dp_group)
+        return [p for rank_parts in everyone for p in rank_parts]
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -283,17 +412,21 @@ class MegatronLearner(GroupStep):
 
     # -- publishing -------------------------------------------------------------------
     def hf_state(self) -> dict[str, torch.Tensor]:
-        """The weights under the HF model's state_dict names (views of the parameters)."""
+        """This rank's weights under the HF model's state_dict names (views of the
+        parameters): whole with one tensor-parallel rank, else this rank's slice of each
+        split tensor (weights.split_dim says which; weights.hf_join puts them together)."""
         mc = {k: v for k, v in self.gpt.state_dict().items() if not k.endswith("._extra_state")}
-        return mw.mcore_to_hf(mc, self.shape)
+        return mw.mcore_to_hf(mc, mw.local_shape(self.shape, self.layout.tensor))
 
     # -- checkpoints ------------------------------------------------------------------
     def save_checkpoint(self, root: str | os.PathLike[str], version: int | None = None,
                         keep: int = 2, extra: dict[str, Any] | None = None) -> Path:
         """Write ``root/step-<version>/`` atomically: an HF model folder any backend or
-        engine loads, plus this backend's optimizer and RNG state."""
+        engine loads, plus this backend's optimizer (megatron's parameter state: Adam's
+        moments and the float32 master weights) and RNG state."""
         from safetensors.torch import save_file
 
+        self._require_one_rank("checkpointing")
         version = self.version if version is None else version
 
         def fill(folder: Path) -> None:
@@ -306,7 +439,12 @@ class MegatronLearner(GroupStep):
             for name in (*_CONFIG_FILES, *_TOKENIZER_FILES):
                 if (self.model_dir / name).is_file():
                     shutil.copy2(self.model_dir / name, folder / name)
-            torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+            chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+            stepped = any(o.optimizer.state for o in chained)  # megatron's state_dict needs a step
+            torch.save({"groups": self.optimizer.state_dict() if stepped else None,
+                        "parameters": [o.get_parameter_state_dp_zero() for o in chained] if stepped else None,
+                        "adam_step": _adam_step(chained)},
+                       folder / OPTIMIZER_FILE)
             rng = {"torch": torch.get_rng_state()}
             if self.device.type == "cuda":
                 rng["cuda"] = torch.cuda.get_rng_state(self.device)
@@ -322,6 +460,7 @@ class MegatronLearner(GroupStep):
     def load_checkpoint(self, path: str | os.PathLike[str]) -> int:
         """Restore weights, optimizer, RNG and version; returns the version. Everything is
         read before anything is replaced (a failed load leaves the learner as it was)."""
+        self._require_one_rank("checkpointing")
         path = Path(path)
         part = STATE_FILE
         try:
@@ -330,22 +469,67 @@ class MegatronLearner(GroupStep):
             shape = mw.shape_from_hf(json.loads((path / part).read_text()))
             if shape != self.shape:
                 raise CheckpointError(f"{path}: model shape {shape}, base model {self.shape}")
-            part = "model.safetensors"
-            gpt, optimizer = self._build(_read_hf_weights(path))
             part = OPTIMIZER_FILE
-            optimizer.load_state_dict(torch.load(path / part, weights_only=True,
-                                                 map_location=self.device))
+            saved = torch.load(path / part, weights_only=True, map_location=self.device)
             part = "rng.pt"
             rng = torch.load(path / part, weights_only=True)
+            part = "model.safetensors"
+            gpt, ddp, optimizer = self._build(_read_hf_weights(path))
+            part = OPTIMIZER_FILE
+            if saved["groups"] is not None:
+                optimizer.load_state_dict(saved["groups"])
+                chained = getattr(optimizer, "chained_optimizers", [optimizer])
+                with torch.no_grad():  # it copies into the float32 master weights in place
+                    for o, params in zip(chained, saved["parameters"], strict=True):
+                        _load_parameter_state(o, params, saved["adam_step"])
         except CheckpointError:
             raise
         except Exception as exc:  # torch.load raises anything from IndexError to UnpicklingError
             raise CheckpointError(f"{path}: cannot load {part}: {type(exc).__name__}: {exc}") from exc
-        self.gpt, self.optimizer, self.version = gpt, optimizer, int(state["version"])
+        self.gpt, self.ddp, self.optimizer, self.version = gpt, ddp, optimizer, int(state["version"])
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.device)
         return self.version
+
+
+# torch's AdamW (megatron's fallback without apex) keeps a per-parameter "step" (the bias
+# correction's t). megatron's parameter-state format (dp zero) lacks it, its loader asks for
+# every key the state has, and its load_state_dict leaves a count of its own dummy steps
+# (24 after one real step, measured): so the real count is saved and set here. Every
+# parameter steps together, so one number restores it.
+def _adam_step(chained: list[Any]) -> float:
+    for o in chained:
+        for state in o.optimizer.state.values():
+            if "step" in state:
+                return float(state["step"])
+    return 0.0
+
+
+def _load_parameter_state(optimizer: Any, params: Any, step: float) -> None:
+    """megatron's parameter state (Adam's moments and the master weights) into a
+    DistributedOptimizer whose state_dict was loaded, with Adam's step count ``step``."""
+    states = list(optimizer.optimizer.state.values())
+    for state in states:
+        state.pop("step", None)
+    optimizer.load_parameter_state_from_dp_zero(params)
+    for state in states:
+        state["step"] = torch.tensor(step)
+
+
+def rows_of_rank(lengths: list[int], ranks: int, rank: int) -> list[int]:
+    """The batch rows data-parallel rank ``rank`` of ``ranks`` trains, in batch order:
+    longest first to the rank with the fewest tokens so far (ties to the lower rank), so
+    every rank computes the same split and the ranks' token counts stay close."""
+    if ranks == 1:
+        return list(range(len(lengths)))
+    load = [0] * ranks
+    owner = [0] * len(lengths)
+    for n in sorted(range(len(lengths)), key=lambda n: (-lengths[n], n)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[n] = r
+        load[r] += lengths[n]
+    return [n for n in range(len(lengths)) if owner[n] == rank]
 
 
 def _read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -224,3 +224,64 @@ def _require(tensors: Mapping[str, Any], names: list[str], side: str) -> None:
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise KeyError(f"{side} weights lack {', '.join(missing[:3])}{more}")
+
+
+# -- tensor-parallel slices ---------------------------------------------------------------
+# A tensor-parallel rank holds a contiguous slice of every split HF tensor: whole heads
+# (q rows of its heads, k/v rows of its key/value groups: contiguous, because a rank holds
+# whole groups and a group's heads are consecutive), its rows of gate and up (megatron
+# splits each half of fc1 apart, so fc1 local = [gate slice | up slice]), its vocabulary
+# rows of the embedding and head (VocabParallelEmbedding), and its input columns of
+# o_proj and down_proj (RowParallelLinear). The norms are whole on every rank.
+_ROW_SPLIT = ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+              "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias",
+              "mlp.gate_proj.weight", "mlp.up_proj.weight")
+_COLUMN_SPLIT = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def split_dim(hf_name: str) -> int | None:
+    """The dimension along which tensor parallelism splits an HF tensor; None: whole on every rank."""
+    if hf_name in ("model.embed_tokens.weight", "lm_head.weight") or hf_name.endswith(_ROW_SPLIT):
+        return 0
+    if hf_name.endswith(_COLUMN_SPLIT):
+        return 1
+    return None
+
+
+def local_shape(shape: ModelShape, tensor_parallel: int) -> ModelShape:
+    """The shape one tensor-parallel rank's tensors have (the layout checked it divides)."""
+    from dataclasses import replace
+
+    tp = tensor_parallel
+    return replace(shape, heads=shape.heads // tp, groups=shape.groups // tp, ffn=shape.ffn // tp,
+                   vocab=shape.vocab // tp)
+
+
+def hf_slice(hf: Mapping[str, torch.Tensor], tensor_parallel: int, rank: int) -> dict[str, torch.Tensor]:
+    """A tensor-parallel rank's slice of whole HF tensors (views)."""
+    out = {}
+    for name, t in hf.items():
+        dim = split_dim(name)
+        out[name] = t if dim is None or tensor_parallel == 1 else t.chunk(tensor_parallel, dim=dim)[rank]
+    return out
+
+
+def hf_join(slices: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Whole HF tensors (torch or numpy) from every tensor-parallel rank's slice, in rank
+    order (the inverse of hf_slice; a tensor whole on every rank is taken from rank 0)."""
+    out = {}
+    for name, first in slices[0].items():
+        dim = split_dim(name)
+        if dim is None or len(slices) == 1:
+            out[name] = first
+            continue
+        parts = [s[name] for s in slices]
+        if hasattr(first, "numpy"):  # a torch tensor
+            import torch
+
+            out[name] = torch.cat(parts, dim=dim)
+        else:
+            import numpy as np
+
+            out[name] = np.concatenate(parts, axis=dim)
+    return out

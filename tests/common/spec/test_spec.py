@@ -727,7 +727,8 @@ def test_megatron_example_is_arithmetic_with_the_megatron_backend():
     the megatron backend's check reads the real model's config.json."""
     base = load_spec(REPO / "examples" / "arithmetic.toml").model_dump()
     mega = load_spec(REPO / "examples" / "arithmetic-megatron.toml").model_dump()
-    assert mega["trainer"].pop("backend") == {"kind": "megatron", "tensor_parallel": 1, "pipeline_parallel": 1}
+    assert mega["trainer"].pop("backend") == {"kind": "megatron", "tensor_parallel": 1, "pipeline_parallel": 1,
+                                                   "data_parallel": 1}
     assert base["trainer"].pop("backend") == {"kind": "torch"}
     assert (base["job"].pop("name"), mega["job"].pop("name")) == ("arithmetic", "arithmetic-megatron")
     assert mega == base

@@ -2,16 +2,14 @@
 the TransformerConfig it builds, GPTModel logits against the HF model's, one training step
 against the torch learner's, HF-named tensors out, checkpoints, and its refusals.
 
-megatron-core names "cuda" in two places that a CPU run reaches and whose numerics do not
-depend on the device: RoPE moves its frequencies to ``torch.cuda.current_device()`` and
-attention forks the tensor-parallel CUDA RNG around dropout (0 here). The ``on_cpu``
-fixture points the first at the CPU and makes the second a no-op; everything else is the
-real code the GPU runs (tools/bench/megatron_check.py runs the same comparison there).
+megatron-core names "cuda" in a few places a CPU run reaches, whose numerics do not depend
+on the device; ``megatron/on_cpu.py`` points them at the CPU (the ``on_cpu`` fixture
+installs it first); everything else is the real code the GPU runs
+(tools/bench/megatron_check.py runs the same comparison there).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,6 +30,7 @@ from rlfleet.daemons.trainer.checkpointing import STATE_FILE, CheckpointError  #
 from rlfleet.daemons.trainer.learner import Learner  # noqa: E402
 from rlfleet.daemons.trainer.megatron import learner as mb  # noqa: E402
 from rlfleet.daemons.trainer.megatron import weights as mw  # noqa: E402
+from rlfleet.daemons.trainer.megatron.layout import Layout  # noqa: E402
 from tests.tiny_qwen2 import save_random_qwen2  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
@@ -40,13 +39,10 @@ TINY = REPO / "models" / "tiny-qwen2"
 
 @pytest.fixture(scope="module")
 def on_cpu():
-    from megatron.core.tensor_parallel import random as mp_random
+    from rlfleet.daemons.trainer.megatron import on_cpu as cpu
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.cuda, "current_device", lambda: "cpu")
-        mp.setattr(mp_random.CudaRNGStatesTracker, "fork",
-                   lambda self, name=None: contextlib.nullcontext())
-        yield
+    cpu.install()  # what a learner on device "cpu" does itself; idempotent
+    yield
     # The learners made a process group of one and megatron's parallel state in this
     # process; later tests (accelerate, TRL) must not find a distributed run.
     mb.release_parallel_state()
@@ -225,5 +221,16 @@ def test_the_kind_refuses_a_machine_without_cuda_before_touching_megatron():
         TRAINER_BACKENDS.build(spec.trainer.backend, spec=spec)
     assert str(info.value).startswith("trainer.backend kind 'megatron' needs a CUDA GPU: torch was built "
                                       "without CUDA (torch ")
-    with pytest.raises(mb.MegatronUnavailable, match="tensor_parallel x pipeline_parallel = 2 x 1"):
-        mb.check_device("cpu", tensor_parallel=2)
+    with pytest.raises(mb.MegatronUnavailable, match="pipeline_parallel 2: pipeline parallelism is not built"):
+        mb.check_device("cpu", Layout(pipeline=2))
+
+
+def test_data_parallel_ranks_split_the_rows_between_them():
+    lengths = [9, 3, 7, 7, 1, 5]
+    shares = [mb.rows_of_rank(lengths, 2, r) for r in (0, 1)]
+    assert sorted(shares[0] + shares[1]) == list(range(6))  # every row once
+    assert all(share == sorted(share) for share in shares)  # in batch order
+    # longest first to the lighter rank: 9+5+3 and 7+7+1
+    assert [sum(lengths[n] for n in share) for share in shares] == [17, 15]
+    assert mb.rows_of_rank(lengths, 1, 0) == list(range(6))
+    assert mb.rows_of_rank([4], 2, 1) == []  # a rank may get none: it still joins the step

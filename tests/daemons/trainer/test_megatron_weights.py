@@ -143,16 +143,22 @@ def megatron_spec(**backend) -> dict:
             "trainer": {"backend": {"kind": "megatron", **backend}}}
 
 
-def test_the_spec_refuses_model_parallelism_with_the_reason():
+def test_the_spec_refuses_what_the_layout_cannot_take_with_the_reason():
     assert parse_spec(megatron_spec()).trainer.backend.tensor_parallel == 1
     with pytest.raises(SpecError) as info:
-        parse_spec(megatron_spec(tensor_parallel=2))
-    assert ("trainer.backend.tensor_parallel: tensor_parallel x pipeline_parallel = 2 x 1: the megatron "
-            "backend runs one process on one GPU") in str(info.value)
-    with pytest.raises(SpecError, match="trainer.backend.pipeline_parallel: .* 1 x 4"):
+        parse_spec(megatron_spec(tensor_parallel=2, data_parallel=2))
+    assert ("trainer.backend.tensor_parallel: TP 2 x PP 1 x DP 2 = 4 ranks: the trainer daemon runs one "
+            "rank until it forms a trainer group") in str(info.value)
+    # tiny-qwen2 has 2 key/value heads, 4 heads and a vocabulary of 36: TP 4 splits no group
+    with pytest.raises(SpecError, match=r"trainer.backend.tensor_parallel: 4 does not divide the model's "
+                                        r"num_key_value_heads \(2\)"):
+        parse_spec(megatron_spec(tensor_parallel=4))
+    with pytest.raises(SpecError, match="trainer.backend.pipeline_parallel: 4: pipeline parallelism is not built"):
         parse_spec(megatron_spec(pipeline_parallel=4))
     with pytest.raises(SpecError, match="trainer.backend.tensor_parallel: must be > 0, got 0"):
         parse_spec(megatron_spec(tensor_parallel=0))
+    with pytest.raises(SpecError, match="trainer.backend.data_parallel: must be > 0, got 0"):
+        parse_spec(megatron_spec(data_parallel=0))
 
 
 def test_the_spec_refuses_a_model_the_backend_cannot_map(tmp_path):
@@ -181,3 +187,32 @@ def test_validating_a_megatron_spec_imports_neither_torch_nor_megatron(tmp_path)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""
+
+
+def test_tensor_parallel_slices_put_together_again():
+    shape = mw.shape_from_hf(tiny_config())
+    hf = random_hf(shape)
+    halves = [mw.hf_slice(hf, 2, r) for r in (0, 1)]
+    # whole heads and groups per rank: q has 2 of 4 heads, k and v 1 of 2 groups
+    assert halves[1]["model.layers.0.self_attn.q_proj.weight"].shape == (2 * shape.head_dim, shape.hidden)
+    assert halves[1]["model.layers.0.self_attn.k_proj.weight"].shape == (shape.head_dim, shape.hidden)
+    assert halves[0]["model.layers.0.self_attn.o_proj.weight"].shape == (shape.hidden, shape.hidden // 2)
+    assert halves[0]["model.embed_tokens.weight"].shape == (shape.vocab // 2, shape.hidden)
+    assert halves[0]["model.norm.weight"] is hf["model.norm.weight"]
+    # each half maps to megatron names at the local shape and back
+    local = mw.local_shape(shape, 2)
+    back = [mw.mcore_to_hf(mw.hf_to_mcore(h, local), local) for h in halves]
+    joined = mw.hf_join(back)
+    assert set(joined) == set(hf) and all(joined[n].equal(hf[n]) for n in hf)
+    as_numpy = mw.hf_join([{n: t.numpy() for n, t in h.items()} for h in halves])
+    assert all((as_numpy[n] == hf[n].numpy()).all() for n in hf)
+
+
+def test_the_layout_says_what_the_model_cannot_split():
+    from rlfleet.daemons.trainer.megatron.layout import Layout
+
+    shape = mw.shape_from_hf(tiny_config())
+    assert Layout(2, 1, 2).problems(shape) == [] and Layout(2, 1, 2).world == 4
+    assert Layout(4).problems(shape) == [("tensor_parallel", "4 does not divide the model's num_key_value_heads (2)")]
+    assert [k for k, _ in Layout(3).problems(shape)] == ["tensor_parallel"] * 2  # heads, groups
+    assert Layout(pipeline=2).problems()[0][0] == "pipeline_parallel"
