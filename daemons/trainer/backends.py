@@ -13,6 +13,7 @@
     tensor_parallel = 1  # megatron.learner.MegatronLearner (HF weights in and out); the
     pipeline_parallel = 1  # learner takes tensor x data parallel ranks (one process each),
     data_parallel = 1    # the daemon runs one rank until its trainer group is built
+    precision = "float32"  # or "bfloat16" (float32 master weights and Adam state)
 
 Each builds an object with the learner interface the rest of the trainer uses
 (worker.py, training.py, checkpointing.py): ``version``, ``vocab_size``,
@@ -177,6 +178,8 @@ class MegatronBackendConfig(KindConfig):
     tensor_parallel: PosInt = 1
     pipeline_parallel: PosInt = 1
     data_parallel: PosInt = 1
+    # bfloat16: bf16 parameters and compute, float32 master weights and Adam state.
+    precision: Literal["float32", "bfloat16"] = "float32"
 
 
 class MegatronBackend(TrainerBackend):
@@ -198,7 +201,7 @@ class MegatronBackend(TrainerBackend):
                                total_steps=t.max_steps, temperature=1.0,  # as TorchBackend
                                tensor_parallel=config.tensor_parallel,
                                pipeline_parallel=config.pipeline_parallel,
-                               data_parallel=config.data_parallel)
+                               data_parallel=config.data_parallel, precision=config.precision)
 
     @classmethod
     def unavailable(cls, config: MegatronBackendConfig, /) -> str:

@@ -70,6 +70,9 @@ from . import weights as mw
 from .layout import Layout
 
 BACKEND_NAME = "megatron"
+# float32: like the torch learner. bfloat16: bf16 parameters and compute, float32 master
+# weights and optimizer state (megatron's mixed precision); log-probs in float32 either way.
+PRECISIONS = ("float32", "bfloat16")
 OPTIMIZER_FILE = "optimizer-megatron.pt"  # megatron parameter order: no other backend's file
 # The HF files copied beside the weights so a checkpoint is a loadable HF model folder.
 _CONFIG_FILES = ("config.json", "generation_config.json")
@@ -135,7 +138,10 @@ def transformer_config(shape: mw.ModelShape, *, tensor_parallel: int = 1,
         # The loss is already divided by the whole batch's denominator (step.py), so the
         # data-parallel ranks' gradients are summed, not averaged (DDP's scaling factor 1).
         calculate_per_token_loss=True,
-        params_dtype=dtype, use_cpu_initialization=True, perform_initialization=False,
+        # bf16: bfloat16 parameters and compute; the distributed optimizer keeps float32
+        # master weights and Adam state (megatron's mixed precision).
+        params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True, perform_initialization=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False)
 
@@ -249,11 +255,15 @@ class MegatronLearner(GroupStep):
                  weight_decay: float = 0.0, micro_batch_tokens: int = 16384,
                  lr_schedule: str = "constant", warmup_steps: int = 0,
                  total_steps: int | None = None, tensor_parallel: int = 1,
-                 pipeline_parallel: int = 1, data_parallel: int = 1, device: str = "cuda") -> None:
+                 pipeline_parallel: int = 1, data_parallel: int = 1, device: str = "cuda",
+                 precision: str = "float32") -> None:
         self.model_dir = Path(model_dir)
         hf_config = json.loads((self.model_dir / "config.json").read_text())
         self.shape = mw.shape_from_hf(hf_config)
         self.layout = Layout(tensor_parallel, pipeline_parallel, data_parallel)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}: one of {', '.join(PRECISIONS)}")
+        self.precision = precision
         check_device(device, self.layout, self.shape)
         self.megatron_version = megatron_version()
         self.set_step_options(lr=lr, loss=loss, seed=seed, temperature=temperature, aggregate=aggregate,
@@ -285,7 +295,9 @@ class MegatronLearner(GroupStep):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         tp = self.layout.tensor
-        config = transformer_config(self.shape, tensor_parallel=tp, pipeline_parallel=self.layout.pipeline)
+        bf16 = self.precision == "bfloat16"
+        config = transformer_config(self.shape, tensor_parallel=tp, pipeline_parallel=self.layout.pipeline,
+                                    dtype=torch.bfloat16 if bf16 else torch.float32)
         with quiet():
             gpt = build_gpt_model(self.shape, config)
         mine = mw.hf_to_mcore(mw.hf_slice(hf, tp, self.tp_rank), mw.local_shape(self.shape, tp))
@@ -296,18 +308,25 @@ class MegatronLearner(GroupStep):
             raise mw.UnsupportedModel(f"megatron model and mapped weights disagree: missing "
                                       f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}")
         gpt.to(self.device).train()
+        # bf16: megatron's Float16Module casts every parameter (the norms too) and the
+        # float inputs to bf16, and the logits back to float32, as megatron's training does.
+        model = gpt
+        if bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, gpt)
         # Gradients reduced once per step after every micro-batch (no overlap: the step's
         # time is honest, and gloo has no streams to overlap on); in float32 always.
         ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
                                                    overlap_grad_reduce=False)
         with quiet(), on_cpu.cuda_type_names():
-            ddp = DistributedDataParallel(config, ddp_config, gpt)
+            ddp = DistributedDataParallel(config, ddp_config, model)
             # Adam is torch's AdamW where apex/TransformerEngine are absent (megatron's
             # fallback), the update rule of the torch learner; the lr is set per step.
             optimizer = get_megatron_optimizer(OptimizerConfig(
                 optimizer="adam", lr=self.lr, weight_decay=self.weight_decay, adam_beta1=0.9,
                 adam_beta2=0.999, adam_eps=1e-8, clip_grad=self.max_grad_norm,
-                use_distributed_optimizer=True, bf16=False, fp16=False), [ddp])
+                use_distributed_optimizer=True, bf16=bf16, fp16=False), [ddp])
         return gpt, ddp, optimizer
 
     def eval_policy(self) -> Any:
@@ -452,7 +471,8 @@ class MegatronLearner(GroupStep):
             state = {"version": version, "time": time.time(), "lr": self.lr,
                      "lr_schedule": self.lr_schedule, "loss": self.loss.describe(),
                      "seed": self.seed, "base_model": str(self.model_dir),
-                     "backend": BACKEND_NAME, "megatron_core": self.megatron_version, **(extra or {})}
+                     "backend": BACKEND_NAME, "megatron_core": self.megatron_version,
+                     "precision": self.precision, **(extra or {})}
             (folder / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
         return write_checkpoint(root, version, fill, keep)

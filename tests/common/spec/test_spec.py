@@ -728,7 +728,7 @@ def test_megatron_example_is_arithmetic_with_the_megatron_backend():
     base = load_spec(REPO / "examples" / "arithmetic.toml").model_dump()
     mega = load_spec(REPO / "examples" / "arithmetic-megatron.toml").model_dump()
     assert mega["trainer"].pop("backend") == {"kind": "megatron", "tensor_parallel": 1, "pipeline_parallel": 1,
-                                                   "data_parallel": 1}
+                                                   "data_parallel": 1, "precision": "float32"}
     assert base["trainer"].pop("backend") == {"kind": "torch"}
     assert (base["job"].pop("name"), mega["job"].pop("name")) == ("arithmetic", "arithmetic-megatron")
     assert mega == base

@@ -234,3 +234,29 @@ def test_data_parallel_ranks_split_the_rows_between_them():
     assert [sum(lengths[n] for n in share) for share in shares] == [17, 15]
     assert mb.rows_of_rank(lengths, 1, 0) == list(range(6))
     assert mb.rows_of_rank([4], 2, 1) == []  # a rank may get none: it still joins the step
+
+
+def test_bf16_trains_with_float32_master_weights_and_resumes_exactly(on_cpu, tmp_path):
+    groups = turn_batch()
+    full = mb.MegatronLearner(TINY, lr=1e-2, seed=0, device="cpu")
+    half = mb.MegatronLearner(TINY, lr=1e-2, seed=0, device="cpu", precision="bfloat16")
+    assert {p.dtype for p in half.gpt.parameters()} == {torch.bfloat16}
+    masters = [p for o in half.optimizer.chained_optimizers for g in o.optimizer.param_groups for p in g["params"]]
+    assert masters and {p.dtype for p in masters} == {torch.float32}
+    a, b = full.train_step(groups), half.train_step(groups)
+    # bf16 keeps 8 bits of mantissa: the same step, to bf16's precision
+    assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-2)
+    published = half.state_tensors("bfloat16")
+    assert all(v.dtype.name == "bfloat16" for v in published.values())
+    assert sum(v.nbytes for v in published.values()) * 2 == sum(v.nbytes for v in full.state_tensors().values())
+    folder = half.save_checkpoint(tmp_path / "ckpt")
+    assert json.loads((folder / STATE_FILE).read_text())["precision"] == "bfloat16"
+    again = mb.MegatronLearner(TINY, lr=1e-2, seed=0, device="cpu", precision="bfloat16")
+    assert again.load_checkpoint(folder) == 1
+    sa, sb = half.train_step(groups), again.train_step(groups)
+    assert sa["loss"] == sb["loss"]  # the float32 master weights came back, not their bf16 copies
+    ta, tb = half.state_tensors(), again.state_tensors()
+    assert all(np.array_equal(ta[n], tb[n]) for n in ta)
+    with pytest.raises(ValueError, match="precision 'fp8'"):
+        mb.MegatronLearner(TINY, device="cpu", precision="fp8")
