@@ -22,12 +22,13 @@ interface of ``learner.Learner`` (backends.py) and differs only in the model it 
   data-parallel rank takes its share of the batch's rows; the loss keeps the whole
   batch's denominator, so the summed gradients are the one-rank step's;
 - out: ``state_tensors()`` are HF-named (``weights.mcore_to_hf``), so the relay
-  and every rollout engine load them as they load the torch learner's; a checkpoint is an
-  HF model folder like the torch learner's (config.json + model.safetensors + tokenizer),
-  loadable by any backend and engine, plus this backend's optimizer state.
+  and every rollout engine load them as they load the torch learner's; a checkpoint is
+  megatron's distributed checkpoint (``distcp/``: weights and optimizer, loadable at
+  another layout) in a folder with the config and tokenizer, and with one rank also an HF
+  model folder (model.safetensors) like the torch learner's, loadable by any backend and
+  engine.
 
-Not done: pipeline parallelism (layout.py refuses it); checkpoints of more than one
-rank (torch.distributed.checkpoint, to come); the daemon forming a group of ranks (to
+Not done: pipeline parallelism (layout.py refuses it); the daemon forming a group of ranks (to
 come): a multi-rank learner is built today by processes that formed their
 torch.distributed group themselves (the tests, torchrun). Shared-prompt packing: megatron's
 RoPE takes positions from the sequence index, not position ids, so rows stay unpacked (one
@@ -65,7 +66,7 @@ from ..guard import require_finite, weights_finite
 from ..learner import _TOKENIZER_FILES
 from ..losses import PolicyLoss
 from ..step import GroupStep, MicroBatch, micro_batches
-from . import on_cpu
+from . import compat, on_cpu
 from . import weights as mw
 from .layout import Layout
 
@@ -73,7 +74,13 @@ BACKEND_NAME = "megatron"
 # float32: like the torch learner. bfloat16: bf16 parameters and compute, float32 master
 # weights and optimizer state (megatron's mixed precision); log-probs in float32 either way.
 PRECISIONS = ("float32", "bfloat16")
-OPTIMIZER_FILE = "optimizer-megatron.pt"  # megatron parameter order: no other backend's file
+# megatron's distributed checkpoint (torch.distributed.checkpoint files): the weights and the
+# optimizer, every tensor named by its place in the whole model, so any layout loads it.
+DISTCP = "distcp"
+# The optimizer's state in model space, gathered per data-parallel group over gloo while
+# saving ("mem_efficient"): loadable at another tensor or data parallel size.
+RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable",
+               "distrib_optim_fully_reshardable_mem_efficient": True}
 # The HF files copied beside the weights so a checkpoint is a loadable HF model folder.
 _CONFIG_FILES = ("config.json", "generation_config.json")
 INSTALL_HINT = ("pip install 'rlfleet[megatron]' (megatron-core 0.19.2 on Python >= 3.12, "
@@ -294,6 +301,7 @@ class MegatronLearner(GroupStep):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        compat.install()
         tp = self.layout.tensor
         bf16 = self.precision == "bfloat16"
         config = transformer_config(self.shape, tensor_parallel=tp, pipeline_parallel=self.layout.pipeline,
@@ -438,32 +446,63 @@ class MegatronLearner(GroupStep):
         return mw.mcore_to_hf(mc, mw.local_shape(self.shape, self.layout.tensor))
 
     # -- checkpoints ------------------------------------------------------------------
+    def _sharded_state(self, loading: bool, optimizer: bool) -> dict[str, Any]:
+        """The model and (``optimizer``) the optimizer as megatron's sharded state dict,
+        every tensor named by its place in the whole model (so any layout can load it).
+        Before the first step there is no optimizer state to save (megatron cannot describe
+        an empty one): the checkpoint then holds the model alone."""
+        if loading and optimizer:  # megatron's optimizer state_dict needs a state to describe
+            for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                o._init_optimizer_states_with_dummy_values()
+        with on_cpu.cuda_type_names():
+            out: dict[str, Any] = {"model": self.gpt.sharded_state_dict(),
+                                   "adam_step": compat.adam_step(self.optimizer)}
+            if optimizer:
+                out["optimizer"] = self.optimizer.sharded_state_dict(out["model"], is_loading=loading,
+                                                                     metadata=RESHARDABLE)
+        return out
+
     def save_checkpoint(self, root: str | os.PathLike[str], version: int | None = None,
                         keep: int = 2, extra: dict[str, Any] | None = None) -> Path:
-        """Write ``root/step-<version>/`` atomically: an HF model folder any backend or
-        engine loads, plus this backend's optimizer (megatron's parameter state: Adam's
-        moments and the float32 master weights) and RNG state."""
+        """``root/step-<version>/``, written by every rank together (a collective: each
+        rank calls it) and renamed into place by rank 0: ``distcp/``, megatron's distributed
+        checkpoint of the weights and the optimizer (float32 master weights, Adam's moments),
+        loadable at another layout; with one rank also the HF weights (``model.safetensors``),
+        so the folder is an HF model any backend or engine loads. ``root`` must be a folder
+        every rank reaches (megatron's assumption too). Returns the folder (rank 0's path on
+        every rank)."""
+        import torch.distributed as dist
+        from megatron.core import dist_checkpointing
         from safetensors.torch import save_file
 
-        self._require_one_rank("checkpointing")
         version = self.version if version is None else version
+        root = Path(root)
+        staging = root / f".tmp-step-{version:08d}-ranks"
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            shutil.rmtree(staging, ignore_errors=True)
+            (staging / DISTCP).mkdir(parents=True)
+        dist.barrier()
+        stepped = compat.adam_step(self.optimizer) > 0
+        with quiet():
+            dist_checkpointing.save(self._sharded_state(loading=False, optimizer=stepped), str(staging / DISTCP))
+        dist.barrier()
+        final = root / f"step-{version:08d}"
+        if not rank0:
+            return final
 
         def fill(folder: Path) -> None:
-            # Copies: gate/up (and q/k/v with one group) are views of one fused tensor,
-            # and safetensors refuses tensors that share memory.
-            tensors = {k: v.detach().to("cpu", torch.float32, copy=True).contiguous()
-                       for k, v in self.hf_state().items()
-                       if not (self.shape.tied and k == "lm_head.weight")}  # HF omits it too
-            save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+            os.rename(staging / DISTCP, folder / DISTCP)
+            if self.layout.world == 1:
+                # Copies: gate/up (and q/k/v with one group) are views of one fused tensor,
+                # and safetensors refuses tensors that share memory.
+                tensors = {k: v.detach().to("cpu", torch.float32, copy=True).contiguous()
+                           for k, v in self.hf_state().items()
+                           if not (self.shape.tied and k == "lm_head.weight")}  # HF omits it too
+                save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
             for name in (*_CONFIG_FILES, *_TOKENIZER_FILES):
                 if (self.model_dir / name).is_file():
                     shutil.copy2(self.model_dir / name, folder / name)
-            chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-            stepped = any(o.optimizer.state for o in chained)  # megatron's state_dict needs a step
-            torch.save({"groups": self.optimizer.state_dict() if stepped else None,
-                        "parameters": [o.get_parameter_state_dp_zero() for o in chained] if stepped else None,
-                        "adam_step": _adam_step(chained)},
-                       folder / OPTIMIZER_FILE)
             rng = {"torch": torch.get_rng_state()}
             if self.device.type == "cuda":
                 rng["cuda"] = torch.cuda.get_rng_state(self.device)
@@ -472,69 +511,62 @@ class MegatronLearner(GroupStep):
                      "lr_schedule": self.lr_schedule, "loss": self.loss.describe(),
                      "seed": self.seed, "base_model": str(self.model_dir),
                      "backend": BACKEND_NAME, "megatron_core": self.megatron_version,
-                     "precision": self.precision, **(extra or {})}
+                     "precision": self.precision, "layout": self.layout.describe(),
+                     "optimizer_state": stepped, **(extra or {})}
             (folder / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
-        return write_checkpoint(root, version, fill, keep)
+        try:
+            return write_checkpoint(root, version, fill, keep)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> int:
-        """Restore weights, optimizer, RNG and version; returns the version. Everything is
-        read before anything is replaced (a failed load leaves the learner as it was)."""
-        self._require_one_rank("checkpointing")
+        """Restore weights, optimizer, RNG and version from a checkpoint of any layout (a
+        collective: every rank calls it); returns the version. Everything is read into a
+        new model before anything is replaced (a failed load leaves the learner as it was)."""
+        from megatron.core import dist_checkpointing
+
         path = Path(path)
         part = STATE_FILE
+        current = self.gpt, self.ddp, self.optimizer
         try:
             state = json.loads((path / STATE_FILE).read_text())
             part = "config.json"
             shape = mw.shape_from_hf(json.loads((path / part).read_text()))
             if shape != self.shape:
                 raise CheckpointError(f"{path}: model shape {shape}, base model {self.shape}")
-            part = OPTIMIZER_FILE
-            saved = torch.load(path / part, weights_only=True, map_location=self.device)
+            if state.get("precision", "float32") != self.precision:
+                raise CheckpointError(f"{path}: trained in {state.get('precision', 'float32')}, "
+                                      f"this learner trains in {self.precision}")
             part = "rng.pt"
             rng = torch.load(path / part, weights_only=True)
-            part = "model.safetensors"
-            gpt, ddp, optimizer = self._build(_read_hf_weights(path))
-            part = OPTIMIZER_FILE
-            if saved["groups"] is not None:
-                optimizer.load_state_dict(saved["groups"])
-                chained = getattr(optimizer, "chained_optimizers", [optimizer])
-                with torch.no_grad():  # it copies into the float32 master weights in place
-                    for o, params in zip(chained, saved["parameters"], strict=True):
-                        _load_parameter_state(o, params, saved["adam_step"])
-        except CheckpointError:
-            raise
+            part = DISTCP
+            if not (path / DISTCP / "metadata.json").is_file():
+                raise FileNotFoundError(f"no {DISTCP}/ (not a megatron checkpoint of this format)")
+            # The base model's weights build the structure; the checkpoint replaces them all.
+            self.gpt, self.ddp, self.optimizer = self._build(_read_hf_weights(self.model_dir))
+            stepped = bool(state.get("optimizer_state", True))
+            with quiet():
+                loaded = dist_checkpointing.load(self._sharded_state(loading=True, optimizer=stepped),
+                                                 str(path / DISTCP))
+            with on_cpu.cuda_type_names():
+                result = self.gpt.load_state_dict(loaded["model"], strict=False)
+                missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+                if missing:
+                    raise CheckpointError(f"{path}: {DISTCP} lacks {missing[:3]}")
+                if stepped:
+                    self.optimizer.load_state_dict(loaded["optimizer"])
+                    compat.set_adam_step(self.optimizer, float(loaded["adam_step"]))
         except Exception as exc:  # torch.load raises anything from IndexError to UnpicklingError
+            self.gpt, self.ddp, self.optimizer = current
+            if isinstance(exc, CheckpointError):
+                raise
             raise CheckpointError(f"{path}: cannot load {part}: {type(exc).__name__}: {exc}") from exc
-        self.gpt, self.ddp, self.optimizer, self.version = gpt, ddp, optimizer, int(state["version"])
+        self.version = int(state["version"])
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and self.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.device)
         return self.version
-
-
-# torch's AdamW (megatron's fallback without apex) keeps a per-parameter "step" (the bias
-# correction's t). megatron's parameter-state format (dp zero) lacks it, its loader asks for
-# every key the state has, and its load_state_dict leaves a count of its own dummy steps
-# (24 after one real step, measured): so the real count is saved and set here. Every
-# parameter steps together, so one number restores it.
-def _adam_step(chained: list[Any]) -> float:
-    for o in chained:
-        for state in o.optimizer.state.values():
-            if "step" in state:
-                return float(state["step"])
-    return 0.0
-
-
-def _load_parameter_state(optimizer: Any, params: Any, step: float) -> None:
-    """megatron's parameter state (Adam's moments and the master weights) into a
-    DistributedOptimizer whose state_dict was loaded, with Adam's step count ``step``."""
-    states = list(optimizer.optimizer.state.values())
-    for state in states:
-        state.pop("step", None)
-    optimizer.load_parameter_state_from_dp_zero(params)
-    for state in states:
-        state["step"] = torch.tensor(step)
 
 
 def rows_of_rank(lengths: list[int], ranks: int, rank: int) -> list[int]:

@@ -6,7 +6,8 @@ runs on CPU tensors unchanged, except where it allocates on "cuda" by name or ch
 tensor's CUDA type name:
 
 - ``torch.cuda.current_device()`` (RoPE's frequencies, DDP's gradient buffers, the
-  distributed optimizer's shards): "cpu";
+  distributed optimizer's shards): "cpu"; ``torch.cuda.synchronize()`` (the checkpoint
+  writer's): nothing to wait for;
 - the tensor-parallel CUDA RNG tracker forks the CUDA generator around dropout (0 here):
   a no-op;
 - ``torch.tensor/zeros/ones/empty(..., device="cuda")`` in the optimizer, gradient
@@ -62,6 +63,7 @@ def install() -> None:
     from megatron.core.tensor_parallel import random as mp_random
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]  # nothing to wait for
     mp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # type: ignore[method-assign]
     for name in _MODULES:
         importlib.import_module(name).torch = _TorchOnCpu()  # type: ignore[attr-defined]

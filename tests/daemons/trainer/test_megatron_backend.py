@@ -203,9 +203,9 @@ def test_checkpoints_are_hf_folders_and_resume_gives_the_same_next_step(on_cpu, 
 def test_an_unreadable_checkpoint_leaves_the_learner_as_it_was(on_cpu, tmp_path):
     a = mb.MegatronLearner(TINY, device="cpu")
     folder = a.save_checkpoint(tmp_path / "ckpt")
-    (folder / mb.OPTIMIZER_FILE).write_bytes(b"not a pickle")
+    (folder / mb.DISTCP / "metadata.json").write_bytes(b"not json")
     before = a.state_tensors()
-    with pytest.raises(CheckpointError, match=f"cannot load {mb.OPTIMIZER_FILE}"):
+    with pytest.raises(CheckpointError, match=f"cannot load {mb.DISTCP}"):
         a.load_checkpoint(folder)
     assert a.version == 0
     after = a.state_tensors()
