@@ -195,7 +195,7 @@ class MegatronBackend(TrainerBackend):
         from .megatron.learner import MegatronLearner  # torch, megatron-core
 
         t = spec.trainer
-        return MegatronLearner(spec.model.path, lr=t.learning_rate,
+        return MegatronLearner(spec.model.path, device=megatron_device(), lr=t.learning_rate,
                                loss=POLICY_LOSSES.build(t.loss), seed=spec.job.seed,
                                lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
                                total_steps=t.max_steps, temperature=1.0,  # as TorchBackend
@@ -238,6 +238,21 @@ class MegatronBackend(TrainerBackend):
                 f"{layout.describe()}: the trainer daemon runs one rank until it forms a trainer "
                 "group across processes (not built yet); use 1")))
         return problems
+
+
+def megatron_device(environ: Mapping[str, str] = os.environ) -> str:
+    """Where the megatron learner trains: the GPU(s) its placement gave it; none given by a
+    job that assigns GPUs (CUDA_VISIBLE_DEVICES set, empty): the CPU; a job that assigns
+    none: a visible GPU if there is one (as before placement had GPUs), else the CPU
+    (megatron/on_cpu.py: slow, but the whole path runs, as CI does)."""
+    import torch
+
+    from rlfleet.common.devices import GPU_ENV, torch_device
+
+    device = torch_device(environ)
+    if device == "cpu" and GPU_ENV not in environ and torch.cuda.is_available():
+        return "cuda"
+    return device
 
 
 def _machine_memory_bytes() -> int | None:

@@ -212,15 +212,21 @@ def test_an_unreadable_checkpoint_leaves_the_learner_as_it_was(on_cpu, tmp_path)
     assert all(np.array_equal(before[n], after[n]) for n in before)
 
 
-def test_the_kind_refuses_a_machine_without_cuda_before_touching_megatron():
+def test_the_kind_trains_where_its_placement_puts_it(on_cpu):
+    from rlfleet.daemons.trainer.backends import megatron_device
+
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: the refusal is for machines without it")
+        pytest.skip("this machine has CUDA: the CPU fallback is for machines without it")
+    assert megatron_device({}) == "cpu"  # no GPU visible: the CPU (on_cpu.py), not a refusal
+    assert megatron_device({"CUDA_VISIBLE_DEVICES": ""}) == "cpu"  # the job gave this daemon none
+    with pytest.raises(RuntimeError, match="given GPU.*torch was built without CUDA"):
+        megatron_device({"CUDA_VISIBLE_DEVICES": "0"})  # given one it cannot use: never silently the CPU
     spec = parse_spec({"job": {"name": "m"}, "model": {"path": str(TINY)},
                        "task": {"env": {"kind": "arithmetic"}}, "trainer": {"backend": {"kind": "megatron"}}})
-    with pytest.raises(mb.MegatronUnavailable) as info:
-        TRAINER_BACKENDS.build(spec.trainer.backend, spec=spec)
-    assert str(info.value).startswith("trainer.backend kind 'megatron' needs a CUDA GPU: torch was built "
-                                      "without CUDA (torch ")
+    learner = TRAINER_BACKENDS.build(spec.trainer.backend, spec=spec)
+    assert learner.device.type == "cpu" and learner.train_step(turn_batch())["version"] == 1
+    with pytest.raises(mb.MegatronUnavailable, match="needs a CUDA GPU"):
+        mb.check_device("cuda", Layout())
     with pytest.raises(mb.MegatronUnavailable, match="pipeline_parallel 2: pipeline parallelism is not built"):
         mb.check_device("cpu", Layout(pipeline=2))
 

@@ -1,5 +1,6 @@
 """A trainer restart loses no step (daemons/trainer/resume.py): kill -9 mid-step,
-mid-checkpoint and mid-publish, one after another, with the staleness bound tight.
+mid-checkpoint and mid-publish, one after another, with the staleness bound tight; with
+the torch backend and with the megatron backend (on the CPU).
 
 On main before this, a restarted trainer took the journal's version with the
 checkpoint's weights, so every reopened group was judged staler than it had been and
@@ -31,6 +32,9 @@ from .test_daemon import SPEC as DAEMON_SPEC
 
 SPEC = DAEMON_SPEC + "max_staleness = 2\n"  # [trainer] is its last section
 STEPS = 6
+# The megatron backend on the CPU (megatron/on_cpu.py): its checkpoints are megatron's
+# distributed checkpoints (distcp/) plus the HF weights compared below.
+BACKENDS = {"torch": "", "megatron": '[trainer.backend]\nkind = "megatron"\n'}
 
 
 def batch(i: int) -> list:
@@ -39,9 +43,11 @@ def batch(i: int) -> list:
             for p in (2 * i, 2 * i + 1) for k in range(2)]
 
 
-@pytest.fixture
-def trainers(tmp_path, etcd, tiny_model):
-    spec = write_spec(tmp_path, JOB, SPEC, model=tiny_model)
+@pytest.fixture(params=sorted(BACKENDS))
+def trainers(request, tmp_path, etcd, tiny_model):
+    if request.param == "megatron":
+        pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install 'rlfleet[megatron]'")
+    spec = write_spec(tmp_path, JOB, SPEC + BACKENDS[request.param], model=tiny_model)
     store = EtcdStore(etcd.endpoints)
     procs: list[subprocess.Popen] = []
 
