@@ -11,7 +11,7 @@ interface of ``learner.Learner`` (backends.py) and differs only in the model it 
   the config has them; float32 parameters, like the torch learner;
 - the parallel layout (layout.py): this process is one rank of tensor x data parallel
   ranks (megatron-core's ``parallel_state``); it loads its tensor-parallel slice of the HF
-  weights (weights.hf_slice), trains through megatron-core's ``DistributedDataParallel``
+  weights (read_hf_slice: only its slice is read), trains through megatron-core's ``DistributedDataParallel``
   (gradients reduced across data-parallel ranks) and its distributed optimizer (Adam
   state and float32 master weights sharded across them), with gradient clipping by the
   global norm (megatron's). With one rank all of it is the identity;
@@ -293,7 +293,10 @@ class MegatronLearner(GroupStep):
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
         self.version = 0
-        self.gpt, self.ddp, self.optimizer = self._build(_read_hf_weights(self.model_dir))
+        self.gpt, self.ddp, self.optimizer = self._build(self._read_base_model())
+
+    def _read_base_model(self) -> dict[str, torch.Tensor]:
+        return read_hf_slice(self.model_dir, self.layout.tensor, self.tp_rank)
 
     def _build(self, hf: dict[str, torch.Tensor]) -> tuple[Any, Any, Any]:
         """This rank's slice of the HF weights in a GPTModel, wrapped in megatron-core's DDP,
@@ -308,7 +311,7 @@ class MegatronLearner(GroupStep):
                                     dtype=torch.bfloat16 if bf16 else torch.float32)
         with quiet():
             gpt = build_gpt_model(self.shape, config)
-        mine = mw.hf_to_mcore(mw.hf_slice(hf, tp, self.tp_rank), mw.local_shape(self.shape, tp))
+        mine = mw.hf_to_mcore(hf, mw.local_shape(self.shape, tp))
         result = gpt.load_state_dict(mine, strict=False)
         # _extra_state entries (TransformerEngine's FP8 metadata slots) stay None here.
         missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
@@ -544,7 +547,7 @@ class MegatronLearner(GroupStep):
             if not (path / DISTCP / "metadata.json").is_file():
                 raise FileNotFoundError(f"no {DISTCP}/ (not a megatron checkpoint of this format)")
             # The base model's weights build the structure; the checkpoint replaces them all.
-            self.gpt, self.ddp, self.optimizer = self._build(_read_hf_weights(self.model_dir))
+            self.gpt, self.ddp, self.optimizer = self._build(self._read_base_model())
             stepped = bool(state.get("optimizer_state", True))
             with quiet():
                 loaded = dist_checkpointing.load(self._sharded_state(loading=True, optimizer=stepped),
@@ -584,14 +587,25 @@ def rows_of_rank(lengths: list[int], ranks: int, rank: int) -> list[int]:
     return [n for n in range(len(lengths)) if owner[n] == rank]
 
 
-def _read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The HF weights of a model folder (one model.safetensors or several shards)."""
-    from safetensors.torch import load_file
+def read_hf_slice(folder: Path, tensor_parallel: int = 1, rank: int = 0) -> dict[str, torch.Tensor]:
+    """A tensor-parallel rank's slice of the HF weights of a model folder (one
+    model.safetensors or several shards), read as a slice: no rank holds the whole model
+    in memory (at the 0.5B shape in float32, 2 GB a rank would read and drop)."""
+    from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        out.update(load_file(str(f)))
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 — safe_open is not a mapping
+                dim = mw.split_dim(name)
+                if dim is None or tensor_parallel == 1:
+                    out[name] = st.get_tensor(name)
+                    continue
+                part = st.get_slice(name)
+                size = part.get_shape()[dim] // tensor_parallel
+                span = slice(rank * size, (rank + 1) * size)
+                out[name] = part[span] if dim == 0 else part[:, span]
     return out

@@ -266,3 +266,14 @@ def test_bf16_trains_with_float32_master_weights_and_resumes_exactly(on_cpu, tmp
     assert all(np.array_equal(ta[n], tb[n]) for n in ta)
     with pytest.raises(ValueError, match="precision 'fp8'"):
         mb.MegatronLearner(TINY, device="cpu", precision="fp8")
+
+
+def test_a_rank_reads_only_its_slice_of_the_hf_weights():
+    from safetensors.torch import load_file
+
+    whole = load_file(str(TINY / "model.safetensors"))
+    for rank in (0, 1):
+        mine = mb.read_hf_slice(TINY, 2, rank)
+        expected = mw.hf_slice(whole, 2, rank)
+        assert set(mine) == set(expected) and all(mine[n].equal(expected[n]) for n in mine)
+    assert all(t.equal(whole[n]) for n, t in mb.read_hf_slice(TINY).items())
