@@ -1,5 +1,5 @@
-"""megatron-core 0.16.1 with torch's AdamW (its fallback without apex or TransformerEngine,
-the local layer spec's setting, on GPUs too): one fix at the edge.
+"""megatron-core 0.16.1 in a long-running daemon with torch's AdamW (its fallback without
+apex or TransformerEngine, the local layer spec's setting, on GPUs too): two fixes at the edge.
 
 torch's AdamW keeps a per-parameter ``step`` (Adam's bias-correction t); apex's keeps it
 per parameter group. megatron's parameter-state checkpoint formats carry each parameter's
@@ -7,6 +7,12 @@ master weight and moments, not ``step``, yet ``_set_main_param_and_optimizer_sta
 copies every key the destination state has and fails with ``KeyError: 'step'`` on load.
 ``install()`` makes it copy the keys the checkpoint has; the learner saves the step count
 itself and sets it after a load (every parameter steps together).
+
+The checkpoint writer (``filesystem_async``) collects its write results through a queue
+served by a ``multiprocessing`` Manager: a spawned server process that outlives a trainer
+killed with -9 (three orphans of 300 MB each were found after the restart test). The
+learner saves synchronously, so a plain queue of the fork context (the one the writer's
+own worker processes use) serves, with no server process.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ _installed = False
 
 
 def install() -> None:
-    """Idempotent; patches DistributedOptimizer._set_main_param_and_optimizer_states."""
+    """Idempotent; patches DistributedOptimizer._set_main_param_and_optimizer_states and the
+    checkpoint writer's results queue."""
     global _installed
     if _installed:
         return
@@ -35,6 +42,12 @@ def install() -> None:
                 dst.copy_(tensors[key])
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_present_keys
+
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._get_write_results_queue = lambda: multiprocessing.get_context("fork").Queue()
     _installed = True
 
 
