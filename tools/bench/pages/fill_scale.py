@@ -59,3 +59,9 @@ def scale_model_bytes(record: Records, name: str = RECORD) -> str:
 def scale_joined_bytes(record: Records, name: str = RECORD) -> str:
     """The version the rollout loaded (the first run that completed), in bytes."""
     return f"{next(r for r in record(name)['runs'] if r['ok'])['rollout']['bytes']:,}"
+
+
+@filler
+def scale_commit(record: Records, name: str = RECORD) -> str:
+    """The record's commit, short."""
+    return record(name)["commit"][:7]
