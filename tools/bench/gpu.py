@@ -17,8 +17,11 @@ Parts:
 - ``train_step``: one training step of the torch trainer on the GPU on that shape, float32
   master weights (GRPO groups of tools/bench/megatron_check.py's make_batch), then the
   published copy in bfloat16: the trainer's stall for it and its bytes (half of float32's).
-  The megatron backend's multi-GPU bfloat16 step is not built yet (issue 31 item 2 and 3):
-  the part says so.
+- ``megatron_step``: one megatron learner step on that shape on the GPU in bfloat16
+  (megatron's mixed precision: float32 master weights and Adam state), one rank; its time
+  after a warm-up step, the GPU's peak memory, and its published bfloat16 bytes. Several
+  GPUs (tensor parallel) need more than this one-GPU machine: docs/results/scale.md has TP 2
+  on the CPU.
 - ``load``: the published version through the relay's manifest and byte range (no network
   hop: the relay chain's throughput is tools/bench/relay's) into the GPU engine:
   build_manifest with its chunk checksums, then load_weights, each timed.
@@ -159,8 +162,34 @@ def train_step_and_publish(model_dir: Path, device: str, groups: int, group_size
             "group_size": group_size, "step_s": round(step_s, 3), "loss": stats["loss"],
             "published": published, "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             "peak_gpu_mib": peak_gpu,
-            "megatron_bf16_multi_gpu": "not built (issue 31 items 2 and 3)",
             "tensors": tensors}
+
+
+def megatron_step(model_dir: Path, device: str, groups: int, group_size: int) -> dict[str, Any]:
+    """One megatron learner step in bfloat16 (one rank) on ``device``."""
+    import torch
+
+    from rlfleet.daemons.trainer.megatron.learner import MegatronLearner, release_parallel_state
+    from rlfleet.tools.bench.megatron_check import make_batch
+
+    learner = MegatronLearner(model_dir, seed=0, device=device, precision="bfloat16")
+    try:
+        batch = make_batch(learner.vocab_size, groups, group_size, seed=0)
+        learner.train_step(batch)  # warm-up: allocates the optimizer state
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        stats = learner.train_step(batch)
+        step_s = time.perf_counter() - started
+        published = learner.state_tensors("bfloat16")
+        peak_gpu = round(torch.cuda.max_memory_allocated() / 2**20) if device == "cuda" else None
+        return {"backend": "megatron", "precision": "bfloat16", "device": device, "groups": groups,
+                "group_size": group_size, "step_s": round(step_s, 3), "loss": stats["loss"],
+                "tokens": stats["tokens"], "peak_gpu_mib": peak_gpu,
+                "published_bytes": sum(a.nbytes for a in {id(a): a for a in published.values()}.values())}
+    finally:
+        learner.gpt = learner.ddp = learner.optimizer = None
+        release_parallel_state()
 
 
 def relay_load(model_dir: Path, device: str, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -233,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry", action="store_true", help="every part on the CPU with small shapes (CI)")
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--new-tokens", type=int, default=None)
-    p.add_argument("--skip", action="append", default=[], choices=("engine", "vllm", "train_step", "load", "job"),
+    p.add_argument("--skip", action="append", default=[],
+                   choices=("engine", "vllm", "train_step", "megatron_step", "load", "job"),
                    help="leave a part out (repeatable)")
     args = p.parse_args(argv)
     from rlfleet.tools.bench.output import provenance, write_json
@@ -261,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                 held["tensors"] = out.pop("tensors")
                 return out
             _part(record, "train_step", step)
+        if "megatron_step" not in args.skip and built:
+            _part(record, "megatron_step",
+                  lambda: megatron_step(model_dir, device, groups=2 if dry else 8, group_size=2 if dry else 8))
         if "load" not in args.skip and "tensors" in held:
             _part(record, "load", lambda: relay_load(model_dir, device, held.pop("tensors")))
         if "job" not in args.skip:

@@ -11,8 +11,10 @@ itself and sets it after a load (every parameter steps together).
 The checkpoint writer (``filesystem_async``) collects its write results through a queue
 served by a ``multiprocessing`` Manager: a spawned server process that outlives a trainer
 killed with -9 (three orphans of 300 MB each were found after the restart test). The
-learner saves synchronously, so a plain queue of the fork context (the one the writer's
-own worker processes use) serves, with no server process.
+learner saves synchronously: the queue is filled and read by the saving process itself,
+so an in-process ``queue.Queue`` serves, with no server process. (A multiprocessing queue
+of the fork context does not: its feeder thread may not have flushed when the writer reads
+it at once, "results_queue should not be empty", seen in CI.)
 """
 
 from __future__ import annotations
@@ -43,11 +45,11 @@ def install() -> None:
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_present_keys
 
-    import multiprocessing
+    import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    filesystem_async._get_write_results_queue = lambda: multiprocessing.get_context("fork").Queue()
+    filesystem_async._get_write_results_queue = queue.Queue
     _installed = True
 
 

@@ -32,6 +32,9 @@ def test_the_dry_run_measures_every_part_on_the_cpu(tmp_path):
     assert step["ok"] and step["step_s"] > 0 and step["published"]["bfloat16"]["bytes"] * 2 == \
         step["published"]["float32"]["bytes"]
     assert record["load"]["ok"] and record["load"]["total_bytes"] >= step["published"]["bfloat16"]["bytes"]
+    mega = record["megatron_step"]
+    assert mega["ok"] and mega["step_s"] > 0 and mega["precision"] == "bfloat16"
+    assert mega["published_bytes"] == step["published"]["bfloat16"]["bytes"]  # the same model, the same dtype
     job = record["job"]
     assert job["ok"] and job["ran"] and job["eval_success_first"] is not None and job["eval_success_last"] is not None
 
