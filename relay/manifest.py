@@ -254,6 +254,15 @@ class FlatSource:
         if pos < end:
             yield from _zeros(end - pos)
 
+    def to_bytearray(self) -> bytearray:
+        """The whole byte range in one buffer, as a relay stores a version (benchmarks, tests)."""
+        buf = bytearray(self.total)
+        at = 0
+        for piece in self.pieces(0, self.total):
+            buf[at:at + len(piece)] = piece
+            at += len(piece)
+        return buf
+
 
 def _zeros(n: int) -> Iterator[memoryview]:
     while n > 0:

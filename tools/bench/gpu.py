@@ -203,12 +203,7 @@ def relay_load(model_dir: Path, device: str, tensors: dict[str, Any]) -> dict[st
     started = time.perf_counter()
     manifest, source = build_manifest(1, tensors, chunk_bytes=32 << 20)
     manifest_s = time.perf_counter() - started
-    buf = bytearray(manifest.total_bytes)
-    at = 0
-    for piece in source.pieces(0, manifest.total_bytes):  # the byte range a relay stores in shared memory
-        buf[at:at + len(piece)] = piece
-        at += len(piece)
-    views = tensor_views(manifest, buf)
+    views = tensor_views(manifest, source.to_bytearray())  # the byte range a relay stores in shared memory
     started = time.perf_counter()
     engine.load_weights(1, views)
     if device == "cuda":

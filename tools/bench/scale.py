@@ -73,12 +73,7 @@ def rollout_load(model: Path, out: Path, tensor: int) -> dict[str, Any]:
     whole = {n: to_numpy(t, "bfloat16") for n, t in mw.hf_join(slices).items()}
     join_s = time.perf_counter() - started
     manifest, source = build_manifest(2, whole, chunk_bytes=32 << 20)
-    buf = bytearray(manifest.total_bytes)
-    at = 0
-    for piece in source.pieces(0, manifest.total_bytes):
-        buf[at:at + len(piece)] = piece
-        at += len(piece)
-    views = tensor_views(manifest, buf)
+    views = tensor_views(manifest, source.to_bytearray())
     started = time.perf_counter()
     engine.load_weights(2, views)
     load_s = time.perf_counter() - started

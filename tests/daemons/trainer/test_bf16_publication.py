@@ -35,8 +35,7 @@ def test_a_tensor_crosses_as_its_bfloat16_bits():
 def relayed(version: int, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """What a rollout reads: the manifest through its JSON, the tensors from its byte range."""
     manifest, source = build_manifest(version, tensors, chunk_bytes=1 << 16)
-    buf = bytearray(b"".join(bytes(p) for p in source.pieces(0, manifest.total_bytes)))
-    return tensor_views(Manifest.from_json(json.loads(json.dumps(manifest.to_json()))), buf)
+    return tensor_views(Manifest.from_json(json.loads(json.dumps(manifest.to_json()))), source.to_bytearray())
 
 
 @needs_model
